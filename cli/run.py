@@ -1,0 +1,65 @@
+"""``dpfl run``: one scenario, locally or on a cluster, with live progress and a run directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from .common import console, user_errors
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console, transient=False)
+
+
+@user_errors
+def run(
+    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: OUTPUT.DIR/NAME/TIMESTAMP)"),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default: a private local Ray)"),
+) -> None:
+    """Train a federation as the scenario says and write its run directory."""
+    from dpfl_ray.data import build_federation
+    from dpfl_ray.models import build_model
+    from dpfl_ray.results import RunRecord, default_run_dir
+    from dpfl_ray.scenario import load_scenario
+
+    sc = load_scenario(scenario, set_)
+    # Everything that can be wrong with the scenario is found before a file is written.
+    fed = build_federation(sc)
+    build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    record = RunRecord(out or default_run_dir(sc.output.dir, sc.name))
+
+    import ray
+
+    from dpfl_ray.runtime.driver import ensure_ray, run_scenario
+
+    console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds -> {record.path}")
+    started = ensure_ray(address)
+    try:
+        with _progress() as progress:
+            task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers")
+
+            def on_event(ev: dict) -> None:
+                if ev["event"] == "start":
+                    progress.update(task, status=f"{ev['workers']} workers")
+                elif ev["event"] == "round":
+                    acc = ev.get("test_accuracy")
+                    status = f"acc {acc:.4f} loss {ev['test_loss']:.4f}" if acc is not None else ""
+                    status += f" survived {ev['survived']}/{ev['sampled']}"
+                    progress.update(task, completed=ev["round"], status=status)
+
+            summary = run_scenario(sc, fed, record, on_event=on_event)
+    finally:
+        if started:
+            ray.shutdown()
+    acc = summary["final_accuracy"]
+    console.print(f"{summary['stop_reason']}: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f}s, "
+                  f"final test accuracy {acc if acc is None else f'{acc:.4f}'}; files in {record.path}")
+    if summary["stop_reason"] == "interrupted":
+        raise typer.Exit(130)

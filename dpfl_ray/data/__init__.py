@@ -1,0 +1,69 @@
+"""Data: sources, partitions and the :class:`Federation` that ties them to clients."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import rng as rngmod
+from ..errors import DPFLError
+from . import partition as P
+from .sources import Dataset, load_source
+
+
+@dataclass(frozen=True)
+class Federation:
+    """The clients of a run: who holds which training examples, and each client's weight.
+
+    Indices are stored flat (``indices[offsets[i]:offsets[i+1]]`` is client i) so the whole
+    federation travels to the workers as three arrays.
+    """
+
+    dataset: Dataset
+    indices: np.ndarray
+    offsets: np.ndarray
+    weights: np.ndarray
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def client_indices(self, client_id: int) -> np.ndarray:
+        return self.indices[self.offsets[client_id]:self.offsets[client_id + 1]]
+
+
+def make_partition(labels: np.ndarray, data_cfg, seed: int) -> list[np.ndarray]:
+    p, k = data_cfg.partition, data_cfg.num_clients
+    g = rngmod.generator(seed, "partition")
+    epc, rep = data_cfg.examples_per_client, data_cfg.repeat
+    if p.kind == "iid":
+        return P.iid(labels, k, g, epc, rep)
+    if p.kind == "shards":
+        return P.shards(labels, k, p.shards_per_client, g, epc, rep)
+    if p.kind == "dirichlet":
+        return P.dirichlet(labels, k, p.alpha, g, epc, rep, p.min_size)
+    if p.kind == "unbalanced":
+        if epc is not None:
+            raise DPFLError("unbalanced partitions draw their own sizes; remove examples_per_client",
+                            field="data.examples_per_client")
+        sizes = P.unbalanced_sizes(k, p.size_distribution, p.size_mean, p.size_sigma, p.min_size, g)
+        return P.unbalanced(labels, k, sizes, g, rep)
+    raise DPFLError(f"unknown partition {p.kind!r}", field="data.partition.kind")
+
+
+def build_federation(scenario) -> Federation:
+    dataset = load_source(scenario.data, scenario.seed)
+    parts = make_partition(dataset.y_train, scenario.data, scenario.seed)
+    sizes = np.array([len(p) for p in parts], dtype=np.int64)
+    if sizes.min() < 1:
+        raise DPFLError("some client received no examples", field="data.partition")
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    weights = P.client_weights(sizes, scenario.data.n_max)
+    return Federation(dataset, np.concatenate(parts).astype(np.int64), offsets, weights)
+
+
+__all__ = ["Dataset", "Federation", "build_federation", "load_source", "make_partition"]

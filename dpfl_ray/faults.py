@@ -1,0 +1,55 @@
+"""Faults are data (ARCHITECTURE.md, principle 4): a plan drawn from the scenario and the seed,
+before the round runs, saying which sampled client drops in which phase. The runtime carries
+the plan out; aggregation uses survivors only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import rng as rngmod
+
+PHASES = ("training", "upload")
+
+
+@dataclass(frozen=True)
+class RoundFaults:
+    """Who drops, and when, in one round."""
+
+    dropped: dict[int, str] = field(default_factory=dict)  # client id -> phase
+    report_order: tuple[int, ...] = ()
+
+    def drops_in(self, phase: str) -> set[int]:
+        return {c for c, p in self.dropped.items() if p == phase}
+
+    def survivors(self, sampled) -> list[int]:
+        return [int(c) for c in sampled if int(c) not in self.dropped]
+
+
+def num_tail_drops(rate: float, n: int) -> int:
+    """Round-half-up of rate * n, guarded against float noise (0.3 * 10 -> 3)."""
+    return min(n, int(math.floor(rate * n + 0.5 + 1e-9)))
+
+
+def plan_round(dropout_cfg, sampled: np.ndarray, seed: int, round_idx: int) -> RoundFaults:
+    """Draw the round's dropouts.
+
+    ``bernoulli``: each sampled client drops independently with probability ``rate``.
+    ``tail``: clients report in a seeded random order and the last ``rate`` fraction to report
+    drop (Baek et al. 2021, Sec. VI.B.2: 'dropped out in the order in which the data are sent').
+    """
+    sampled = [int(c) for c in sampled]
+    g = rngmod.generator(seed, "faults", round_idx)
+    order = tuple(int(c) for c in g.permutation(sampled)) if sampled else ()
+    model, rate, phase = dropout_cfg.model, dropout_cfg.rate, dropout_cfg.phase
+    if model == "none" or rate == 0 or not sampled:
+        return RoundFaults({}, order)
+    if model == "bernoulli":
+        hits = g.random(len(sampled)) < rate
+        return RoundFaults({c: phase for c, h in zip(sampled, hits) if h}, order)
+    if model == "tail":
+        k = num_tail_drops(rate, len(sampled))
+        return RoundFaults({c: phase for c in order[len(order) - k:]}, order)
+    raise ValueError(f"unknown dropout model {model!r}")

@@ -1,0 +1,98 @@
+"""Model registry. Every model is built deterministically from the run seed.
+
+``cnn`` is the MNIST CNN of the TF-Privacy tutorial that Baek et al. 2021 (Sec. VI) use: two
+convolutions (16 8x8 stride 2 'same', 32 4x4 stride 2 'valid'), each followed by a 2x2 max-pool of
+stride 1, then dense 32 and dense 10.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import DPFLError
+
+
+class TFPrivacyCNN(nn.Module):
+    def __init__(self, in_channels: int, height: int, width: int, num_classes: int):
+        super().__init__()
+        # TF's 'same' padding for kernel 8, stride 2 on 28x28 pads 3 on each side.
+        self.features = nn.Sequential(
+            nn.ZeroPad2d(3), nn.Conv2d(in_channels, 16, 8, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1),
+            nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1), nn.Flatten())
+        with torch.no_grad():
+            flat = self.features(torch.zeros(1, in_channels, height, width)).shape[1]
+        self.classifier = nn.Sequential(nn.Linear(flat, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def _mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:
+    layers: list[nn.Module] = [nn.Flatten()]
+    prev = in_features
+    for h in hidden:
+        layers += [nn.Linear(prev, h), nn.ReLU()]
+        prev = h
+    layers.append(nn.Linear(prev, num_classes))
+    return nn.Sequential(*layers)
+
+
+MODEL_NAMES = ("cnn", "mlp", "logistic")
+
+
+def build_model(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
+    """Build the model named in the scenario; the same seed gives the same initial weights."""
+    name = model_cfg.name
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name == "cnn":
+            if len(input_shape) != 3 or min(input_shape[1:]) < 16:
+                raise DPFLError(f"the cnn needs images of at least 16x16, this data has shape {input_shape}; "
+                                "use model.name: mlp or logistic", field="model.name")
+            return TFPrivacyCNN(*input_shape, num_classes)
+        flat = int(math.prod(input_shape))
+        if name == "mlp":
+            return _mlp(flat, list(model_cfg.hidden), num_classes)
+        if name == "logistic":
+            return _mlp(flat, [], num_classes)
+    raise DPFLError(f"unknown model {name!r} (choose from {', '.join(MODEL_NAMES)})", field="model.name")
+
+
+def get_flat(model: nn.Module) -> np.ndarray:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy().astype(np.float32)
+
+
+@torch.no_grad()
+def set_flat(model: nn.Module, flat: np.ndarray) -> None:
+    """Copy a flat vector into the parameters. Copy, never alias: ``flat`` is often a read-only
+    object-store buffer shared by every worker on the node (vector_to_parameters would alias it)."""
+    vec = torch.from_numpy(np.array(flat, dtype=np.float32, copy=True))
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.copy_(vec[offset:offset + n].view_as(p))
+        offset += n
+    if offset != vec.numel():
+        raise ValueError(f"flat vector has {vec.numel()} values, the model {offset}")
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> tuple[float, float]:
+    """Test accuracy and mean cross-entropy loss."""
+    model.eval()
+    device = next(model.parameters()).device
+    correct, loss = 0, 0.0
+    for start in range(0, len(y), batch_size):
+        xb = torch.from_numpy(x[start:start + batch_size]).to(device)
+        yb = torch.from_numpy(y[start:start + batch_size]).to(device)
+        out = model(xb)
+        loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
+        correct += (out.argmax(1) == yb).sum().item()
+    return correct / len(y), loss / len(y)

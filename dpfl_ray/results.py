@@ -1,0 +1,96 @@
+"""RunRecord: the files a run leaves for a person to open.
+
+``scenario.yaml`` (resolved), ``rounds.jsonl`` (appended and flushed each round, so an
+interrupted run keeps what it did), ``summary.json``, ``model.pt`` and ``accuracy.png``.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DPFLError
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("dpfl-ray", "ray", "torch", "numpy", "dp-accounting", "cryptography"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def default_run_dir(base: str, name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(base) / name / stamp
+    n = 1
+    while path.exists():
+        path = Path(base) / name / f"{stamp}-{n}"
+        n += 1
+    return path
+
+
+class RunRecord:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if self.path.exists() and any(self.path.iterdir()):
+            raise DPFLError(f"{self.path} already holds files; choose another --out", field="--out")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.rounds: list[dict] = []
+        self._rounds_file = open(self.path / "rounds.jsonl", "w")
+
+    def write_scenario(self, yaml_text: str) -> None:
+        (self.path / "scenario.yaml").write_text(yaml_text)
+
+    def add_round(self, record: dict) -> None:
+        self.rounds.append(record)
+        self._rounds_file.write(json.dumps(record) + "\n")
+        self._rounds_file.flush()
+
+    def write_json(self, name: str, obj) -> None:
+        (self.path / name).write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+
+    def write_model(self, state_dict) -> None:
+        import torch
+
+        torch.save(state_dict, self.path / "model.pt")
+
+    def plot_accuracy(self) -> None:
+        rows = [r for r in self.rounds if r.get("test_accuracy") is not None]
+        if not rows:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["round"] for r in rows], [r["test_accuracy"] for r in rows], marker=".")
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(self.path.parent.name if self.path.parent.name != "runs" else self.path.name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.path / "accuracy.png", dpi=100)
+        plt.close(fig)
+
+    def close(self) -> None:
+        if not self._rounds_file.closed:
+            self._rounds_file.close()
+
+
+def _jsonable(obj):
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (np.floating,)):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return str(obj)

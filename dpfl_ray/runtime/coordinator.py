@@ -1,0 +1,127 @@
+"""Coordinator: the actor that owns the round loop (ARCHITECTURE.md, 'One round, one story').
+
+sample -> plan faults -> broadcast (one ray.put) -> local updates (one message per worker)
+-> aggregate survivors -> evaluate -> record. The driver only starts it and reads its events.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from ..algorithms import make_algorithm
+from ..faults import plan_round
+from ..models import build_model, evaluate, get_flat, set_flat
+from ..sampling import sample_clients
+from ..scenario import Scenario
+from .resources import assign_clients, plan_pool
+from .workers import make_worker_class
+
+
+class Coordinator:
+    def __init__(self, scenario: dict, data: dict):
+        """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
+        arrays, plus the test set, partition and weights."""
+        self.sc = Scenario.model_validate(scenario)
+        torch.set_num_threads(1)
+        self._data = data
+        self.x_test, self.y_test = ray.get(data["x_test"]), ray.get(data["y_test"])
+        self.sizes = np.diff(ray.get(data["offsets"]))
+        self.weights = ray.get(data["weights"])
+        self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
+        self.theta = get_flat(self.model)
+        self.algorithm = make_algorithm(self.sc)
+        self._events: list[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.workers: list = []
+
+    # -- the pool -------------------------------------------------------------------------------
+    def _new_worker(self):
+        d = self._data
+        return self._worker_cls.remote(self.sc.model_dump(mode="json"), d["x_train"], d["y_train"],
+                                       d["indices"], d["offsets"], d["input_shape"], d["num_classes"])
+
+    def _start_pool(self) -> list[dict]:
+        plan = plan_pool(self.sc.resources, ray.cluster_resources(), len(self.sizes))
+        self._worker_cls = make_worker_class(plan.num_cpus, plan.num_gpus)
+        self.workers = [self._new_worker() for _ in range(plan.workers)]
+        return ray.get([w.info.remote() for w in self.workers])
+
+    def worker_info(self) -> list[dict]:
+        return ray.get([w.info.remote() for w in self.workers])
+
+    # -- events for the driver -------------------------------------------------------------------
+    def _emit(self, event: dict) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def events(self, since: int = 0) -> list[dict]:
+        with self._lock:
+            return self._events[since:]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def final_model(self) -> np.ndarray:
+        return self.theta
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        infos = self._start_pool()
+        self._emit({"event": "start", "workers": len(infos), "pool": infos, "num_params": int(self.theta.size)})
+        tr = self.sc.training
+        stop_reason, last_eval = "completed", (None, None)
+        for t in range(tr.rounds):
+            if self._stop.is_set():
+                stop_reason = "interrupted"
+                break
+            record = self._round(t, last_eval)
+            last_eval = (record["test_accuracy"], record["test_loss"])
+            self._emit(record)
+        return {"stop_reason": stop_reason}
+
+    def _round(self, t: int, last_eval) -> dict:
+        t0 = time.perf_counter()
+        sc = self.sc
+        sampled = sample_clients(sc.sampling, len(self.sizes), sc.seed, t)
+        faults = plan_round(sc.faults.dropout, sampled, sc.seed, t)
+        training_drops, upload_drops = faults.drops_in("training"), faults.drops_in("upload")
+        active = [int(c) for c in sampled if int(c) not in training_drops]
+        theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
+        calls = []
+        for w, ids in zip(self.workers, assign_clients(active, self.sizes, len(self.workers))):
+            if ids:
+                calls.append((w, ids, w.run_clients.remote(t, theta_ref, ids, [c for c in ids if c in upload_drops])))
+        updates: dict[int, np.ndarray] = {}
+        dropped = {c: p for c, p in faults.dropped.items()}
+        for w, ids, ref in calls:
+            try:
+                reply = ray.get(ref)
+            except RayActorError:
+                # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
+                dropped.update({c: "crash" for c in ids})
+                self.workers[self.workers.index(w)] = self._new_worker()
+                continue
+            updates.update({c: u for c, u in zip(reply["client_ids"], reply["updates"])})
+        agg = self.algorithm.aggregate(updates, self.weights, self.theta.size)
+        self.theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
+        acc, loss = last_eval
+        if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
+            set_flat(self.model, self.theta)
+            acc, loss = evaluate(self.model, self.x_test, self.y_test)
+        by_phase: dict[str, int] = {}
+        for p in dropped.values():
+            by_phase[p] = by_phase.get(p, 0) + 1
+        return {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(updates),
+                "dropped_by_phase": by_phase, "weight_sum": agg.weight_sum, "test_accuracy": acc,
+                "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info}
+
+
+def make_coordinator(scenario: Scenario, data: dict):
+    cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
+    return cls.remote(scenario.model_dump(mode="json"), data)

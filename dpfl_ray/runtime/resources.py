@@ -1,0 +1,50 @@
+"""Worker-pool sizing and client assignment (pure: no Ray import)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DPFLError
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    workers: int
+    num_cpus: float
+    num_gpus: float
+
+
+def plan_pool(resources_cfg, cluster: dict, num_clients: int) -> PoolPlan:
+    """How many ClientWorkers to start. ``auto`` fills the cluster: as many workers as the CPUs
+    (and GPUs, if workers ask for them) allow, never more than there are clients."""
+    cpus, gpus = resources_cfg.num_cpus_per_worker, resources_cfg.num_gpus_per_worker
+    have_cpu, have_gpu = float(cluster.get("CPU", 0)), float(cluster.get("GPU", 0))
+    if gpus > 0 and have_gpu < gpus:
+        raise DPFLError(f"each worker asks for {gpus} GPU but the cluster has {have_gpu:g}",
+                        field="resources.num_gpus_per_worker")
+    if cpus > have_cpu:
+        raise DPFLError(f"each worker asks for {cpus:g} CPUs but the cluster has {have_cpu:g}",
+                        field="resources.num_cpus_per_worker")
+    if resources_cfg.workers != "auto":
+        return PoolPlan(min(int(resources_cfg.workers), num_clients), cpus, gpus)
+    limits = []
+    if cpus > 0:
+        limits.append(math.floor(have_cpu / cpus + 1e-9))
+    if gpus > 0:
+        limits.append(math.floor(have_gpu / gpus + 1e-9))
+    n = min(limits) if limits else max(1, int(have_cpu))
+    return PoolPlan(max(1, min(n, num_clients)), cpus, gpus)
+
+
+def assign_clients(client_ids, sizes: np.ndarray, num_workers: int) -> list[list[int]]:
+    """Split a round's clients over workers, balancing examples (largest first to the least
+    loaded). Which worker runs a client never changes its result; this only balances time."""
+    loads = [0] * num_workers
+    out: list[list[int]] = [[] for _ in range(num_workers)]
+    for cid in sorted((int(c) for c in client_ids), key=lambda c: (-int(sizes[c]), c)):
+        w = min(range(num_workers), key=lambda i: (loads[i], i))
+        out[w].append(cid)
+        loads[w] += int(sizes[cid])
+    return out

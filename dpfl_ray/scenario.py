@@ -1,0 +1,208 @@
+"""Scenario schema: one YAML file describes one experiment, and nothing else decides what runs.
+
+Unknown keys are errors, every field is type-checked, and every error names its field path
+(``data.partition.alpha``) so the CLI can print it on one line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import DPFLError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PartitionConfig(_Section):
+    kind: Literal["iid", "shards", "dirichlet", "unbalanced"] = "iid"
+    shards_per_client: int = Field(2, ge=1, description="shards: label-sorted shards per client")
+    alpha: float = Field(0.5, gt=0, description="dirichlet: concentration of the label mix")
+    size_distribution: Literal["lognormal", "uniform", "zipf"] = "lognormal"
+    size_mean: float = Field(100.0, gt=0, description="unbalanced: mean client size")
+    size_sigma: float = Field(1.0, ge=0, description="unbalanced lognormal: sigma of log-size")
+    min_size: int = Field(1, ge=1, description="unbalanced/dirichlet: smallest client")
+
+
+class DataConfig(_Section):
+    source: Literal["mnist5k", "digits", "iris", "idx", "synthetic"] = "mnist5k"
+    path: str | None = Field(None, description="idx: folder holding the four IDX files")
+    num_clients: int = Field(100, ge=1)
+    examples_per_client: int | None = Field(None, ge=1)
+    repeat: bool = Field(False, description="allow reusing examples to reach examples_per_client")
+    n_max: float | None = Field(None, gt=0, description="weight cap: w_i = min(n_i / n_max, 1)")
+    partition: PartitionConfig = PartitionConfig()
+    # synthetic source only
+    synthetic_examples: int = Field(2000, ge=10)
+    synthetic_features: int = Field(20, ge=1)
+    synthetic_classes: int = Field(2, ge=2)
+
+    @model_validator(mode="after")
+    def _needs_path(self):
+        if self.source == "idx" and not self.path:
+            raise ValueError("data.path is required when data.source is 'idx'")
+        return self
+
+
+class ModelConfig(_Section):
+    name: Literal["cnn", "mlp", "logistic"] = "cnn"
+    hidden: list[int] = Field(default_factory=lambda: [200, 200], description="mlp hidden sizes")
+
+
+class TrainingConfig(_Section):
+    algorithm: Literal["fedavg"] = "fedavg"
+    rounds: int = Field(50, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(10, ge=1)
+    lr: float = Field(0.15, gt=0)
+    clip_norm: float | None = Field(None, gt=0, description="Baek et al. Alg. 1 update clipping C")
+    server_lr: float = Field(1.0, gt=0)
+
+
+class SamplingConfig(_Section):
+    mode: Literal["fixed", "poisson"] = "fixed"
+    clients_per_round: int | None = Field(10, ge=1, description="fixed: m of K clients per round")
+    rate: float | None = Field(None, gt=0, le=1, description="poisson: inclusion probability q")
+
+    @model_validator(mode="after")
+    def _mode_fields(self):
+        if self.mode == "poisson" and self.rate is None:
+            raise ValueError("sampling.rate is required when sampling.mode is 'poisson'")
+        if self.mode == "fixed" and self.clients_per_round is None:
+            raise ValueError("sampling.clients_per_round is required when sampling.mode is 'fixed'")
+        return self
+
+
+class PrivacyConfig(_Section):
+    """Client-level DP arrives with the ledger (issue 3); until then only 'off' is accepted."""
+
+    enabled: Literal[False] = False
+
+
+class SecAggConfig(_Section):
+    """Secure aggregation arrives with issue 4; until then only 'off' is accepted."""
+
+    enabled: Literal[False] = False
+
+
+class DropoutConfig(_Section):
+    model: Literal["none", "bernoulli", "tail"] = "none"
+    rate: float = Field(0.0, ge=0, le=1)
+    phase: Literal["training", "upload"] = "upload"
+
+
+class FaultsConfig(_Section):
+    dropout: DropoutConfig = DropoutConfig()
+
+
+class ResourcesConfig(_Section):
+    workers: int | Literal["auto"] = "auto"
+    num_cpus_per_worker: float = Field(1.0, ge=0)
+    num_gpus_per_worker: float = Field(0.0, ge=0)
+    torch_threads: int = Field(1, ge=1, description="intra-op threads per worker (fixed for determinism)")
+
+    @model_validator(mode="after")
+    def _workers_positive(self):
+        if isinstance(self.workers, int) and self.workers < 1:
+            raise ValueError("resources.workers must be >= 1 or 'auto'")
+        return self
+
+
+class OutputConfig(_Section):
+    dir: str = "runs"
+    eval_every: int = Field(1, ge=1)
+
+
+class Scenario(_Section):
+    name: str = "unnamed"
+    description: str = ""
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    training: TrainingConfig = TrainingConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    secagg: SecAggConfig = SecAggConfig()
+    faults: FaultsConfig = FaultsConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    output: OutputConfig = OutputConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        if self.sampling.mode == "fixed" and self.sampling.clients_per_round > self.data.num_clients:
+            raise ValueError(
+                f"sampling.clients_per_round={self.sampling.clients_per_round} exceeds "
+                f"data.num_clients={self.data.num_clients}")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in first and first["type"] not in ("value_error", "missing"):
+        msg = f"{msg} (got {first['input']!r})"
+    msg = msg.removeprefix("Value error, ")
+    extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{loc}: {msg}{extra}" if loc else f"{msg}{extra}"
+
+
+def _parse_value(text: str) -> Any:
+    # YAML scalars give the natural types (1 -> int, 0.3 -> float, true -> bool, [1,2] -> list).
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides to a raw scenario mapping (types are checked afterwards)."""
+    for item in overrides:
+        if "=" not in item:
+            raise DPFLError(f"override {item!r} must look like key.path=value", field="--set")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise DPFLError(f"override {item!r} has an empty key", field="--set")
+        node = raw
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise DPFLError(f"cannot set a key inside non-section {p!r}", field=key)
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def scenario_from_dict(raw: Any, overrides: list[str] | None = None) -> Scenario:
+    if not isinstance(raw, dict):
+        raise DPFLError("a scenario must be a YAML mapping of sections")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return Scenario.model_validate(raw)
+    except ValidationError as err:
+        raise DPFLError(_format_validation_error(err)) from None
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
+    path = Path(path)
+    if not path.is_file():
+        raise DPFLError(f"no scenario file at {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise DPFLError(f"{path}: not valid YAML{where}") from None
+    return scenario_from_dict(raw, overrides)
