@@ -21,7 +21,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
-	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,6 +1,7 @@
 """``dpfl run``: one scenario, locally or on a cluster, with live progress and a run directory."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +36,9 @@ def run(
     build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
     record = RunRecord(out or default_run_dir(sc.output.dir, sc.name))
 
+    if not address:
+        # A private local Ray stays on the loopback interface (read by Ray at import time).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     from dpfl_ray.runtime.driver import ensure_ray, run_scenario

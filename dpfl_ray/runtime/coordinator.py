@@ -46,11 +46,17 @@ class Coordinator:
         return self._worker_cls.remote(self.sc.model_dump(mode="json"), d["x_train"], d["y_train"],
                                        d["indices"], d["offsets"], d["input_shape"], d["num_classes"])
 
-    def _start_pool(self) -> list[dict]:
+    def start_pool(self) -> list[dict]:
+        """Create the ClientWorkers (once) and return where each landed (node, GPU ids)."""
+        if self.workers:
+            return self.worker_info()
         plan = plan_pool(self.sc.resources, ray.cluster_resources(), len(self.sizes))
         self._worker_cls = make_worker_class(plan.num_cpus, plan.num_gpus)
         self.workers = [self._new_worker() for _ in range(plan.workers)]
         return ray.get([w.info.remote() for w in self.workers])
+
+    def worker_handle(self, i: int):
+        return self.workers[i]
 
     def worker_info(self) -> list[dict]:
         return ray.get([w.info.remote() for w in self.workers])
@@ -72,8 +78,9 @@ class Coordinator:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
-        infos = self._start_pool()
-        self._emit({"event": "start", "workers": len(infos), "pool": infos, "num_params": int(self.theta.size)})
+        # A pool started earlier is not probed again: a dead worker surfaces in its round, as a crash.
+        infos = None if self.workers else self.start_pool()
+        self._emit({"event": "start", "workers": len(self.workers), "pool": infos, "num_params": int(self.theta.size)})
         tr = self.sc.training
         stop_reason, last_eval = "completed", (None, None)
         for t in range(tr.rounds):

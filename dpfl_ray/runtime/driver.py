@@ -29,7 +29,8 @@ def ensure_ray(address: str | None = None) -> bool:
         # A remote cluster may not have this package installed: ship it with the job.
         ray.init(address=address, runtime_env={"py_modules": [str(Path(dpfl_ray.__file__).parent)]}, **kwargs)
     else:
-        ray.init(num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1", **kwargs)
+        # address="local" always starts a private instance, never joins one found on the machine.
+        ray.init(address="local", num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1", **kwargs)
     return True
 
 

@@ -1,0 +1,20 @@
+import os
+
+import pytest
+
+# Keep the test Ray on the loopback interface: without this Ray swaps 127.0.0.1 for the routable IP.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One real local Ray for the whole test session, bound to 127.0.0.1.
+
+    Two GPUs are declared (they do not exist) so fractional-GPU scheduling is tested on a CPU box.
+    """
+    import ray
+
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, configure_logging=True, logging_level="ERROR")
+    yield ray
+    ray.shutdown()

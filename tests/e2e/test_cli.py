@@ -1,0 +1,92 @@
+"""The real ``dpfl`` command in a subprocess: a happy path and every kind of user mistake."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dpfl(*args, cwd=ROOT):
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+TINY = {
+    "name": "tiny-e2e", "seed": 1,
+    "data": {"source": "synthetic", "num_clients": 12, "synthetic_examples": 400, "synthetic_features": 6},
+    "model": {"name": "logistic"},
+    "training": {"rounds": 3, "batch_size": 8, "lr": 0.3},
+    "sampling": {"mode": "fixed", "clients_per_round": 6},
+    "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
+def test_run_writes_the_run_directory(tiny, tmp_path):
+    out = tmp_path / "run"
+    res = dpfl("run", tiny, "--out", out, "--set", "faults.dropout.model=tail", "--set", "faults.dropout.rate=0.5")
+    assert res.returncode == 0, res.stderr
+    assert "completed: 3 rounds" in res.stdout
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["sampled"], r["survived"]) for r in rounds] == [(1, 6, 3), (2, 6, 3), (3, 6, 3)]
+    for key in ("test_accuracy", "test_loss", "seconds"):
+        assert all(isinstance(r[key], float) for r in rounds)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "completed" and summary["rounds_completed"] == 3 and summary["seed"] == 1
+    assert summary["final_accuracy"] == rounds[-1]["test_accuracy"] and summary["versions"]["torch"]
+    resolved = yaml.safe_load((out / "scenario.yaml").read_text())
+    assert resolved["faults"]["dropout"] == {"model": "tail", "rate": 0.5, "phase": "upload"}
+    assert (out / "model.pt").stat().st_size > 0 and (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    # an existing run directory is never overwritten
+    again = dpfl("run", tiny, "--out", out)
+    assert again.returncode == 2 and "already holds files" in again.stderr
+
+
+@pytest.mark.parametrize("override, field", [
+    ("data.sorce=mnist5k", "data.sorce: unknown key"),
+    ("training.rounds=lots", "training.rounds"),
+    ("data.examples_per_client=1000", "data.examples_per_client"),
+    ("data.partition.kind=shards", None),  # fine on its own ...
+])
+def test_user_mistakes_are_one_line(tiny, tmp_path, override, field):
+    out = tmp_path / "never"
+    if field is None:
+        res = dpfl("run", tiny, "--out", out, "--set", override, "--set", "data.partition.shards_per_client=100")
+        field = "data.partition.shards_per_client"  # ... impossible with 100 shards per client
+    else:
+        res = dpfl("run", tiny, "--out", out, "--set", override)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and field in lines[0], res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert not out.exists()
+
+
+def test_missing_and_malformed_files(tmp_path):
+    res = dpfl("run", tmp_path / "nope.yaml")
+    assert res.returncode == 2 and "no scenario file" in res.stderr and "Traceback" not in res.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: {rounds: [\n")
+    res = dpfl("scenarios", "validate", bad)
+    assert res.returncode == 2 and "not valid YAML" in res.stderr
+
+
+def test_scenarios_list_and_validate(tiny):
+    res = dpfl("scenarios", "list")
+    assert res.returncode == 0 and "quickstart.yaml" in res.stdout
+    res = dpfl("scenarios", "validate", ROOT / "scenarios" / "quickstart.yaml")
+    assert res.returncode == 0 and "100 clients, sizes 40-40" in res.stdout
+    res = dpfl("scenarios", "validate", tiny, "--set", "model.name=transformer")
+    assert res.returncode == 2 and "model.name" in res.stderr

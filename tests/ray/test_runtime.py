@@ -1,0 +1,80 @@
+"""The Ray shell on a real local Ray: pool placement, a short run, dropouts, determinism."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dpfl_ray.data import build_federation
+from dpfl_ray.results import RunRecord
+from dpfl_ray.runtime.coordinator import make_coordinator
+from dpfl_ray.runtime.driver import put_federation, run_scenario
+from tests.helpers import tiny_scenario
+
+
+def _run(sc, tmp_path, name):
+    fed = build_federation(sc)
+    record = RunRecord(tmp_path / name)
+    summary = run_scenario(sc, fed, record)
+    rounds = [json.loads(line) for line in (tmp_path / name / "rounds.jsonl").read_text().splitlines()]
+    return summary, rounds, torch.load(tmp_path / name / "model.pt")
+
+
+def test_fractional_gpus_pack_four_workers_per_gpu(ray_session):
+    sc = tiny_scenario(resources={"workers": "auto", "num_cpus_per_worker": 0, "num_gpus_per_worker": 0.25})
+    coord = make_coordinator(sc, put_federation(build_federation(sc)))
+    infos = ray_session.get(coord.start_pool.remote())
+    assert len(infos) == 8
+    gpu_ids = sorted(g for info in infos for g in info["gpu_ids"])
+    assert gpu_ids == ["0"] * 4 + ["1"] * 4
+    ray_session.kill(coord)
+
+
+def test_three_round_run_writes_every_file(ray_session, tmp_path):
+    summary, rounds, state = _run(tiny_scenario(), tmp_path, "run")
+    assert summary["stop_reason"] == "completed" and summary["rounds_completed"] == 3
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["sampled"] == 10 and r["survived"] == 10 for r in rounds)
+    assert rounds[-1]["test_accuracy"] > 0.5  # 3 Gaussian blobs: well above chance (1/3)
+    for name in ("scenario.yaml", "summary.json", "model.pt", "accuracy.png"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    assert set(state) and all(isinstance(v, torch.Tensor) for v in state.values())
+
+
+def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):
+    sc = tiny_scenario(faults={"dropout": {"model": "tail", "rate": 0.3, "phase": "upload"}})
+    _, rounds, _ = _run(sc, tmp_path, "drop")
+    assert all(r["survived"] == 7 and r["dropped_by_phase"] == {"upload": 3} for r in rounds)
+    assert rounds[-1]["test_accuracy"] > 0.5
+
+
+def test_same_seed_same_model_for_any_pool_size(ray_session, tmp_path):
+    results = {}
+    for workers in (1, 2, 4):
+        sc = tiny_scenario(resources={"workers": workers, "num_cpus_per_worker": 0.5})
+        _, rounds, state = _run(sc, tmp_path, f"w{workers}")
+        results[workers] = ([r["test_accuracy"] for r in rounds], torch.cat([v.flatten() for v in state.values()]))
+    _, rounds, state = _run(tiny_scenario(resources={"workers": 2, "num_cpus_per_worker": 0.5}), tmp_path, "again")
+    assert [r["test_accuracy"] for r in rounds] == results[2][0]
+    for workers in (1, 4):
+        assert results[workers][0] == results[2][0]
+        assert torch.equal(results[workers][1], results[2][1])
+    other = tiny_scenario(seed=4)
+    _, _, state = _run(other, tmp_path, "seed4")
+    assert not torch.equal(torch.cat([v.flatten() for v in state.values()]), results[2][1])
+
+
+def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
+    sc = tiny_scenario(training={"rounds": 2})
+    coord = make_coordinator(sc, put_federation(build_federation(sc)))
+    ray_session.get(coord.start_pool.remote())
+    pids = [i["pid"] for i in ray_session.get(coord.worker_info.remote())]
+    victim = ray_session.get(coord.worker_handle.remote(0))
+    ray_session.kill(victim)
+    ray_session.get(coord.run.remote())
+    rounds = [e for e in ray_session.get(coord.events.remote(0)) if e["event"] == "round"]
+    assert rounds[0]["dropped_by_phase"].get("crash", 0) > 0
+    assert rounds[0]["survived"] == 10 - rounds[0]["dropped_by_phase"]["crash"]
+    assert rounds[1]["survived"] == 10  # the replacement worker serves round 2
+    assert len(set(pids) & {i["pid"] for i in ray_session.get(coord.worker_info.remote())}) == 1
+    ray_session.kill(coord)

@@ -1,0 +1,137 @@
+"""FedAvg arithmetic, faults, sampling, local update, pool sizing: the pure core, no Ray."""
+import numpy as np
+import pytest
+import torch
+
+from dpfl_ray import rng as R
+from dpfl_ray.algorithms import FedAvg, weighted_sum
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.faults import num_tail_drops, plan_round
+from dpfl_ray.local import local_update
+from dpfl_ray.models import build_model, get_flat, set_flat
+from dpfl_ray.runtime.resources import assign_clients, plan_pool
+from dpfl_ray.sampling import sample_clients
+from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, SamplingConfig
+
+
+def test_fedavg_is_the_weighted_mean():
+    ups = {3: np.array([1.0, 0.0], np.float32), 1: np.array([0.0, 4.0], np.float32)}
+    w = np.array([0, 0.5, 0, 1.0])
+    agg = FedAvg().aggregate(ups, w, 2)
+    np.testing.assert_allclose(agg.delta, [1.0 / 1.5, 2.0 / 1.5], rtol=1e-6)
+    assert agg.weight_sum == 1.5
+
+
+def test_fedavg_without_survivors_does_not_move():
+    agg = FedAvg().aggregate({}, np.ones(3), 5)
+    assert agg.weight_sum == 0 and not agg.delta.any()
+
+
+def test_weighted_sum_is_independent_of_arrival_order():
+    rng = np.random.default_rng(0)
+    ups = {i: rng.normal(size=1000).astype(np.float32) for i in range(50)}
+    w = rng.random(50)
+    a, _ = weighted_sum(ups, w)
+    b, _ = weighted_sum(dict(reversed(list(ups.items()))), w)
+    assert np.array_equal(a, b)
+
+
+def test_tail_dropout_drops_the_last_reporters():
+    cfg = DropoutConfig(model="tail", rate=0.3, phase="upload")
+    plan = plan_round(cfg, np.arange(10), seed=1, round_idx=4)
+    assert len(plan.dropped) == 3 and set(plan.dropped.values()) == {"upload"}
+    assert set(plan.dropped) == set(plan.report_order[-3:])
+    assert len(plan.survivors(range(10))) == 7
+    assert plan_round(cfg, np.arange(10), 1, 4) == plan  # drawn from the seed
+    assert num_tail_drops(0.1, 50) == 5 and num_tail_drops(0.3, 7) == 2
+
+
+def test_bernoulli_dropout_rate():
+    cfg = DropoutConfig(model="bernoulli", rate=0.2, phase="training")
+    drops = sum(len(plan_round(cfg, np.arange(100), 0, t).dropped) for t in range(200))
+    assert abs(drops / 20000 - 0.2) < 0.015  # ~5 standard deviations
+
+
+def test_sampling_fixed_and_poisson():
+    fixed = SamplingConfig(mode="fixed", clients_per_round=10)
+    s = sample_clients(fixed, 100, 0, 3)
+    assert len(s) == 10 and len(set(s)) == 10 and list(s) == sorted(s)
+    assert np.array_equal(s, sample_clients(fixed, 100, 0, 3))
+    assert not np.array_equal(s, sample_clients(fixed, 100, 0, 4))
+    pois = SamplingConfig(mode="poisson", rate=0.01, clients_per_round=None)
+    sizes = [len(sample_clients(pois, 5000, 0, t)) for t in range(200)]
+    assert abs(np.mean(sizes) - 50) < 3
+
+
+def test_streams_differ_by_purpose_round_and_client():
+    draws = {R.generator(0, p, r, c).integers(1 << 62) for p in ("sample", "noise") for r in (0, 1) for c in (0, 1)}
+    assert len(draws) == 8
+
+
+def _data(n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, n)
+
+
+def test_local_update_is_deterministic_and_clipped():
+    torch.set_num_threads(1)
+    model = build_model(ModelConfig(name="cnn"), (1, 28, 28), 10, seed=0)
+    theta = get_flat(model)
+    x, y = _data()
+    kw = dict(epochs=1, batch_size=10, lr=0.5, torch_seed=1)
+    d1 = local_update(model, theta, x, y, clip_norm=None, rng=np.random.default_rng(1), **kw)
+    d2 = local_update(model, theta, x, y, clip_norm=None, rng=np.random.default_rng(1), **kw)
+    assert np.array_equal(d1, d2) and np.linalg.norm(d1) > 0.05
+    dc = local_update(model, theta, x, y, clip_norm=0.05, rng=np.random.default_rng(1), **kw)
+    assert np.linalg.norm(dc) <= 0.05 * (1 + 1e-5)
+
+
+def test_local_update_reduces_loss():
+    model = build_model(ModelConfig(name="logistic"), (8,), 2, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 8)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    theta = get_flat(model)
+    delta = local_update(model, theta, x, y, epochs=5, batch_size=10, lr=0.5, clip_norm=None,
+                         rng=rng, torch_seed=0)
+    set_flat(model, theta + delta)
+    with torch.no_grad():
+        acc = (model(torch.from_numpy(x)).argmax(1).numpy() == y).mean()
+    assert acc > 0.9
+
+
+def test_models_init_from_seed():
+    a = get_flat(build_model(ModelConfig(name="mlp"), (1, 8, 8), 10, 7))
+    b = get_flat(build_model(ModelConfig(name="mlp"), (1, 8, 8), 10, 7))
+    c = get_flat(build_model(ModelConfig(name="mlp"), (1, 8, 8), 10, 8))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    with pytest.raises(DPFLError, match="model.name"):
+        build_model(ModelConfig(name="cnn"), (1, 8, 8), 10, 0)
+
+
+def test_set_flat_copies_instead_of_aliasing():
+    model = build_model(ModelConfig(name="logistic"), (4,), 2, 0)
+    flat = np.zeros(get_flat(model).size, np.float32)
+    flat.setflags(write=False)
+    set_flat(model, flat)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert not flat.any()
+
+
+def test_pool_plan():
+    auto = ResourcesConfig(workers="auto", num_cpus_per_worker=1)
+    assert plan_pool(auto, {"CPU": 2}, 100).workers == 2
+    assert plan_pool(auto, {"CPU": 16}, 5).workers == 5
+    gpu = ResourcesConfig(workers="auto", num_cpus_per_worker=0, num_gpus_per_worker=0.25)
+    assert plan_pool(gpu, {"CPU": 2, "GPU": 2}, 100).workers == 8
+    with pytest.raises(DPFLError, match="num_gpus_per_worker"):
+        plan_pool(gpu, {"CPU": 2}, 100)
+
+
+def test_assignment_covers_each_client_once_and_balances():
+    sizes = np.array([100, 1, 1, 1, 50, 50, 2, 2])
+    parts = assign_clients(range(8), sizes, 3)
+    assert sorted(c for p in parts for c in p) == list(range(8))
+    loads = sorted(sizes[p].sum() for p in parts)
+    assert loads[-1] == 100 and loads[0] >= 50 - 4
