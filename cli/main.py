@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import typer
 
+from . import bench, scenarios
 from . import run as run_cmd
-from . import scenarios
 
 app = typer.Typer(help="dpfl_ray: differentially private federated learning on Ray.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False, add_completion=False)
 app.command("run")(run_cmd.run)
 app.add_typer(scenarios.app, name="scenarios")
+app.add_typer(bench.app, name="bench")
 
 if __name__ == "__main__":
     app()

@@ -34,7 +34,8 @@ def run(
     # Everything that can be wrong with the scenario is found before a file is written.
     fed = build_federation(sc)
     build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
-    record = RunRecord(out or default_run_dir(sc.output.dir, sc.name))
+    run_dir = out or default_run_dir(sc.output.dir, sc.name)
+    RunRecord.check_new(run_dir)
 
     if not address:
         # A private local Ray stays on the loopback interface (read by Ray at import time).
@@ -42,10 +43,14 @@ def run(
     import ray
 
     from dpfl_ray.runtime.driver import ensure_ray, run_scenario
+    from dpfl_ray.runtime.resources import plan_pool
 
-    console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds -> {record.path}")
     started = ensure_ray(address)
     try:
+        plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
+        record = RunRecord(run_dir)
+        console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds, "
+                      f"{plan.workers} workers -> {record.path}")
         with _progress() as progress:
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers")
 

@@ -11,7 +11,13 @@ import numpy as np
 
 from . import rng as rngmod
 
-PHASES = ("training", "upload")
+# The phases a client can vanish in, in protocol order. 'advertise' and 'share' are SecAgg's key
+# rounds, 'upload' is the (masked) input, 'unmask' comes after the input reached the server.
+PHASES = ("training", "advertise", "share", "upload", "unmask")
+# A client that leaves in one of these phases has already delivered its update.
+DELIVERED_PHASES = ("unmask",)
+# Fault-plan phase -> SecAgg protocol phase (dpfl_ray.secagg.PHASES)
+SECAGG_PHASE = {"advertise": "advertise", "share": "share", "upload": "masked_input", "unmask": "unmask"}
 
 
 @dataclass(frozen=True)
@@ -24,8 +30,12 @@ class RoundFaults:
     def drops_in(self, phase: str) -> set[int]:
         return {c for c, p in self.dropped.items() if p == phase}
 
+    def delivers(self, client_id: int) -> bool:
+        """Did this client's update reach the server (it may still vanish afterwards)?"""
+        return self.dropped.get(int(client_id), "unmask") in DELIVERED_PHASES
+
     def survivors(self, sampled) -> list[int]:
-        return [int(c) for c in sampled if int(c) not in self.dropped]
+        return [int(c) for c in sampled if self.delivers(c)]
 
 
 def num_tail_drops(rate: float, n: int) -> int:

@@ -38,10 +38,15 @@ def default_run_dir(base: str, name: str) -> Path:
 
 
 class RunRecord:
+    @staticmethod
+    def check_new(path: str | Path) -> None:
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise DPFLError(f"{path} already holds files; choose another --out", field="--out")
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if self.path.exists() and any(self.path.iterdir()):
-            raise DPFLError(f"{self.path} already holds files; choose another --out", field="--out")
+        self.check_new(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.rounds: list[dict] = []
         self._rounds_file = open(self.path / "rounds.jsonl", "w")

@@ -84,15 +84,23 @@ class PrivacyConfig(_Section):
 
 
 class SecAggConfig(_Section):
-    """Secure aggregation arrives with issue 4; until then only 'off' is accepted."""
+    """Secure aggregation (Bonawitz et al. 2017; SecAgg+ of Bell et al. 2020) of the weighted updates."""
 
-    enabled: Literal[False] = False
+    enabled: bool = False
+    protocol: Literal["secagg", "secagg+"] = "secagg"
+    bits: Literal[32, 64] = 64
+    scale: float = Field(2.0 ** 24, gt=0, description="fixed-point scale: value * scale is rounded")
+    overflow: Literal["error", "clip"] = "error"
+    threshold: int | None = Field(None, ge=1, description="t; default floor(2n/3)+1 (secagg)")
+    degree: int | None = Field(None, ge=2, description="secagg+ neighbours; default ceil(8 log2 n), even")
+    phase_timeout_seconds: float | None = Field(
+        None, gt=0, description="a worker that misses a phase's deadline drops its clients in that phase")
 
 
 class DropoutConfig(_Section):
     model: Literal["none", "bernoulli", "tail"] = "none"
     rate: float = Field(0.0, ge=0, le=1)
-    phase: Literal["training", "upload"] = "upload"
+    phase: Literal["training", "advertise", "share", "upload", "unmask"] = "upload"
 
 
 class FaultsConfig(_Section):

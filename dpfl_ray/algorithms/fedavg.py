@@ -12,6 +12,11 @@ class FedAvg:
     def aggregate(self, updates: dict[int, np.ndarray], weights: np.ndarray, dim: int) -> Aggregate:
         """Delta = sum_i w_i Delta_i / sum_i w_i over the survivors; no survivors, no step."""
         if not updates:
-            return Aggregate(np.zeros(dim, dtype=np.float32), 0.0)
-        total, wsum = weighted_sum(updates, weights)
-        return Aggregate((total / wsum).astype(np.float32), wsum)
+            return self.from_sum(None, 0.0, dim)
+        return self.from_sum(*weighted_sum(updates, weights))
+
+    def from_sum(self, total: np.ndarray | None, weight_sum: float, dim: int | None = None) -> Aggregate:
+        """The step from sum_i w_i Delta_i (computed in the clear or by secure aggregation)."""
+        if total is None or weight_sum <= 0:
+            return Aggregate(np.zeros(dim if dim is not None else len(total), dtype=np.float32), 0.0)
+        return Aggregate((np.asarray(total, dtype=np.float64) / weight_sum).astype(np.float32), weight_sum)

@@ -19,6 +19,7 @@ from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
 from ..scenario import Scenario
 from .resources import assign_clients, plan_pool
+from .secagg_round import secagg_round
 from .workers import make_worker_class
 
 
@@ -97,25 +98,21 @@ class Coordinator:
         sc = self.sc
         sampled = sample_clients(sc.sampling, len(self.sizes), sc.seed, t)
         faults = plan_round(sc.faults.dropout, sampled, sc.seed, t)
-        training_drops, upload_drops = faults.drops_in("training"), faults.drops_in("upload")
-        active = [int(c) for c in sampled if int(c) not in training_drops]
+        active = [int(c) for c in sampled if faults.dropped.get(int(c)) != "training"]
         theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
-        calls = []
-        for w, ids in zip(self.workers, assign_clients(active, self.sizes, len(self.workers))):
-            if ids:
-                calls.append((w, ids, w.run_clients.remote(t, theta_ref, ids, [c for c in ids if c in upload_drops])))
-        updates: dict[int, np.ndarray] = {}
-        dropped = {c: p for c, p in faults.dropped.items()}
-        for w, ids, ref in calls:
-            try:
-                reply = ray.get(ref)
-            except RayActorError:
-                # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
-                dropped.update({c: "crash" for c in ids})
-                self.workers[self.workers.index(w)] = self._new_worker()
-                continue
-            updates.update({c: u for c, u in zip(reply["client_ids"], reply["updates"])})
-        agg = self.algorithm.aggregate(updates, self.weights, self.theta.size)
+        dropped = dict(faults.dropped)
+        extra: dict = {}
+        if sc.secagg.enabled and active:
+            out = secagg_round(self, t, theta_ref, active, faults)
+            dropped.update(out["lost"])
+            self._replace(out["dead"])
+            survivors, extra = out["survivors"], out["record"]
+            agg = (self.algorithm.from_sum(out["sum"], sum(float(self.weights[c]) for c in survivors))
+                   if out["sum"] is not None else self.algorithm.from_sum(None, 0.0, self.theta.size))
+        else:
+            updates = self._plain_updates(t, theta_ref, active, faults, dropped)
+            survivors = sorted(updates)
+            agg = self.algorithm.aggregate(updates, self.weights, self.theta.size)
         self.theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         acc, loss = last_eval
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
@@ -124,9 +121,32 @@ class Coordinator:
         by_phase: dict[str, int] = {}
         for p in dropped.values():
             by_phase[p] = by_phase.get(p, 0) + 1
-        return {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(updates),
+        return {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(survivors),
                 "dropped_by_phase": by_phase, "weight_sum": agg.weight_sum, "test_accuracy": acc,
-                "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info}
+                "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
+
+    def _plain_updates(self, t, theta_ref, active, faults, dropped) -> dict[int, np.ndarray]:
+        """One message per worker; updates of clients whose upload the fault plan does not lose."""
+        calls = []
+        for w, ids in zip(self.workers, assign_clients(active, self.sizes, len(self.workers))):
+            if ids:
+                lost = [c for c in ids if not faults.delivers(c)]
+                calls.append((w, ids, w.run_clients.remote(t, theta_ref, ids, lost)))
+        updates: dict[int, np.ndarray] = {}
+        for w, ids, ref in calls:
+            try:
+                reply = ray.get(ref)
+            except RayActorError:
+                # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
+                dropped.update({c: "crash" for c in ids})
+                self._replace([w])
+                continue
+            updates.update({c: u for c, u in zip(reply["client_ids"], reply["updates"])})
+        return updates
+
+    def _replace(self, dead: list) -> None:
+        for w in dead:
+            self.workers[self.workers.index(w)] = self._new_worker()
 
 
 def make_coordinator(scenario: Scenario, data: dict):

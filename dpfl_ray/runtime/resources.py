@@ -27,14 +27,22 @@ def plan_pool(resources_cfg, cluster: dict, num_clients: int) -> PoolPlan:
     if cpus > have_cpu:
         raise DPFLError(f"each worker asks for {cpus:g} CPUs but the cluster has {have_cpu:g}",
                         field="resources.num_cpus_per_worker")
-    if resources_cfg.workers != "auto":
-        return PoolPlan(min(int(resources_cfg.workers), num_clients), cpus, gpus)
     limits = []
     if cpus > 0:
         limits.append(math.floor(have_cpu / cpus + 1e-9))
     if gpus > 0:
         limits.append(math.floor(have_gpu / gpus + 1e-9))
-    n = min(limits) if limits else max(1, int(have_cpu))
+    fits = min(limits) if limits else None
+    if resources_cfg.workers != "auto":
+        n = min(int(resources_cfg.workers), num_clients)
+        if fits is not None and n > fits:
+            # Ray would queue the extra actors forever: say so instead of hanging.
+            raise DPFLError(
+                f"{n} workers x ({cpus:g} CPU, {gpus:g} GPU) do not fit the cluster ({have_cpu:g} CPU, "
+                f"{have_gpu:g} GPU); lower resources.num_cpus_per_worker or use workers: auto",
+                field="resources.workers")
+        return PoolPlan(n, cpus, gpus)
+    n = fits if fits is not None else max(1, int(have_cpu))
     return PoolPlan(max(1, min(n, num_clients)), cpus, gpus)
 
 

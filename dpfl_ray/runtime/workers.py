@@ -15,6 +15,8 @@ import torch
 
 from .. import rng as rngmod
 from ..local import local_update
+from ..secagg import PHASES as PROTOCOL_PHASES
+from ..secagg import SecAggClient, encode, presum_masked
 from ..models import build_model
 from ..scenario import Scenario
 
@@ -34,26 +36,71 @@ class ClientWorker:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "device": str(self.device)}
 
-    def run_clients(self, round_idx: int, theta: np.ndarray, client_ids: list[int],
-                    upload_drops: list[int]) -> dict:
-        """Local updates of ``client_ids`` from ``theta``. Clients in ``upload_drops`` train but
-        their upload is lost (the fault plan's 'upload' phase), so nothing of theirs returns."""
-        t0 = time.perf_counter()
+    def _local(self, round_idx: int, theta: np.ndarray, cid: int) -> np.ndarray:
         tr, seed = self.sc.training, self.sc.seed
-        lost = set(upload_drops)
+        idx = self.indices[self.offsets[cid]:self.offsets[cid + 1]]
+        return local_update(
+            self.model, theta, self.x[idx], self.y[idx], epochs=tr.local_epochs,
+            batch_size=tr.batch_size, lr=tr.lr, clip_norm=tr.clip_norm,
+            rng=rngmod.generator(seed, "batches", round_idx, cid),
+            torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid))
+
+    def run_clients(self, round_idx: int, theta: np.ndarray, client_ids: list[int],
+                    undelivered: list[int]) -> dict:
+        """Local updates of ``client_ids`` from ``theta``. Clients in ``undelivered`` train but
+        their upload never arrives (the fault plan), so nothing of theirs returns."""
+        t0 = time.perf_counter()
+        lost = set(undelivered)
         ids, updates = [], []
         for cid in client_ids:
-            idx = self.indices[self.offsets[cid]:self.offsets[cid + 1]]
-            delta = local_update(
-                self.model, theta, self.x[idx], self.y[idx], epochs=tr.local_epochs,
-                batch_size=tr.batch_size, lr=tr.lr, clip_norm=tr.clip_norm,
-                rng=rngmod.generator(seed, "batches", round_idx, cid),
-                torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid))
+            delta = self._local(round_idx, theta, cid)
             if cid not in lost:
                 ids.append(cid)
                 updates.append(delta)
         stacked = np.stack(updates) if updates else np.zeros((0, len(theta)), np.float32)
         return {"client_ids": ids, "updates": stacked, "seconds": time.perf_counter() - t0}
+
+    # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
+    def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict,
+                     config, weights: dict, encoding: dict) -> dict:
+        """Train, encode w_i * Delta_i into Z_2^b, and advertise keys (Bonawitz et al. Round 0).
+
+        ``clients`` maps client id -> protocol index; ``leave`` maps client id -> the SecAgg phase
+        from which that client sends nothing (the fault plan)."""
+        t0 = time.perf_counter()
+        self._sa = {"clients": {}, "inputs": {}, "clip_events": [],
+                    "leave": {clients[c]: PROTOCOL_PHASES.index(p) for c, p in leave.items() if c in clients}}
+        for cid, idx in clients.items():
+            value = self._local(round_idx, theta, cid) * np.float32(weights[cid])
+            enc = encode(value, bits=config.bits, scale=encoding["scale"], n_summands=encoding["n_summands"],
+                         rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
+                         overflow="clip" if encoding["overflow"] == "clip" else "raise")
+            if enc.clip is not None:
+                self._sa["clip_events"].append({"client": cid, "clipped": enc.clip.n_clipped})
+            self._sa["inputs"][idx] = enc.data
+            self._sa["clients"][idx] = SecAggClient(idx, config)
+        msgs = self._phase("advertise", lambda c: c.advertise_keys())
+        return {"messages": msgs, "clip_events": self._sa["clip_events"], "seconds": time.perf_counter() - t0}
+
+    def _phase(self, phase: str, call, only=None) -> list:
+        """Call ``call`` for each client still online in ``phase`` (and in ``only``, if given)."""
+        order, leave = PROTOCOL_PHASES.index(phase), self._sa["leave"]
+        return [call(client) for idx, client in self._sa["clients"].items()
+                if leave.get(idx, len(PROTOCOL_PHASES)) > order and (only is None or idx in only)]
+
+    def secagg_share(self, keys: dict) -> dict:
+        return {"messages": self._phase("share", lambda c: c.share_keys(keys))}
+
+    def secagg_masked(self, forwarded: dict) -> dict:
+        """Masked inputs of this worker's clients, pre-summed mod 2^b into one message."""
+        msgs = self._phase("masked_input", lambda c: c.masked_input(forwarded[c.id], self._sa["inputs"][c.id]),
+                           only=set(forwarded))
+        bits = msgs[0]["masked"].dtype.itemsize * 8 if msgs else 0
+        return {"messages": [presum_masked(msgs, bits)] if msgs else []}
+
+    def secagg_unmask(self, request: dict) -> dict:
+        msgs = self._phase("unmask", lambda c: c.unmask(request), only=set(request["survivors"]))
+        return {"messages": msgs, "bytes_sent": {c.id: c.bytes_sent for c in self._sa["clients"].values()}}
 
 
 def make_worker_class(num_cpus: float, num_gpus: float):

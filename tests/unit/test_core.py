@@ -127,6 +127,9 @@ def test_pool_plan():
     assert plan_pool(gpu, {"CPU": 2, "GPU": 2}, 100).workers == 8
     with pytest.raises(DPFLError, match="num_gpus_per_worker"):
         plan_pool(gpu, {"CPU": 2}, 100)
+    with pytest.raises(DPFLError, match="resources.workers"):  # would queue forever in Ray
+        plan_pool(ResourcesConfig(workers=4, num_cpus_per_worker=1), {"CPU": 2}, 100)
+    assert plan_pool(ResourcesConfig(workers=4, num_cpus_per_worker=0.5), {"CPU": 2}, 100).workers == 4
 
 
 def test_assignment_covers_each_client_once_and_balances():
