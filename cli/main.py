@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from . import bench, scenarios
+from . import bench, privacy, scenarios
 from . import run as run_cmd
 
 app = typer.Typer(help="dpfl_ray: differentially private federated learning on Ray.", no_args_is_help=True,
@@ -11,6 +11,7 @@ app = typer.Typer(help="dpfl_ray: differentially private federated learning on R
 app.command("run")(run_cmd.run)
 app.add_typer(scenarios.app, name="scenarios")
 app.add_typer(bench.app, name="bench")
+app.add_typer(privacy.app, name="privacy")
 
 if __name__ == "__main__":
     app()

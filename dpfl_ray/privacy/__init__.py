@@ -1,0 +1,28 @@
+"""Differential-privacy accounting (dp_accounting under the hood) and the noise / clipping primitives."""
+from dpfl_ray.privacy.ledger import (
+    ACCOUNTANTS,
+    CLASSIC_RDP_ORDERS,
+    DEFAULT_ACCOUNTANT,
+    PLD_VALUE_DISCRETIZATION_INTERVAL,
+    EpsilonCurve,
+    FixedSizeSampling,
+    PoissonSampling,
+    PrivacyLedger,
+    RoundRecord,
+    Sampling,
+    as_sampling,
+    calibrate_noise_multiplier,
+    delta_for,
+    effective_noise_multiplier,
+    epsilon_for,
+    event_to_dict,
+    rounds_within_budget,
+)
+from dpfl_ray.privacy.mechanisms import clip_by_l2, gaussian_noise
+
+__all__ = [
+    "ACCOUNTANTS", "CLASSIC_RDP_ORDERS", "DEFAULT_ACCOUNTANT", "PLD_VALUE_DISCRETIZATION_INTERVAL",
+    "EpsilonCurve", "FixedSizeSampling", "PoissonSampling", "PrivacyLedger", "RoundRecord", "Sampling",
+    "as_sampling", "calibrate_noise_multiplier", "delta_for", "effective_noise_multiplier", "epsilon_for",
+    "event_to_dict", "rounds_within_budget", "clip_by_l2", "gaussian_noise",
+]

@@ -1,0 +1,217 @@
+"""``dpfl privacy``: epsilon for a schedule, the noise for a budget, and the Baek et al. style table.
+
+Mounted by the main CLI as ``app.add_typer(privacy.app, name="privacy")``. Every number comes from
+:mod:`dpfl_ray.privacy.ledger` (dp_accounting underneath). A bad parameter prints one line,
+``error: <field>: <message>``, on stderr and exits with status 2.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from typing import Annotated, Optional
+
+import typer
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy.ledger import (
+    DEFAULT_ACCOUNTANT,
+    EpsilonCurve,
+    FixedSizeSampling,
+    PoissonSampling,
+    Sampling,
+    calibrate_noise_multiplier,
+    epsilon_for,
+)
+
+app = typer.Typer(
+    help="Privacy accounting: epsilon of a schedule, noise for a budget, rounds within budgets.",
+    no_args_is_help=True,
+)
+
+DEFAULT_TABLE_ROUNDS = "1,10,100,1000,10000,100000"
+
+AccountantOpt = Annotated[str, typer.Option(help="pld (tightest, default), rdp, or rdp-classic (TF-Privacy 2019-21 convention).")]
+SamplingRateOpt = Annotated[Optional[float], typer.Option(help="Poisson sampling rate q in (0, 1] (add/remove-one-client relation).")]
+ClientsPerRoundOpt = Annotated[Optional[int], typer.Option(help="Fixed-size cohorts: clients per round m (with --num-clients; replace-one relation).")]
+NumClientsOpt = Annotated[Optional[int], typer.Option(help="Fixed-size cohorts: population size K.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a sentence.")]
+
+
+def _fail(exc: DPFLError) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(code=2)
+
+
+def _sampling(sampling_rate: float | None, clients_per_round: int | None, num_clients: int | None,
+              default_rate: float | None = None) -> Sampling:
+    fixed = clients_per_round is not None or num_clients is not None
+    if fixed and sampling_rate is not None:
+        raise DPFLError("give --sampling-rate or --clients-per-round with --num-clients, not both",
+                        field="sampling_rate")
+    if fixed:
+        if clients_per_round is None:
+            raise DPFLError("--num-clients needs --clients-per-round", field="clients_per_round")
+        if num_clients is None:
+            raise DPFLError("--clients-per-round needs --num-clients", field="num_clients")
+        return FixedSizeSampling(clients_per_round, num_clients)
+    if sampling_rate is None:
+        if default_rate is None:
+            raise DPFLError("required: give --sampling-rate, or --clients-per-round with --num-clients",
+                            field="sampling_rate")
+        sampling_rate = default_rate
+    return PoissonSampling(sampling_rate)
+
+
+def _sampling_fields(s: Sampling) -> dict:
+    if isinstance(s, PoissonSampling):
+        return {"sampling": "poisson", "sampling_rate": s.rate, "clients_per_round": None,
+                "num_clients": None, "neighboring_relation": "add_or_remove_one"}
+    return {"sampling": "fixed_size", "sampling_rate": None, "clients_per_round": s.clients_per_round,
+            "num_clients": s.num_clients, "neighboring_relation": "replace_one"}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _floats(text: str, field: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise DPFLError(f"expected comma-separated numbers, got {text!r}", field=field) from None
+    if not values:
+        raise DPFLError("needs at least one value", field=field)
+    return values
+
+
+def _ints(text: str, field: str) -> list[int]:
+    values = _floats(text, field)
+    if any(not v.is_integer() or v < 1 for v in values):
+        raise DPFLError(f"expected comma-separated integers >= 1, got {text!r}", field=field)
+    return [int(v) for v in values]
+
+
+@app.command()
+def epsilon(
+    noise_multiplier: Annotated[float, typer.Option(help="Noise multiplier z (noise std / clip norm) as planned.")],
+    rounds: Annotated[int, typer.Option(help="Number of rounds T.")],
+    delta: Annotated[float, typer.Option(help="Target delta in (0, 1).")],
+    sampling_rate: SamplingRateOpt = None,
+    clients_per_round: ClientsPerRoundOpt = None,
+    num_clients: NumClientsOpt = None,
+    accountant: AccountantOpt = DEFAULT_ACCOUNTANT,
+    dropout_rate: Annotated[float, typer.Option(help="Dropout rate R in [0, 1): the surviving multiplier is z*sqrt(1-R).")] = 0.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Epsilon after T identical rounds."""
+    try:
+        samp = _sampling(sampling_rate, clients_per_round, num_clients)
+        curve = EpsilonCurve(noise_multiplier, samp, delta, accountant, dropout_rate)
+        eps = curve.epsilon(rounds)
+    except DPFLError as exc:
+        raise _fail(exc)
+    z_eff = curve.effective_multipliers[0]
+    if as_json:
+        out = {"epsilon": _finite(eps), "delta": delta, "rounds": rounds, "accountant": accountant,
+               "noise_multiplier": noise_multiplier, "dropout_rate": dropout_rate,
+               "noise_multiplier_effective": z_eff, **_sampling_fields(samp)}
+        typer.echo(json.dumps(out))
+        return
+    line = f"epsilon = {eps:.4f} after {rounds} rounds (delta={delta:g}, accountant={accountant})"
+    if dropout_rate:
+        line += f"; noise multiplier {noise_multiplier:g} -> {z_eff:.4f} after dropout rate {dropout_rate:g}"
+    if isinstance(samp, FixedSizeSampling):
+        line += f"; {samp.describe()}, replace-one relation"
+    typer.echo(line)
+
+
+@app.command()
+def noise(
+    epsilon: Annotated[float, typer.Option(help="Target epsilon after T rounds (never exceeded).")],
+    rounds: Annotated[int, typer.Option(help="Number of rounds T.")],
+    delta: Annotated[float, typer.Option(help="Target delta in (0, 1).")],
+    sampling_rate: SamplingRateOpt = None,
+    clients_per_round: ClientsPerRoundOpt = None,
+    num_clients: NumClientsOpt = None,
+    accountant: AccountantOpt = DEFAULT_ACCOUNTANT,
+    as_json: JsonOpt = False,
+) -> None:
+    """The smallest noise multiplier whose epsilon after T rounds is <= the target."""
+    try:
+        samp = _sampling(sampling_rate, clients_per_round, num_clients)
+        z = calibrate_noise_multiplier(epsilon, delta, samp, rounds, accountant)
+        achieved = epsilon_for(z, samp, rounds, delta, accountant)
+    except DPFLError as exc:
+        raise _fail(exc)
+    if as_json:
+        out = {"noise_multiplier": z, "epsilon": achieved, "epsilon_target": epsilon, "delta": delta,
+               "rounds": rounds, "accountant": accountant, **_sampling_fields(samp)}
+        typer.echo(json.dumps(out))
+        return
+    typer.echo(f"noise multiplier = {z:.4f} (epsilon = {achieved:.4f} <= {epsilon:g} after {rounds} rounds, "
+               f"delta={delta:g}, accountant={accountant})")
+
+
+@app.command()
+def table(
+    noise_multiplier: Annotated[float, typer.Option(help="Planned noise multiplier z.")] = 1.0,
+    sampling_rate: SamplingRateOpt = None,
+    clients_per_round: ClientsPerRoundOpt = None,
+    num_clients: NumClientsOpt = None,
+    delta: Annotated[float, typer.Option(help="Target delta.")] = 1e-5,
+    dropout_rates: Annotated[str, typer.Option(help="Comma-separated dropout rates, one row each.")] = "0,0.1,0.3",
+    budgets: Annotated[str, typer.Option(help="Comma-separated epsilon budgets: most rounds within each.")] = "2,4,8",
+    rounds: Annotated[str, typer.Option(help="Comma-separated round counts for the epsilon columns.")] = DEFAULT_TABLE_ROUNDS,
+    accountant: AccountantOpt = DEFAULT_ACCOUNTANT,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Write CSV to stdout instead of a table.")] = False,
+) -> None:
+    """Epsilon after 1..10^5 rounds and the most rounds within each budget, per dropout rate.
+
+    The defaults mirror Baek et al., Table 2: z=1, Poisson q=0.01 (the default when no sampling is
+    given), delta=1e-5, dropout 0 / 0.1 / 0.3, budgets 2 / 4 / 8. Each entry is one dp_accounting
+    composition of T identical rounds (``count=T``), so the pld table takes ~10-20 s.
+    """
+    try:
+        samp = _sampling(sampling_rate, clients_per_round, num_clients, default_rate=0.01)
+        rates = _floats(dropout_rates, "dropout_rates")
+        budget_list = _floats(budgets, "budgets")
+        round_list = _ints(rounds, "rounds")
+        curves = [EpsilonCurve(noise_multiplier, samp, delta, accountant, r) for r in rates]
+        rows = []
+        for r, curve in zip(rates, curves):
+            eps = [curve.epsilon(t) for t in round_list]
+            most = [curve.max_rounds(b) for b in budget_list]
+            rows.append((r, curve.effective_multipliers[0], eps, most))
+    except DPFLError as exc:
+        raise _fail(exc)
+
+    if as_csv:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["dropout_rate", "noise_multiplier_effective"] + [f"epsilon_T{t}" for t in round_list]
+                   + [f"max_rounds_eps{b:g}" for b in budget_list])
+        for r, z_eff, eps, most in rows:
+            w.writerow([f"{r:g}", f"{z_eff:.6g}"] + [f"{e:.6g}" for e in eps] + most)
+        typer.echo(buf.getvalue(), nl=False)
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (f"epsilon after T rounds and most rounds within budget "
+             f"(z={noise_multiplier:g}, {samp.describe()}, delta={delta:g}, accountant={accountant})")
+    tbl = Table(title=title)
+    tbl.add_column("dropout R", justify="right")
+    tbl.add_column("z_eff", justify="right")
+    for t in round_list:
+        tbl.add_column(f"T={t:,}", justify="right")
+    for b in budget_list:
+        tbl.add_column(f"max T, eps<={b:g}", justify="right")
+    for r, z_eff, eps, most in rows:
+        tbl.add_row(f"{r:g}", f"{z_eff:.4f}", *[f"{e:.4f}" for e in eps], *[f"{m:,}" for m in most])
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 200))
+    console.print(tbl)

@@ -1,0 +1,142 @@
+"""`dpfl privacy ...` through typer's CliRunner, mounted on a stand-in root app."""
+import csv
+import io
+import json
+import math
+import re
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cli import privacy
+from dpfl_ray.privacy import epsilon_for, rounds_within_budget
+
+root = typer.Typer()
+root.add_typer(privacy.app, name="privacy")
+
+
+@root.callback()
+def _root() -> None:
+    """Stand-in for cli/main.py."""
+
+
+runner = CliRunner()
+BAEK = ["--noise-multiplier", "1.0", "--sampling-rate", "0.01", "--rounds", "100", "--delta", "1e-5"]
+
+
+def run(*args):
+    return runner.invoke(root, ["privacy", *args])
+
+
+def _epsilon(output: str) -> float:
+    m = re.search(r"epsilon = ([0-9.]+) after", output)
+    assert m, output
+    return float(m.group(1))
+
+
+def test_rdp_classic_reproduces_baek_1_61_and_pld_is_smaller():
+    res = run("epsilon", *BAEK, "--accountant", "rdp-classic")
+    assert res.exit_code == 0, res.output
+    assert "epsilon = 1.6118 after 100 rounds (delta=1e-05, accountant=rdp-classic)" in res.stdout
+    classic = _epsilon(res.stdout)
+    assert round(classic, 2) == 1.61
+    rdp = _epsilon(run("epsilon", *BAEK, "--accountant", "rdp").stdout)
+    res = run("epsilon", *BAEK)  # default: pld
+    assert res.exit_code == 0 and "accountant=pld" in res.stdout
+    pld = _epsilon(res.stdout)
+    assert pld < rdp < classic
+
+
+def test_epsilon_json():
+    res = run("epsilon", *BAEK, "--accountant", "rdp-classic", "--dropout-rate", "0.1", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)  # exactly one JSON document
+    assert isinstance(data, dict)
+    assert data["epsilon"] == pytest.approx(epsilon_for(1.0, 0.01, 100, 1e-5, "rdp-classic", 0.1), rel=1e-12)
+    assert data["noise_multiplier_effective"] == pytest.approx(math.sqrt(0.9))
+    assert data["noise_multiplier"] == 1.0 and data["sampling_rate"] == 0.01 and data["rounds"] == 100
+    assert data["delta"] == 1e-5 and data["accountant"] == "rdp-classic" and data["dropout_rate"] == 0.1
+    assert data["neighboring_relation"] == "add_or_remove_one"
+
+
+def test_epsilon_fixed_size_cohorts():
+    res = run("epsilon", "--noise-multiplier", "1.0", "--clients-per-round", "10", "--num-clients", "1000",
+              "--rounds", "100", "--delta", "1e-5", "--accountant", "rdp", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["sampling"] == "fixed_size" and data["neighboring_relation"] == "replace_one"
+    assert data["clients_per_round"] == 10 and data["num_clients"] == 1000 and data["epsilon"] > 0
+
+
+def test_noise_command():
+    res = run("noise", "--epsilon", "2", "--sampling-rate", "0.01", "--rounds", "100", "--delta", "1e-5",
+              "--accountant", "rdp-classic", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    z = data["noise_multiplier"]
+    assert epsilon_for(z, 0.01, 100, 1e-5, "rdp-classic") <= 2.0 < epsilon_for(z - 1e-3, 0.01, 100, 1e-5, "rdp-classic")
+    res = run("noise", "--epsilon", "2", "--sampling-rate", "0.01", "--rounds", "100", "--delta", "1e-5",
+              "--accountant", "rdp-classic")
+    assert res.exit_code == 0 and res.stdout.startswith("noise multiplier = ")
+
+
+def test_table_csv_defaults_with_rdp_classic():
+    res = run("table", "--accountant", "rdp-classic", "--csv")
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    assert [r["dropout_rate"] for r in rows] == ["0", "0.1", "0.3"]
+    assert float(rows[0]["epsilon_T100"]) == pytest.approx(1.6118, abs=1e-4)
+    for r in rows:
+        eps = [float(r[f"epsilon_T{t}"]) for t in (1, 10, 100, 1000, 10000, 100000)]
+        assert eps == sorted(eps)
+    assert int(rows[0]["max_rounds_eps4"]) == rounds_within_budget(1.0, 0.01, 4.0, 1e-5, "rdp-classic")
+    # more dropout: fewer rounds within the same budget
+    assert [int(r["max_rounds_eps8"]) for r in rows] == sorted((int(r["max_rounds_eps8"]) for r in rows), reverse=True)
+
+
+def test_table_rich_output():
+    res = run("table", "--accountant", "rdp", "--rounds", "1,100", "--budgets", "2", "--dropout-rates", "0,0.5")
+    assert res.exit_code == 0, res.output
+    assert "T=100" in res.stdout and "eps<=2" in res.stdout and "accountant=rdp" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "1.5", "--rounds", "10", "--delta", "1e-5"], "sampling_rate"),
+        (["epsilon", "--noise-multiplier", "0", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5"], "noise_multiplier"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "0", "--delta", "1e-5"], "rounds"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1"], "delta"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5",
+          "--accountant", "moments"], "accountant"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5",
+          "--dropout-rate", "1"], "dropout_rate"),
+        (["epsilon", "--noise-multiplier", "1", "--rounds", "10", "--delta", "1e-5"], "sampling_rate"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--clients-per-round", "5",
+          "--num-clients", "10", "--rounds", "10", "--delta", "1e-5"], "sampling_rate"),
+        (["epsilon", "--noise-multiplier", "1", "--clients-per-round", "11", "--num-clients", "10",
+          "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp"], "clients_per_round"),
+        (["epsilon", "--noise-multiplier", "1", "--clients-per-round", "5", "--num-clients", "10",
+          "--rounds", "10", "--delta", "1e-5"], "accountant"),
+        (["noise", "--epsilon", "-1", "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5"], "epsilon"),
+        (["noise", "--epsilon", "1", "--sampling-rate", "0", "--rounds", "10", "--delta", "1e-5"], "sampling_rate"),
+        (["table", "--dropout-rates", "0,abc", "--accountant", "rdp"], "dropout_rates"),
+        (["table", "--budgets", "0", "--accountant", "rdp"], "budget"),
+        (["table", "--dropout-rates", "1.2", "--accountant", "rdp"], "dropout_rate"),
+    ],
+)
+def test_bad_parameters_give_one_line_and_exit_2(args, field):
+    res = run(*args)
+    assert res.exit_code == 2
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"error: {field}: ")
+    assert "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_typer_usage_errors_do_not_traceback():
+    res = run("epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5")
+    assert res.exit_code == 2 and "Traceback" not in res.output
