@@ -1,38 +1,16 @@
 """Privacy accounting: a per-round ledger of dp_accounting events, and the closed-form helpers.
 
-Every privacy number here comes from Google's ``dp_accounting`` package; this module only decides
+Every privacy number here comes from Google's ``dp_accounting`` package; this package only decides
 *which* ``DpEvent`` describes a round and *which* accountant composes it. The one formula written out
-here is the 'rdp-classic' RDP -> (epsilon, delta) conversion (see below).
+is the 'rdp-classic' RDP -> (epsilon, delta) conversion (see :mod:`dpfl_ray.privacy.accountants`).
 
-Accountants (``accountant=``)
------------------------------
-``"pld"`` (the default)
-    Privacy-loss-distribution accounting with dp_accounting's PLD code, pessimistic estimates,
-    ``value_discretization_interval`` = :data:`PLD_VALUE_DISCRETIZATION_INTERVAL` = 1e-4. 1e-4 keeps
-    epsilon stable to two decimals out to 10^5 rounds of z=1, q=0.01 (1e-3 is about 0.02 off there)
-    and, being pessimistic, is always an upper bound. The tightest of the three. The ledger composes
-    with :class:`_CachedPLDAccountant`, which makes dp_accounting's PLD calls but builds each distinct
-    per-round distribution once (0.4 s each at 1e-4); the results equal ``PLDAccountant``'s. A round
-    with several Gaussians under one sampling is accounted as its single equivalent Gaussian.
-``"rdp"``
-    dp_accounting's ``RdpAccountant`` with its default orders and its own (improved) conversion.
-``"rdp-classic"``
-    The convention of TF-Privacy's 2019-2021 ``compute_rdp``/``get_privacy_spent`` that the seed papers
-    used: orders 1.1, 1.2, ..., 10.9 and 12, 13, ..., 63 (:data:`CLASSIC_RDP_ORDERS`), the RDP values
-    from dp_accounting's ``RdpAccountant`` with those orders, and the classic conversion
-    ``epsilon = min_a RDP(a) + log(1/delta)/(a-1)``, ``delta = min_a exp((a-1)(RDP(a) - epsilon))``.
-    Reproduces e.g. Baek et al.'s 1.6118 for z=1, q=0.01, 100 rounds, delta=1e-5. With nothing
-    composed it reports 0 (the bare conversion would give log(1/delta)/62).
+The code is split by concern; this module holds the ledger itself and re-exports the rest, so
+``from dpfl_ray.privacy.ledger import ...`` keeps working for every public name:
 
-Sampling and neighbouring relations
------------------------------------
-:class:`PoissonSampling` (each client joins a round independently with probability ``rate``) is
-accounted as ``PoissonSampledDpEvent`` under the **add/remove-one-client** relation.
-:class:`FixedSizeSampling` (a uniformly random cohort of exactly ``m`` of the ``K`` clients) is
-accounted as ``SampledWithoutReplacementDpEvent`` under the **replace-one-client** relation. The two
-epsilons are not comparable, so one ledger never mixes them, and an accountant that cannot handle an
-event (dp_accounting's PLD accountant and fixed-size cohorts, for one) is refused with a
-:class:`~dpfl_ray.errors.DPFLError` naming the ``accountant`` field.
+* :mod:`dpfl_ray.privacy.sampling` -- Poisson / fixed-size sampling and the per-round ``DpEvent``;
+* :mod:`dpfl_ray.privacy.accountants` -- the 'pld', 'rdp' and 'rdp-classic' accountants;
+* :mod:`dpfl_ray.privacy.calibration` -- fixed schedules: :func:`epsilon_for`, :func:`delta_for`,
+  :func:`rounds_within_budget`, :func:`calibrate_noise_multiplier`, :class:`EpsilonCurve`.
 
 Rounds not covered by the DP guarantee
 --------------------------------------
@@ -49,28 +27,43 @@ from __future__ import annotations
 
 import itertools
 import math
-import numbers
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence
 
-import attr
 import dp_accounting
-import numpy as np
+from dp_accounting import NeighboringRelation
 from dp_accounting import dp_event as dpe
-from dp_accounting.pld import pld_privacy_accountant
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfl_ray.errors import DPFLError
-
-NeighboringRelation = dp_accounting.NeighboringRelation
-
-ACCOUNTANTS = ("pld", "rdp", "rdp-classic")
-DEFAULT_ACCOUNTANT = "pld"
-PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
-CLASSIC_RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
-DEFAULT_MAX_ROUNDS = 10**7
+from dpfl_ray.privacy.accountants import (
+    ACCOUNTANTS,
+    CLASSIC_RDP_ORDERS,
+    DEFAULT_ACCOUNTANT,
+    PLD_VALUE_DISCRETIZATION_INTERVAL,
+    _accountable,
+    _accountant_details,
+    _check_accountant,
+    _fresh_accountant,
+)
+from dpfl_ray.privacy.calibration import (  # re-exported: the ledger module's historical names
+    DEFAULT_MAX_ROUNDS,
+    EpsilonCurve,
+    calibrate_noise_multiplier,
+    delta_for,
+    epsilon_for,
+    rounds_within_budget,
+)
+from dpfl_ray.privacy.sampling import (
+    FixedSizeSampling,
+    PoissonSampling,
+    Sampling,
+    _multipliers,
+    _round_event,
+    as_sampling,
+    effective_noise_multiplier,
+    event_to_dict,
+)
+from dpfl_ray.privacy.validation import _check_delta, _check_epsilon, _check_int
 
 __all__ = [
     "ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "PLD_VALUE_DISCRETIZATION_INTERVAL", "CLASSIC_RDP_ORDERS",
@@ -79,380 +72,6 @@ __all__ = [
     "epsilon_for", "delta_for", "calibrate_noise_multiplier", "rounds_within_budget",
     "effective_noise_multiplier", "event_to_dict",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_real(x: Any, field: str) -> float:
-    if not _is_real(x) or not math.isfinite(float(x)):
-        raise DPFLError(f"must be a finite number, got {x!r}", field=field)
-    return float(x)
-
-
-def _check_int(x: Any, field: str, minimum: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        if _is_real(x) and float(x).is_integer():
-            x = int(x)
-        else:
-            raise DPFLError(f"must be an integer, got {x!r}", field=field)
-    if int(x) < minimum:
-        raise DPFLError(f"must be >= {minimum}, got {x}", field=field)
-    return int(x)
-
-
-def _check_rate(q: Any, field: str = "sampling_rate") -> float:
-    q = _check_real(q, field)
-    if not 0.0 < q <= 1.0:
-        raise DPFLError(f"must be in (0, 1], got {q:g}", field=field)
-    return q
-
-
-def _check_noise(z: Any, field: str = "noise_multiplier") -> float:
-    z = _check_real(z, field)
-    if z <= 0.0:
-        raise DPFLError(f"must be > 0, got {z:g}", field=field)
-    return z
-
-
-def _check_delta(delta: Any, field: str = "delta") -> float:
-    delta = _check_real(delta, field)
-    if not 0.0 < delta < 1.0:
-        raise DPFLError(f"must be in (0, 1), got {delta:g}", field=field)
-    return delta
-
-
-def _check_epsilon(eps: Any, field: str = "epsilon") -> float:
-    eps = _check_real(eps, field)
-    if eps <= 0.0:
-        raise DPFLError(f"must be > 0, got {eps:g}", field=field)
-    return eps
-
-
-def _check_rounds(rounds: Any, field: str = "rounds") -> int:
-    return _check_int(rounds, field, 1)
-
-
-def _check_dropout(rate: Any, field: str = "dropout_rate") -> float:
-    rate = _check_real(rate, field)
-    if not 0.0 <= rate < 1.0:
-        raise DPFLError(f"must be in [0, 1), got {rate:g}", field=field)
-    return rate
-
-
-def _check_accountant(name: Any, field: str = "accountant") -> str:
-    if name not in ACCOUNTANTS:
-        raise DPFLError(f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)}", field=field)
-    return name
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sampling
-
-
-@dataclass(frozen=True)
-class PoissonSampling:
-    """Each client takes part in a round independently with probability ``rate`` in (0, 1].
-
-    Accounted as dp_accounting's ``PoissonSampledDpEvent`` under the add/remove-one-client
-    neighbouring relation (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
-    """
-
-    rate: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rate", _check_rate(self.rate, "sampling_rate"))
-
-    neighboring_relation = NeighboringRelation.ADD_OR_REMOVE_ONE
-
-    def wrap(self, inner: dpe.DpEvent) -> dpe.DpEvent:
-        return dp_accounting.PoissonSampledDpEvent(sampling_probability=self.rate, event=inner)
-
-    def to_dict(self) -> dict:
-        return {"kind": "poisson", "rate": self.rate, "neighboring_relation": "add_or_remove_one"}
-
-    def describe(self) -> str:
-        return f"Poisson sampling q={self.rate:g}"
-
-
-@dataclass(frozen=True)
-class FixedSizeSampling:
-    """A uniformly random cohort of exactly ``clients_per_round`` of the ``num_clients`` clients.
-
-    Accounted as dp_accounting's ``SampledWithoutReplacementDpEvent`` under the replace-one-client
-    neighbouring relation (``NeighboringRelation.REPLACE_ONE``): the population size is public and a
-    neighbouring population swaps one client's data for another's. ``clients_per_round=0`` (nobody
-    sampled) is allowed and releases nothing.
-    """
-
-    clients_per_round: int
-    num_clients: int
-
-    def __post_init__(self) -> None:
-        k = _check_int(self.num_clients, "num_clients", 1)
-        m = _check_int(self.clients_per_round, "clients_per_round", 0)
-        if m > k:
-            raise DPFLError(f"must be <= num_clients ({k}), got {m}", field="clients_per_round")
-        object.__setattr__(self, "num_clients", k)
-        object.__setattr__(self, "clients_per_round", m)
-
-    neighboring_relation = NeighboringRelation.REPLACE_ONE
-
-    @property
-    def rate(self) -> float:
-        return self.clients_per_round / self.num_clients
-
-    def wrap(self, inner: dpe.DpEvent) -> dpe.DpEvent:
-        return dp_accounting.SampledWithoutReplacementDpEvent(
-            source_dataset_size=self.num_clients, sample_size=self.clients_per_round, event=inner)
-
-    def to_dict(self) -> dict:
-        return {"kind": "fixed_size", "clients_per_round": self.clients_per_round,
-                "num_clients": self.num_clients, "neighboring_relation": "replace_one"}
-
-    def describe(self) -> str:
-        return f"fixed-size cohorts of {self.clients_per_round} out of {self.num_clients}"
-
-
-Sampling = Union[PoissonSampling, FixedSizeSampling]
-
-
-def as_sampling(sampling: Sampling | float | dict, field: str = "sampling_rate") -> Sampling:
-    """A float is a Poisson rate; a dict is the output of ``Sampling.to_dict()``."""
-    if isinstance(sampling, (PoissonSampling, FixedSizeSampling)):
-        return sampling
-    if isinstance(sampling, dict):
-        kind = sampling.get("kind")
-        if kind == "poisson":
-            return PoissonSampling(sampling["rate"])
-        if kind == "fixed_size":
-            return FixedSizeSampling(sampling["clients_per_round"], sampling["num_clients"])
-        raise DPFLError(f"unknown sampling kind {kind!r}", field="sampling")
-    if _is_real(sampling):
-        return PoissonSampling(_check_rate(sampling, field))
-    raise DPFLError(f"expected a Poisson rate or a sampling object, got {sampling!r}", field="sampling")
-
-
-def _multipliers(z: float | Sequence[float] | None, field: str) -> tuple[float, ...] | None:
-    if z is None:
-        return None
-    if _is_real(z):
-        return (_check_noise(z, field),)
-    zs = tuple(z)
-    if not zs:
-        raise DPFLError("needs at least one noise multiplier", field=field)
-    return tuple(_check_noise(v, field) for v in zs)
-
-
-def _gaussians(zs: tuple[float, ...]) -> dpe.DpEvent:
-    # float() matters: dp_accounting's effective-multiplier helper silently mishandles ints.
-    if len(zs) == 1:
-        return dp_accounting.GaussianDpEvent(float(zs[0]))
-    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(float(z)) for z in zs])
-
-
-def _round_event(zs: tuple[float, ...] | None, sampling: Sampling | None) -> dpe.DpEvent:
-    if zs is None or sampling is None:
-        return dp_accounting.NoOpDpEvent()
-    if isinstance(sampling, FixedSizeSampling) and sampling.clients_per_round == 0:
-        return dp_accounting.NoOpDpEvent()
-    return sampling.wrap(_gaussians(zs))
-
-
-def effective_noise_multiplier(noise_multiplier: float, dropout_rate: float = 0.0) -> float:
-    """The multiplier that survives dropouts: ``z * sqrt(1 - R)`` (Baek et al., section IV.B).
-
-    Noise calibrated for n clients but summed over the n' = (1 - R) n survivors without
-    re-calibration has variance n'/n of the planned one.
-    """
-    return _check_noise(noise_multiplier) * math.sqrt(1.0 - _check_dropout(dropout_rate))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Accountants
-
-
-class _ClassicRdpAccountant(dp_accounting.rdp.RdpAccountant):
-    """dp_accounting's RdpAccountant on TF-Privacy's classic orders, with the classic conversion."""
-
-    def __init__(self, neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE):
-        super().__init__(orders=CLASSIC_RDP_ORDERS, neighboring_relation=neighboring_relation)
-
-    def get_epsilon(self, target_delta: float) -> float:
-        rdp, orders = self.rdp, self.orders
-        if not np.any(rdp):
-            return 0.0
-        with np.errstate(invalid="ignore"):
-            eps = rdp + math.log(1.0 / target_delta) / (orders - 1.0)
-        return float(np.nanmin(eps)) if not np.all(np.isnan(eps)) else math.inf
-
-    def get_delta(self, target_epsilon: float) -> float:
-        rdp, orders = self.rdp, self.orders
-        if not np.any(rdp):
-            return 0.0
-        with np.errstate(over="ignore", invalid="ignore"):
-            deltas = np.exp((rdp - target_epsilon) * (orders - 1.0))
-        if np.all(np.isnan(deltas)):
-            return 1.0
-        return float(min(np.nanmin(deltas), 1.0))
-
-
-@lru_cache(maxsize=32)  # one entry is 1-4 MB at a 1e-4 interval
-def _poisson_gaussian_pld(noise_multiplier: float, sampling_prob: float, relation: NeighboringRelation,
-                          value_discretization_interval: float) -> pld_lib.PrivacyLossDistribution:
-    # Exactly the call dp_accounting's PLDAccountant makes for a PoissonSampledDpEvent of a Gaussian.
-    return pld_lib.from_gaussian_mechanism(
-        standard_deviation=noise_multiplier,
-        value_discretization_interval=value_discretization_interval,
-        sampling_prob=sampling_prob,
-        neighboring_relation=relation,
-    )
-
-
-class _CachedPLDAccountant(dp_accounting.PrivacyAccountant):
-    """The PoissonSampled-Gaussian subset of dp_accounting's ``PLDAccountant``, with a cache.
-
-    ``PLDAccountant.compose`` rebuilds the per-round PLD on every call (~0.4 s at a 1e-4 interval),
-    which makes a ledger of many similar rounds, a calibration search or a budget search slow. This
-    class makes the same dp_accounting calls (``from_gaussian_mechanism`` with the sampling
-    probability, ``self_compose``, ``compose``, ``get_epsilon_for_delta``) but memoises the
-    per-round distribution. It accepts only what the ledger produces (NoOp, NonPrivate, Composed /
-    SelfComposed, PoissonSampled(Gaussian)); anything else is reported as unsupported.
-    """
-
-    def __init__(self, neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
-                 value_discretization_interval: float = PLD_VALUE_DISCRETIZATION_INTERVAL):
-        super().__init__(neighboring_relation)
-        self._vdi = value_discretization_interval
-        self._pld: pld_lib.PrivacyLossDistribution | None = None
-        self._non_private = False
-
-    def _maybe_compose(self, event, count, do_compose):
-        details = dp_accounting.PrivacyAccountant.CompositionErrorDetails
-        if isinstance(event, dpe.NoOpDpEvent):
-            return None
-        if isinstance(event, dpe.NonPrivateDpEvent):
-            if do_compose:
-                self._non_private = True
-            return None
-        if isinstance(event, dpe.SelfComposedDpEvent):
-            return self._maybe_compose(event.event, event.count * count, do_compose)
-        if isinstance(event, dpe.ComposedDpEvent):
-            for e in event.events:
-                err = self._maybe_compose(e, count, do_compose)
-                if err is not None:
-                    return err
-            return None
-        if isinstance(event, dpe.PoissonSampledDpEvent) and isinstance(event.event, dpe.GaussianDpEvent):
-            if do_compose and count > 0 and event.sampling_probability > 0:
-                if event.event.noise_multiplier == 0:
-                    self._non_private = True
-                else:
-                    one = _poisson_gaussian_pld(float(event.event.noise_multiplier),
-                                                float(event.sampling_probability),
-                                                self.neighboring_relation, self._vdi)
-                    many = one.self_compose(count) if count > 1 else one
-                    self._pld = many if self._pld is None else self._pld.compose(many)
-            return None
-        return details(invalid_event=event, error_message="Unsupported event.")
-
-    def get_epsilon(self, target_delta: float) -> float:
-        if self._non_private:
-            return math.inf
-        if self._pld is None:
-            return 0.0
-        return float(self._pld.get_epsilon_for_delta(target_delta))
-
-    def get_delta(self, target_epsilon: float) -> float:
-        if self._non_private:
-            return 1.0
-        if self._pld is None:
-            return 0.0
-        return float(self._pld.get_delta_for_epsilon(target_epsilon))
-
-
-def _reference_accountant(name: str, relation: NeighboringRelation) -> dp_accounting.PrivacyAccountant:
-    """The stock dp_accounting accountant whose ``supports()`` decides what ``name`` can account."""
-    if name == "pld":
-        return pld_privacy_accountant.PLDAccountant(relation, PLD_VALUE_DISCRETIZATION_INTERVAL)
-    if name == "rdp":
-        return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
-    return dp_accounting.rdp.RdpAccountant(orders=CLASSIC_RDP_ORDERS, neighboring_relation=relation)
-
-
-def _fresh_accountant(name: str, relation: NeighboringRelation) -> dp_accounting.PrivacyAccountant:
-    if name == "pld":
-        return _CachedPLDAccountant(relation, PLD_VALUE_DISCRETIZATION_INTERVAL)
-    if name == "rdp":
-        return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
-    return _ClassicRdpAccountant(relation)
-
-
-def _accountant_details(name: str) -> dict:
-    if name == "pld":
-        return {"name": "pld", "implementation": "dp_accounting PLD (pessimistic)",
-                "value_discretization_interval": PLD_VALUE_DISCRETIZATION_INTERVAL}
-    if name == "rdp":
-        return {"name": "rdp", "implementation": "dp_accounting RdpAccountant",
-                "orders": [float(o) for o in rdp_privacy_accountant.DEFAULT_RDP_ORDERS],
-                "conversion": "dp_accounting"}
-    return {"name": "rdp-classic", "implementation": "dp_accounting RdpAccountant",
-            "orders": [float(o) for o in CLASSIC_RDP_ORDERS],
-            "conversion": "classic: eps = min_a rdp(a) + log(1/delta)/(a-1)"}
-
-
-def _describe_event(event: dpe.DpEvent) -> str:
-    if isinstance(event, dpe.SampledWithoutReplacementDpEvent):
-        return "fixed-size sampling (SampledWithoutReplacementDpEvent, replace-one relation)"
-    if isinstance(event, dpe.PoissonSampledDpEvent):
-        return f"Poisson sampling of {type(event.event).__name__}"
-    return type(event).__name__
-
-
-def _accountable(name: str, event: dpe.DpEvent, relation: NeighboringRelation) -> dpe.DpEvent:
-    """The event ``name`` composes for ``event``; raises a DPFLError if it cannot.
-
-    For 'pld', several Gaussians under one Poisson sampling (e.g. Andrew et al.'s update plus noised
-    clipped count) become the single equivalent Gaussian, with the multiplier computed by
-    dp_accounting's own helper (the one its RdpAccountant uses; section 3 of arXiv:1812.06210):
-    dp_accounting's PLD accountant has no composed-Gaussian-under-one-sampling event.
-    """
-    if (name == "pld" and isinstance(event, dpe.PoissonSampledDpEvent)
-            and isinstance(event.event, dpe.ComposedDpEvent)):
-        sigma = getattr(rdp_privacy_accountant, "_effective_gaussian_noise_multiplier", lambda e: e)(event.event)
-        if isinstance(sigma, float):
-            event = dp_accounting.PoissonSampledDpEvent(event.sampling_probability,
-                                                        dp_accounting.GaussianDpEvent(sigma))
-    if not _reference_accountant(name, relation).supports(event):
-        hint = "; use accountant 'rdp' or 'rdp-classic'" if name == "pld" else ""
-        raise DPFLError(f"{name} cannot account {_describe_event(event)} "
-                        f"(dp_accounting's accountant does not support it){hint}", field="accountant")
-    return event
-
-
-def event_to_dict(event: dpe.DpEvent) -> dict:
-    """A JSON-able dict of a DpEvent: ``{"type": class name, <its attrs fields>}``, recursively."""
-    def conv(v):
-        if isinstance(v, dpe.DpEvent):
-            return event_to_dict(v)
-        if isinstance(v, (list, tuple)):
-            return [conv(x) for x in v]
-        if isinstance(v, np.generic):
-            return v.item()
-        return v
-    out = {"type": type(event).__name__}
-    for f in attr.fields(type(event)):
-        out[f.name] = conv(getattr(event, f.name))
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# Ledger
 
 
 @dataclass(frozen=True)
@@ -753,184 +372,3 @@ class PrivacyLedger:
                                 claimed_noise_multiplier=r.get("claimed_noise_multipliers"),
                                 covered=r.get("covered", True), round=r.get("round"))
         return ledger
-
-
-# ----------------------------------------------------------------------------------------------------
-# Fixed schedules: the same event every round
-
-
-class EpsilonCurve:
-    """Epsilon after T identical rounds, as a function of T, memoised.
-
-    Each T is one dp_accounting composition with ``count=T`` (for 'pld' a ``self_compose`` of the
-    cached one-round distribution), so a table or a search over T costs one composition per point.
-    """
-
-    def __init__(self, noise_multiplier: float | Sequence[float], sampling: Sampling | float,
-                 delta: float | None, accountant: str = DEFAULT_ACCOUNTANT, dropout_rate: float = 0.0):
-        self.accountant = _check_accountant(accountant)
-        self.sampling = as_sampling(sampling)
-        self.delta = None if delta is None else _check_delta(delta)
-        self.dropout_rate = _check_dropout(dropout_rate)
-        zs = _multipliers(noise_multiplier, "noise_multiplier")
-        assert zs is not None
-        self.noise_multipliers = zs
-        self.effective_multipliers = tuple(z * math.sqrt(1.0 - self.dropout_rate) for z in zs)
-        relation = self.sampling.neighboring_relation
-        self.event = _accountable(self.accountant, _round_event(self.effective_multipliers, self.sampling), relation)
-        self._relation = relation
-        self._cache: dict[int, float] = {}
-
-    def _accountant_after(self, rounds: int) -> dp_accounting.PrivacyAccountant:
-        return _fresh_accountant(self.accountant, self._relation).compose(self.event, rounds)
-
-    def epsilon(self, rounds: int) -> float:
-        rounds = _check_rounds(rounds)
-        if self.delta is None:
-            raise DPFLError("this curve was built without a delta", field="delta")
-        if rounds not in self._cache:
-            self._cache[rounds] = float(self._accountant_after(rounds).get_epsilon(self.delta))
-        return self._cache[rounds]
-
-    def delta_at(self, rounds: int, epsilon: float) -> float:
-        rounds, epsilon = _check_rounds(rounds), _check_epsilon(epsilon)
-        return float(min(self._accountant_after(rounds).get_delta(epsilon), 1.0))
-
-    def max_rounds(self, epsilon_budget: float, max_rounds: int = DEFAULT_MAX_ROUNDS) -> int:
-        """The largest T <= max_rounds with epsilon(T) <= budget (0 if one round already exceeds it).
-
-        A bracketing search on the integers in which every probe is an accountant evaluation.
-        epsilon(T) is smooth and close to a power of T, so the next probe is the root of an inverse
-        quadratic interpolation of log T against log epsilon through the three evaluated points
-        nearest the budget (secant, then bisection, as fallbacks), rounded to the integer that
-        closes the bracket; after 8 such probes it bisects. The result satisfies
-        epsilon(T) <= budget < epsilon(T+1), both evaluated.
-        """
-        budget = _check_epsilon(epsilon_budget, "budget")
-        max_rounds = _check_int(max_rounds, "max_rounds", 1)
-        lo = max((t for t, e in self._cache.items() if e <= budget and t <= max_rounds), default=None)
-        if lo is None:
-            if self.epsilon(1) > budget:
-                return 0
-            lo = 1
-        hi = min((t for t, e in self._cache.items() if e > budget and t > lo), default=None)
-        while hi is None:
-            t = min(lo * 10, max_rounds)
-            if self.epsilon(t) > budget:
-                hi = t
-            elif t == max_rounds:
-                return max_rounds
-            else:
-                lo = t
-        probes = 0
-        while hi - lo > 1:
-            root = self._interpolated_root(budget, lo, hi) if probes < 8 else None
-            if root is None:
-                t = int(round(math.sqrt(lo * hi))) if hi > 4 * lo else (lo + hi) // 2
-            else:
-                t = int(math.floor(root))
-            t = min(max(t, lo + 1), hi - 1)
-            probes += 1
-            if self.epsilon(t) <= budget:
-                lo = t
-            else:
-                hi = t
-        return lo
-
-    def _interpolated_root(self, budget: float, lo: int, hi: int) -> float | None:
-        pts = sorted(((math.log(e), math.log(t)) for t, e in self._cache.items()
-                      if 0 < e < math.inf), key=lambda p: abs(p[0] - math.log(budget)))
-        y0 = math.log(budget)
-        for k in (3, 2):
-            if len(pts) < k:
-                continue
-            sel = pts[:k]
-            ys = [p[0] for p in sel]
-            if len(set(ys)) < k:
-                continue
-            # Lagrange interpolation of log T as a function of log epsilon, evaluated at log budget
-            x = 0.0
-            for i, (yi, xi) in enumerate(sel):
-                w = 1.0
-                for j, (yj, _) in enumerate(sel):
-                    if j != i:
-                        w *= (y0 - yj) / (yi - yj)
-                x += w * xi
-            if math.log(lo) < x < math.log(hi) + 1e-12:
-                root = math.exp(x)
-                if lo < root < hi:
-                    return root
-        return None
-
-
-def epsilon_for(noise_multiplier: float | Sequence[float], sampling: Sampling | float, rounds: int,
-                delta: float, accountant: str = DEFAULT_ACCOUNTANT, dropout_rate: float = 0.0) -> float:
-    """Epsilon after ``rounds`` identical rounds.
-
-    ``sampling``: a Poisson rate q, :class:`PoissonSampling` or :class:`FixedSizeSampling`.
-    ``dropout_rate`` R: each round's surviving multiplier is ``z * sqrt(1 - R)`` (Baek et al. IV.B).
-    """
-    curve = EpsilonCurve(noise_multiplier, sampling, delta, accountant, dropout_rate)
-    return curve.epsilon(_check_rounds(rounds))
-
-
-def delta_for(noise_multiplier: float | Sequence[float], sampling: Sampling | float, rounds: int,
-              epsilon: float, accountant: str = DEFAULT_ACCOUNTANT, dropout_rate: float = 0.0) -> float:
-    """The delta that ``rounds`` identical rounds satisfy at ``epsilon``."""
-    _check_epsilon(epsilon)
-    curve = EpsilonCurve(noise_multiplier, sampling, None, accountant, dropout_rate)
-    return curve.delta_at(_check_rounds(rounds), epsilon)
-
-
-def rounds_within_budget(noise_multiplier: float | Sequence[float], sampling: Sampling | float,
-                         epsilon_budget: float, delta: float, accountant: str = DEFAULT_ACCOUNTANT,
-                         dropout_rate: float = 0.0, max_rounds: int = DEFAULT_MAX_ROUNDS) -> int:
-    """The most rounds whose epsilon stays <= ``epsilon_budget`` (capped at ``max_rounds``)."""
-    curve = EpsilonCurve(noise_multiplier, sampling, delta, accountant, dropout_rate)
-    return curve.max_rounds(epsilon_budget, max_rounds)
-
-
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling: Sampling | float, rounds: int,
-                               accountant: str = DEFAULT_ACCOUNTANT, tol: float = 1e-5) -> float:
-    """The smallest noise multiplier (within ``tol``) whose epsilon after ``rounds`` rounds is <= target.
-
-    Uses ``dp_accounting.calibrate_dp_mechanism``, which never returns a value above the target;
-    the bracket is found first so that z -> 0 (epsilon -> inf) never enters the root finder.
-    """
-    target = _check_epsilon(target_epsilon, "epsilon")
-    delta = _check_delta(delta)
-    samp = as_sampling(sampling)
-    rounds = _check_rounds(rounds)
-    name = _check_accountant(accountant)
-    tol = _check_epsilon(tol, "tol")
-    relation = samp.neighboring_relation
-    _accountable(name, _round_event((1.0,), samp), relation)
-
-    def make_event(z: float) -> dpe.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(_round_event((float(z),), samp), rounds)
-
-    seen: dict[float, float] = {}
-
-    def eps(z: float) -> float:
-        if z not in seen:
-            seen[z] = _fresh_accountant(name, relation).compose(make_event(z)).get_epsilon(delta)
-        return seen[z]
-
-    # Bracket [lo, hi] with eps(lo) > target >= eps(hi), by doubling / halving from z = 1.
-    hi = 1.0
-    while eps(hi) > target:
-        hi *= 2.0
-        if hi > 1e6:
-            raise DPFLError(f"no noise multiplier up to 1e6 reaches epsilon {target:g} after {rounds} rounds",
-                            field="epsilon")
-    lo = hi / 2.0
-    while eps(lo) <= target:
-        hi, lo = lo, lo / 2.0
-        if lo < 1e-4:
-            raise DPFLError(f"epsilon {target:g} is met even with a noise multiplier below 1e-4",
-                            field="epsilon")
-    z = dp_accounting.calibrate_dp_mechanism(
-        lambda: _fresh_accountant(name, relation), make_event, target, delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tol)
-    return float(z)
-

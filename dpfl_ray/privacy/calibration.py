@@ -1,0 +1,194 @@
+"""Fixed schedules -- the same event every round: epsilon, delta, rounds within a budget, and the
+noise multiplier for a target epsilon."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import dp_accounting
+from dp_accounting import dp_event as dpe
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy.accountants import DEFAULT_ACCOUNTANT, _accountable, _check_accountant, _fresh_accountant
+from dpfl_ray.privacy.sampling import Sampling, _multipliers, _round_event, as_sampling
+from dpfl_ray.privacy.validation import _check_delta, _check_dropout, _check_epsilon, _check_int, _check_rounds
+
+DEFAULT_MAX_ROUNDS = 10**7
+
+__all__ = ["EpsilonCurve", "epsilon_for", "delta_for", "calibrate_noise_multiplier", "rounds_within_budget"]
+
+
+class EpsilonCurve:
+    """Epsilon after T identical rounds, as a function of T, memoised.
+
+    Each T is one dp_accounting composition with ``count=T`` (for 'pld' a ``self_compose`` of the
+    cached one-round distribution), so a table or a search over T costs one composition per point.
+    """
+
+    def __init__(self, noise_multiplier: float | Sequence[float], sampling: Sampling | float,
+                 delta: float | None, accountant: str = DEFAULT_ACCOUNTANT, dropout_rate: float = 0.0):
+        self.accountant = _check_accountant(accountant)
+        self.sampling = as_sampling(sampling)
+        self.delta = None if delta is None else _check_delta(delta)
+        self.dropout_rate = _check_dropout(dropout_rate)
+        zs = _multipliers(noise_multiplier, "noise_multiplier")
+        assert zs is not None
+        self.noise_multipliers = zs
+        self.effective_multipliers = tuple(z * math.sqrt(1.0 - self.dropout_rate) for z in zs)
+        relation = self.sampling.neighboring_relation
+        self.event = _accountable(self.accountant, _round_event(self.effective_multipliers, self.sampling), relation)
+        self._relation = relation
+        self._cache: dict[int, float] = {}
+
+    def _accountant_after(self, rounds: int) -> dp_accounting.PrivacyAccountant:
+        return _fresh_accountant(self.accountant, self._relation).compose(self.event, rounds)
+
+    def epsilon(self, rounds: int) -> float:
+        rounds = _check_rounds(rounds)
+        if self.delta is None:
+            raise DPFLError("this curve was built without a delta", field="delta")
+        if rounds not in self._cache:
+            self._cache[rounds] = float(self._accountant_after(rounds).get_epsilon(self.delta))
+        return self._cache[rounds]
+
+    def delta_at(self, rounds: int, epsilon: float) -> float:
+        rounds, epsilon = _check_rounds(rounds), _check_epsilon(epsilon)
+        return float(min(self._accountant_after(rounds).get_delta(epsilon), 1.0))
+
+    def max_rounds(self, epsilon_budget: float, max_rounds: int = DEFAULT_MAX_ROUNDS) -> int:
+        """The largest T <= max_rounds with epsilon(T) <= budget (0 if one round already exceeds it).
+
+        A bracketing search on the integers in which every probe is an accountant evaluation.
+        epsilon(T) is smooth and close to a power of T, so the next probe is the root of an inverse
+        quadratic interpolation of log T against log epsilon through the three evaluated points
+        nearest the budget (secant, then bisection, as fallbacks), rounded to the integer that
+        closes the bracket; after 8 such probes it bisects. The result satisfies
+        epsilon(T) <= budget < epsilon(T+1), both evaluated.
+        """
+        budget = _check_epsilon(epsilon_budget, "budget")
+        max_rounds = _check_int(max_rounds, "max_rounds", 1)
+        lo = max((t for t, e in self._cache.items() if e <= budget and t <= max_rounds), default=None)
+        if lo is None:
+            if self.epsilon(1) > budget:
+                return 0
+            lo = 1
+        hi = min((t for t, e in self._cache.items() if e > budget and t > lo), default=None)
+        while hi is None:
+            t = min(lo * 10, max_rounds)
+            if self.epsilon(t) > budget:
+                hi = t
+            elif t == max_rounds:
+                return max_rounds
+            else:
+                lo = t
+        probes = 0
+        while hi - lo > 1:
+            root = self._interpolated_root(budget, lo, hi) if probes < 8 else None
+            if root is None:
+                t = int(round(math.sqrt(lo * hi))) if hi > 4 * lo else (lo + hi) // 2
+            else:
+                t = int(math.floor(root))
+            t = min(max(t, lo + 1), hi - 1)
+            probes += 1
+            if self.epsilon(t) <= budget:
+                lo = t
+            else:
+                hi = t
+        return lo
+
+    def _interpolated_root(self, budget: float, lo: int, hi: int) -> float | None:
+        pts = sorted(((math.log(e), math.log(t)) for t, e in self._cache.items()
+                      if 0 < e < math.inf), key=lambda p: abs(p[0] - math.log(budget)))
+        y0 = math.log(budget)
+        for k in (3, 2):
+            if len(pts) < k:
+                continue
+            sel = pts[:k]
+            ys = [p[0] for p in sel]
+            if len(set(ys)) < k:
+                continue
+            # Lagrange interpolation of log T as a function of log epsilon, evaluated at log budget
+            x = 0.0
+            for i, (yi, xi) in enumerate(sel):
+                w = 1.0
+                for j, (yj, _) in enumerate(sel):
+                    if j != i:
+                        w *= (y0 - yj) / (yi - yj)
+                x += w * xi
+            if math.log(lo) < x < math.log(hi) + 1e-12:
+                root = math.exp(x)
+                if lo < root < hi:
+                    return root
+        return None
+
+
+def epsilon_for(noise_multiplier: float | Sequence[float], sampling: Sampling | float, rounds: int,
+                delta: float, accountant: str = DEFAULT_ACCOUNTANT, dropout_rate: float = 0.0) -> float:
+    """Epsilon after ``rounds`` identical rounds.
+
+    ``sampling``: a Poisson rate q, :class:`PoissonSampling` or :class:`FixedSizeSampling`.
+    ``dropout_rate`` R: each round's surviving multiplier is ``z * sqrt(1 - R)`` (Baek et al. IV.B).
+    """
+    curve = EpsilonCurve(noise_multiplier, sampling, delta, accountant, dropout_rate)
+    return curve.epsilon(_check_rounds(rounds))
+
+
+def delta_for(noise_multiplier: float | Sequence[float], sampling: Sampling | float, rounds: int,
+              epsilon: float, accountant: str = DEFAULT_ACCOUNTANT, dropout_rate: float = 0.0) -> float:
+    """The delta that ``rounds`` identical rounds satisfy at ``epsilon``."""
+    _check_epsilon(epsilon)
+    curve = EpsilonCurve(noise_multiplier, sampling, None, accountant, dropout_rate)
+    return curve.delta_at(_check_rounds(rounds), epsilon)
+
+
+def rounds_within_budget(noise_multiplier: float | Sequence[float], sampling: Sampling | float,
+                         epsilon_budget: float, delta: float, accountant: str = DEFAULT_ACCOUNTANT,
+                         dropout_rate: float = 0.0, max_rounds: int = DEFAULT_MAX_ROUNDS) -> int:
+    """The most rounds whose epsilon stays <= ``epsilon_budget`` (capped at ``max_rounds``)."""
+    curve = EpsilonCurve(noise_multiplier, sampling, delta, accountant, dropout_rate)
+    return curve.max_rounds(epsilon_budget, max_rounds)
+
+
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling: Sampling | float, rounds: int,
+                               accountant: str = DEFAULT_ACCOUNTANT, tol: float = 1e-5) -> float:
+    """The smallest noise multiplier (within ``tol``) whose epsilon after ``rounds`` rounds is <= target.
+
+    Uses ``dp_accounting.calibrate_dp_mechanism``, which never returns a value above the target;
+    the bracket is found first so that z -> 0 (epsilon -> inf) never enters the root finder.
+    """
+    target = _check_epsilon(target_epsilon, "epsilon")
+    delta = _check_delta(delta)
+    samp = as_sampling(sampling)
+    rounds = _check_rounds(rounds)
+    name = _check_accountant(accountant)
+    tol = _check_epsilon(tol, "tol")
+    relation = samp.neighboring_relation
+    _accountable(name, _round_event((1.0,), samp), relation)
+
+    def make_event(z: float) -> dpe.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(_round_event((float(z),), samp), rounds)
+
+    seen: dict[float, float] = {}
+
+    def eps(z: float) -> float:
+        if z not in seen:
+            seen[z] = _fresh_accountant(name, relation).compose(make_event(z)).get_epsilon(delta)
+        return seen[z]
+
+    # Bracket [lo, hi] with eps(lo) > target >= eps(hi), by doubling / halving from z = 1.
+    hi = 1.0
+    while eps(hi) > target:
+        hi *= 2.0
+        if hi > 1e6:
+            raise DPFLError(f"no noise multiplier up to 1e6 reaches epsilon {target:g} after {rounds} rounds",
+                            field="epsilon")
+    lo = hi / 2.0
+    while eps(lo) <= target:
+        hi, lo = lo, lo / 2.0
+        if lo < 1e-4:
+            raise DPFLError(f"epsilon {target:g} is met even with a noise multiplier below 1e-4",
+                            field="epsilon")
+    z = dp_accounting.calibrate_dp_mechanism(
+        lambda: _fresh_accountant(name, relation), make_event, target, delta,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tol)
+    return float(z)

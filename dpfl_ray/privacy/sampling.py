@@ -1,0 +1,163 @@
+"""Sampling schemes and the dp_accounting event that describes one round.
+
+Sampling and neighbouring relations
+-----------------------------------
+:class:`PoissonSampling` (each client joins a round independently with probability ``rate``) is
+accounted as ``PoissonSampledDpEvent`` under the **add/remove-one-client** relation.
+:class:`FixedSizeSampling` (a uniformly random cohort of exactly ``m`` of the ``K`` clients) is
+accounted as ``SampledWithoutReplacementDpEvent`` under the **replace-one-client** relation. The two
+epsilons are not comparable, so one ledger never mixes them, and an accountant that cannot handle an
+event (dp_accounting's PLD accountant and fixed-size cohorts, for one) is refused with a
+:class:`~dpfl_ray.errors.DPFLError` naming the ``accountant`` field.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import attr
+import dp_accounting
+import numpy as np
+from dp_accounting import NeighboringRelation
+from dp_accounting import dp_event as dpe
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy.validation import _check_dropout, _check_int, _check_noise, _check_rate, _is_real
+
+__all__ = ["PoissonSampling", "FixedSizeSampling", "Sampling", "as_sampling",
+           "effective_noise_multiplier", "event_to_dict"]
+
+
+@dataclass(frozen=True)
+class PoissonSampling:
+    """Each client takes part in a round independently with probability ``rate`` in (0, 1].
+
+    Accounted as dp_accounting's ``PoissonSampledDpEvent`` under the add/remove-one-client
+    neighbouring relation (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
+    """
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rate", _check_rate(self.rate, "sampling_rate"))
+
+    neighboring_relation = NeighboringRelation.ADD_OR_REMOVE_ONE
+
+    def wrap(self, inner: dpe.DpEvent) -> dpe.DpEvent:
+        return dp_accounting.PoissonSampledDpEvent(sampling_probability=self.rate, event=inner)
+
+    def to_dict(self) -> dict:
+        return {"kind": "poisson", "rate": self.rate, "neighboring_relation": "add_or_remove_one"}
+
+    def describe(self) -> str:
+        return f"Poisson sampling q={self.rate:g}"
+
+
+@dataclass(frozen=True)
+class FixedSizeSampling:
+    """A uniformly random cohort of exactly ``clients_per_round`` of the ``num_clients`` clients.
+
+    Accounted as dp_accounting's ``SampledWithoutReplacementDpEvent`` under the replace-one-client
+    neighbouring relation (``NeighboringRelation.REPLACE_ONE``): the population size is public and a
+    neighbouring population swaps one client's data for another's. ``clients_per_round=0`` (nobody
+    sampled) is allowed and releases nothing.
+    """
+
+    clients_per_round: int
+    num_clients: int
+
+    def __post_init__(self) -> None:
+        k = _check_int(self.num_clients, "num_clients", 1)
+        m = _check_int(self.clients_per_round, "clients_per_round", 0)
+        if m > k:
+            raise DPFLError(f"must be <= num_clients ({k}), got {m}", field="clients_per_round")
+        object.__setattr__(self, "num_clients", k)
+        object.__setattr__(self, "clients_per_round", m)
+
+    neighboring_relation = NeighboringRelation.REPLACE_ONE
+
+    @property
+    def rate(self) -> float:
+        return self.clients_per_round / self.num_clients
+
+    def wrap(self, inner: dpe.DpEvent) -> dpe.DpEvent:
+        return dp_accounting.SampledWithoutReplacementDpEvent(
+            source_dataset_size=self.num_clients, sample_size=self.clients_per_round, event=inner)
+
+    def to_dict(self) -> dict:
+        return {"kind": "fixed_size", "clients_per_round": self.clients_per_round,
+                "num_clients": self.num_clients, "neighboring_relation": "replace_one"}
+
+    def describe(self) -> str:
+        return f"fixed-size cohorts of {self.clients_per_round} out of {self.num_clients}"
+
+
+Sampling = Union[PoissonSampling, FixedSizeSampling]
+
+
+def as_sampling(sampling: Sampling | float | dict, field: str = "sampling_rate") -> Sampling:
+    """A float is a Poisson rate; a dict is the output of ``Sampling.to_dict()``."""
+    if isinstance(sampling, (PoissonSampling, FixedSizeSampling)):
+        return sampling
+    if isinstance(sampling, dict):
+        kind = sampling.get("kind")
+        if kind == "poisson":
+            return PoissonSampling(sampling["rate"])
+        if kind == "fixed_size":
+            return FixedSizeSampling(sampling["clients_per_round"], sampling["num_clients"])
+        raise DPFLError(f"unknown sampling kind {kind!r}", field="sampling")
+    if _is_real(sampling):
+        return PoissonSampling(_check_rate(sampling, field))
+    raise DPFLError(f"expected a Poisson rate or a sampling object, got {sampling!r}", field="sampling")
+
+
+def _multipliers(z: float | Sequence[float] | None, field: str) -> tuple[float, ...] | None:
+    if z is None:
+        return None
+    if _is_real(z):
+        return (_check_noise(z, field),)
+    zs = tuple(z)
+    if not zs:
+        raise DPFLError("needs at least one noise multiplier", field=field)
+    return tuple(_check_noise(v, field) for v in zs)
+
+
+def _gaussians(zs: tuple[float, ...]) -> dpe.DpEvent:
+    # float() matters: dp_accounting's effective-multiplier helper silently mishandles ints.
+    if len(zs) == 1:
+        return dp_accounting.GaussianDpEvent(float(zs[0]))
+    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(float(z)) for z in zs])
+
+
+def _round_event(zs: tuple[float, ...] | None, sampling: Sampling | None) -> dpe.DpEvent:
+    if zs is None or sampling is None:
+        return dp_accounting.NoOpDpEvent()
+    if isinstance(sampling, FixedSizeSampling) and sampling.clients_per_round == 0:
+        return dp_accounting.NoOpDpEvent()
+    return sampling.wrap(_gaussians(zs))
+
+
+def effective_noise_multiplier(noise_multiplier: float, dropout_rate: float = 0.0) -> float:
+    """The multiplier that survives dropouts: ``z * sqrt(1 - R)`` (Baek et al., section IV.B).
+
+    Noise calibrated for n clients but summed over the n' = (1 - R) n survivors without
+    re-calibration has variance n'/n of the planned one.
+    """
+    return _check_noise(noise_multiplier) * math.sqrt(1.0 - _check_dropout(dropout_rate))
+
+
+def event_to_dict(event: dpe.DpEvent) -> dict:
+    """A JSON-able dict of a DpEvent: ``{"type": class name, <its attrs fields>}``, recursively."""
+    def conv(v):
+        if isinstance(v, dpe.DpEvent):
+            return event_to_dict(v)
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, np.generic):
+            return v.item()
+        return v
+    out = {"type": type(event).__name__}
+    for f in attr.fields(type(event)):
+        out[f.name] = conv(getattr(event, f.name))
+    return out
