@@ -61,6 +61,9 @@ def run(
                     acc = ev.get("test_accuracy")
                     status = f"acc {acc:.4f} loss {ev['test_loss']:.4f}" if acc is not None else ""
                     status += f" survived {ev['survived']}/{ev['sampled']}"
+                    if ev.get("epsilon") is not None or "epsilon_nominal" in ev:
+                        eps = ev.get("epsilon")
+                        status += f" eps {eps:.3f}" if eps is not None else f" eps n/a (nominal {ev['epsilon_nominal']:.3f})"
                     progress.update(task, completed=ev["round"], status=status)
 
             summary = run_scenario(sc, fed, record, on_event=on_event)
@@ -70,5 +73,11 @@ def run(
     acc = summary["final_accuracy"]
     console.print(f"{summary['stop_reason']}: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f}s, "
                   f"final test accuracy {acc if acc is None else f'{acc:.4f}'}; files in {record.path}")
+    if "epsilon" in summary:
+        eps = summary["epsilon"]
+        console.print(f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'} at delta {summary['delta']:g} "
+                      f"({summary['accountant']}, z={summary['noise_multiplier']:.4f})"
+                      + ("" if summary.get("dp_covered", True) else
+                         f"; NOT covered by DP (median clipping), nominal {summary.get('epsilon_nominal', 0):.4f}"))
     if summary["stop_reason"] == "interrupted":
         raise typer.Exit(130)

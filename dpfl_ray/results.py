@@ -71,11 +71,7 @@ class RunRecord:
         rows = [r for r in self.rounds if r.get("test_accuracy") is not None]
         if not rows:
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = _pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["round"] for r in rows], [r["test_accuracy"] for r in rows], marker=".")
         ax.set_xlabel("round")
@@ -86,9 +82,36 @@ class RunRecord:
         fig.savefig(self.path / "accuracy.png", dpi=100)
         plt.close(fig)
 
+    def plot_privacy(self) -> None:
+        """Accuracy against epsilon spent so far (the nominal epsilon where rounds are not covered)."""
+        rows = [r for r in self.rounds if r.get("test_accuracy") is not None
+                and (r.get("epsilon") is not None or r.get("epsilon_nominal") is not None)]
+        if not rows:
+            return
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        eps = [r["epsilon"] if r.get("epsilon") is not None else r["epsilon_nominal"] for r in rows]
+        nominal = any(r.get("epsilon") is None for r in rows)
+        ax.plot(eps, [r["test_accuracy"] for r in rows], marker=".")
+        ax.set_xlabel("epsilon" + (" (nominal: rounds not covered by DP)" if nominal else ""))
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.path / "privacy.png", dpi=100)
+        plt.close(fig)
+
     def close(self) -> None:
         if not self._rounds_file.closed:
             self._rounds_file.close()
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _jsonable(obj):

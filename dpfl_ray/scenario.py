@@ -54,7 +54,7 @@ class ModelConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    algorithm: Literal["fedavg"] = "fedavg"
+    algorithm: Literal["fedavg", "dp_fedavg"] = "fedavg"
     rounds: int = Field(50, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
@@ -77,10 +77,32 @@ class SamplingConfig(_Section):
         return self
 
 
-class PrivacyConfig(_Section):
-    """Client-level DP arrives with the ledger (issue 3); until then only 'off' is accepted."""
+class ClippingConfig(_Section):
+    mode: Literal["fixed", "median", "adaptive"] = "fixed"
+    norm: float = Field(1.0, gt=0, description="S (fixed), or the initial S (adaptive)")
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="adaptive: gamma (Andrew et al. 2019)")
+    learning_rate: float = Field(0.2, gt=0, description="adaptive: eta_C of the geometric update")
+    count_noise_multiplier: float | None = Field(
+        None, gt=0, description="adaptive: sigma_b of the clipped-count query; default expected cohort / 20")
 
-    enabled: Literal[False] = False
+
+class GeyerRuleConfig(_Section):
+    """Geyer et al. 2017: fix epsilon, stop before delta(epsilon) would exceed the threshold Q."""
+
+    epsilon: float = Field(8.0, gt=0)
+    delta_threshold: float = Field(..., gt=0, lt=1)
+
+
+class PrivacyConfig(_Section):
+    """Client-level DP (used by training.algorithm: dp_fedavg). Every epsilon comes from the ledger."""
+
+    noise_multiplier: float | None = Field(None, gt=0, description="z: noise std = z * S on the sum")
+    clipping: ClippingConfig = ClippingConfig()
+    denominator: Literal["expected", "actual"] = "expected"
+    accountant: Literal["pld", "rdp", "rdp-classic"] = "pld"
+    delta: float = Field(1e-5, gt=0, lt=1)
+    target_epsilon: float | None = Field(None, gt=0, description="budget: stop before exceeding it")
+    geyer: GeyerRuleConfig | None = None
 
 
 class SecAggConfig(_Section):
@@ -138,6 +160,21 @@ class Scenario(_Section):
     faults: FaultsConfig = FaultsConfig()
     resources: ResourcesConfig = ResourcesConfig()
     output: OutputConfig = OutputConfig()
+
+    @model_validator(mode="after")
+    def _privacy_checks(self):
+        p = self.privacy
+        if self.training.algorithm == "dp_fedavg":
+            if p.noise_multiplier is None and p.target_epsilon is None:
+                raise ValueError("privacy.noise_multiplier: dp_fedavg needs a noise multiplier "
+                                 "(or privacy.target_epsilon to calibrate one)")
+            if self.sampling.mode == "fixed" and p.accountant == "pld":
+                raise ValueError("privacy.accountant: pld cannot account fixed-size cohorts (sampling without "
+                                 "replacement); use rdp or rdp-classic, or sampling.mode: poisson")
+            if self.secagg.enabled and p.clipping.mode == "median":
+                raise ValueError("privacy.clipping.mode: median needs every client's update norm, which "
+                                 "secure aggregation hides")
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self):

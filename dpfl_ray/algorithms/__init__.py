@@ -1,13 +1,16 @@
 """Algorithms of the papers, each plugged into the coordinator's round."""
-from .base import Aggregate, weighted_sum
+from .base import Aggregate, client_vector, weighted_sum
+from .dp_fedavg import DPFedAvg
 from .fedavg import FedAvg
 
 
-def make_algorithm(scenario):
+def make_algorithm(scenario, weights, noise_multiplier: float | None = None):
     name = scenario.training.algorithm
     if name == "fedavg":
         return FedAvg()
+    if name == "dp_fedavg":
+        return DPFedAvg(scenario, weights, noise_multiplier or scenario.privacy.noise_multiplier)
     raise ValueError(f"unknown algorithm {name!r}")
 
 
-__all__ = ["Aggregate", "FedAvg", "make_algorithm", "weighted_sum"]
+__all__ = ["Aggregate", "DPFedAvg", "FedAvg", "client_vector", "make_algorithm", "weighted_sum"]

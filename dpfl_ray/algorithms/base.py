@@ -30,3 +30,17 @@ def weighted_sum(updates: dict[int, np.ndarray], weights) -> tuple[np.ndarray, f
         total = term if total is None else total + term
         wsum += w
     return total, wsum
+
+
+def client_vector(update: np.ndarray, spec: dict) -> np.ndarray:
+    """What a client sends for an algorithm's ``client_spec``: its update clipped to
+    ``clip_norm``, with the clipped-count indicator b_i - 1/2 appended when ``indicator`` is set
+    (Andrew et al. 2019). An empty spec sends the update as it is."""
+    if not spec.get("clip_norm"):
+        return update
+    from ..privacy import clip_by_l2
+
+    clipped, norm = clip_by_l2(update, spec["clip_norm"])
+    if spec.get("indicator"):
+        return np.append(clipped, np.float32(0.5 if norm <= spec["clip_norm"] else -0.5))
+    return clipped

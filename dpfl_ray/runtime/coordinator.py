@@ -13,11 +13,12 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from ..algorithms import make_algorithm
+from ..algorithms import Aggregate, make_algorithm
 from ..faults import plan_round
 from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
 from ..scenario import Scenario
+from .privacy import RunPrivacy
 from .resources import assign_clients, plan_pool
 from .secagg_round import secagg_round
 from .workers import make_worker_class
@@ -35,7 +36,10 @@ class Coordinator:
         self.weights = ray.get(data["weights"])
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
         self.theta = get_flat(self.model)
-        self.algorithm = make_algorithm(self.sc)
+        self.privacy = RunPrivacy(self.sc, self.weights) if self.sc.training.algorithm != "fedavg" else None
+        self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None)
+        if self.privacy:
+            self.privacy.bind(self.algorithm)
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -77,6 +81,9 @@ class Coordinator:
     def final_model(self) -> np.ndarray:
         return self.theta
 
+    def ledger(self) -> dict | None:
+        return self.privacy.to_dict() if self.privacy else None
+
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
         # A pool started earlier is not probed again: a dead worker surfaces in its round, as a crash.
@@ -87,6 +94,9 @@ class Coordinator:
         for t in range(tr.rounds):
             if self._stop.is_set():
                 stop_reason = "interrupted"
+                break
+            if self.privacy and not self.privacy.next_round_fits(t):
+                stop_reason = "privacy_budget_exhausted"
                 break
             record = self._round(t, last_eval)
             last_eval = (record["test_accuracy"], record["test_loss"])
@@ -103,16 +113,20 @@ class Coordinator:
         dropped = dict(faults.dropped)
         extra: dict = {}
         if sc.secagg.enabled and active:
-            out = secagg_round(self, t, theta_ref, active, faults)
+            out = secagg_round(self, t, theta_ref, active, faults, self.algorithm.client_spec())
             dropped.update(out["lost"])
             self._replace(out["dead"])
             survivors, extra = out["survivors"], out["record"]
-            agg = (self.algorithm.from_sum(out["sum"], sum(float(self.weights[c]) for c in survivors))
-                   if out["sum"] is not None else self.algorithm.from_sum(None, 0.0, self.theta.size))
+            if out["sum"] is None:  # aborted: nothing was released, the model stays
+                agg, released = Aggregate(np.zeros_like(self.theta), 0.0), False
+            else:
+                agg, released = self.algorithm.from_sum(out["sum"], sum(float(self.weights[c]) for c in survivors),
+                                                        self.theta.size, t), True
         else:
             updates = self._plain_updates(t, theta_ref, active, faults, dropped)
-            survivors = sorted(updates)
-            agg = self.algorithm.aggregate(updates, self.weights, self.theta.size)
+            survivors, released = sorted(updates), True
+            agg = self.algorithm.aggregate(updates, self.weights, self.theta.size, t)
+        extra.update(self.privacy.account(t, released) if self.privacy else {})
         self.theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         acc, loss = last_eval
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:

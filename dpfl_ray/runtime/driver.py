@@ -87,6 +87,19 @@ def _finish(scenario, fed, record, coord, stop_reason, error, wall) -> dict:
     if error:
         summary["error"] = error
     try:
+        ledger = ray.get(coord.ledger.remote(), timeout=60)
+    except ray.exceptions.RayError:
+        ledger = None
+    if ledger is not None:
+        record.write_json("ledger.json", ledger)
+        last = rounds[-1] if rounds else {}
+        summary.update(epsilon=last.get("epsilon"), delta=scenario.privacy.delta,
+                       accountant=scenario.privacy.accountant, dp_covered=ledger.get("fully_covered"),
+                       noise_multiplier=ledger.get("noise_multiplier"))
+        if "epsilon_nominal" in last:
+            summary["epsilon_nominal"] = last["epsilon_nominal"]
+        record.plot_privacy()
+    try:
         theta = ray.get(coord.final_model.remote(), timeout=60)
         model = build_model(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed)
         set_flat(model, theta)

@@ -49,7 +49,7 @@ class _Phases:
             self.lost[cid] = why
 
 
-def secagg_round(coord, t: int, theta_ref, active: list[int], faults) -> dict:
+def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict) -> dict:
     """Securely sum w_i * Delta_i over ``active`` clients (those that trained). Returns the decoded
     sum, the survivors (whose masked input reached the server), and the round's SecAgg record."""
     sc, sa = coord.sc, coord.sc.secagg
@@ -58,7 +58,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults) -> dict:
     threshold = min(sa.threshold, n) if sa.threshold else None
     config = SecAggConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold, round_id=t,
                           graph_seed=sc.seed, degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
-                          dim=int(coord.theta.size))
+                          dim=int(coord.theta.size) + (1 if spec.get("indicator") else 0))
     server = SecAggServer(config)
     leave = {c: SECAGG_PHASE[p] for c, p in faults.dropped.items() if p in SECAGG_PHASE and c in index}
     assignment = {w: ids for w, ids in zip(coord.workers, assign_clients(active, coord.sizes, len(coord.workers)))
@@ -77,7 +77,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults) -> dict:
     try:
         replies = timed("advertise", lambda: phases.call("advertise", lambda w, ids: w.secagg_start.remote(
             t, theta_ref, {c: index[c] for c in ids}, {c: leave[c] for c in ids if c in leave}, config,
-            {c: weights[c] for c in ids}, encoding)))
+            {c: weights[c] for c in ids}, encoding, spec)))
         record["secagg_clipped"] = sum(e["clipped"] for r in replies for e in r["clip_events"])
         keys = timed("advertise_server", lambda: server.receive_keys(m for r in replies for m in r["messages"]))
         replies = timed("share", lambda: phases.call("share", lambda w, ids: w.secagg_share.remote(keys)))

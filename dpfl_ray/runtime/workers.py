@@ -14,6 +14,7 @@ import ray
 import torch
 
 from .. import rng as rngmod
+from ..algorithms.base import client_vector
 from ..local import local_update
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import SecAggClient, encode, presum_masked
@@ -62,7 +63,7 @@ class ClientWorker:
 
     # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
     def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict,
-                     config, weights: dict, encoding: dict) -> dict:
+                     config, weights: dict, encoding: dict, spec: dict) -> dict:
         """Train, encode w_i * Delta_i into Z_2^b, and advertise keys (Bonawitz et al. Round 0).
 
         ``clients`` maps client id -> protocol index; ``leave`` maps client id -> the SecAgg phase
@@ -71,7 +72,7 @@ class ClientWorker:
         self._sa = {"clients": {}, "inputs": {}, "clip_events": [],
                     "leave": {clients[c]: PROTOCOL_PHASES.index(p) for c, p in leave.items() if c in clients}}
         for cid, idx in clients.items():
-            value = self._local(round_idx, theta, cid) * np.float32(weights[cid])
+            value = client_vector(self._local(round_idx, theta, cid), spec) * np.float32(weights[cid])
             enc = encode(value, bits=config.bits, scale=encoding["scale"], n_summands=encoding["n_summands"],
                          rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
                          overflow="clip" if encoding["overflow"] == "clip" else "raise")

@@ -17,13 +17,13 @@ from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, Sampl
 def test_fedavg_is_the_weighted_mean():
     ups = {3: np.array([1.0, 0.0], np.float32), 1: np.array([0.0, 4.0], np.float32)}
     w = np.array([0, 0.5, 0, 1.0])
-    agg = FedAvg().aggregate(ups, w, 2)
+    agg = FedAvg().aggregate(ups, w, 2, 0)
     np.testing.assert_allclose(agg.delta, [1.0 / 1.5, 2.0 / 1.5], rtol=1e-6)
     assert agg.weight_sum == 1.5
 
 
 def test_fedavg_without_survivors_does_not_move():
-    agg = FedAvg().aggregate({}, np.ones(3), 5)
+    agg = FedAvg().aggregate({}, np.ones(3), 5, 0)
     assert agg.weight_sum == 0 and not agg.delta.any()
 
 

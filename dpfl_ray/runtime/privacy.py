@@ -1,0 +1,67 @@
+"""The run's privacy bookkeeping: one PrivacyLedger fed by the algorithm's actual mechanism each
+round, and the budget rules that stop a run *before* a round that would break them."""
+from __future__ import annotations
+
+import math
+
+from ..privacy import PrivacyLedger, calibrate_noise_multiplier
+
+
+class RunPrivacy:
+    def __init__(self, scenario, weights):
+        self.sc = scenario
+        p = scenario.privacy
+        self.ledger = PrivacyLedger(accountant=p.accountant, delta=p.delta)
+        # A shadow ledger runs one round ahead, so budgets are checked before a round runs. It books
+        # every round as covered: budget rules (Geyer's too) apply to the nominal mechanism, while
+        # the real ledger still says when a round is not covered by the DP guarantee.
+        self.shadow = PrivacyLedger(accountant=p.accountant, delta=p.delta)
+        self.noise_multiplier = p.noise_multiplier
+        self.calibrated = False
+        self.algorithm = None
+        if self.noise_multiplier is None:
+            s = scenario.sampling
+            sampling = ({"rate": s.rate} if s.mode == "poisson"
+                        else {"clients_per_round": s.clients_per_round, "num_clients": len(weights)})
+            self.noise_multiplier = calibrate_noise_multiplier(
+                p.target_epsilon, p.delta, sampling, scenario.training.rounds, p.accountant)
+            self.calibrated = True
+
+    def bind(self, algorithm) -> None:
+        self.algorithm = algorithm
+
+    def _reason(self) -> str:
+        return f"{self.algorithm.name}, clipping={self.sc.privacy.clipping.mode}"
+
+    def next_round_fits(self, t: int) -> bool:
+        """Record round t's mechanism on the shadow ledger and check the budgets there."""
+        a, p = self.algorithm, self.sc.privacy
+        self.shadow.record_round(a.multipliers, a.sampling, reason=self._reason(), round=t + 1)
+        if p.target_epsilon is not None and self.shadow.epsilon() > p.target_epsilon:
+            return False
+        return p.geyer is None or self.shadow.delta_for_epsilon(p.geyer.epsilon) <= p.geyer.delta_threshold
+
+    def account(self, t: int, released: bool) -> dict:
+        """Ledger event of round t; the figures that go into its rounds.jsonl row."""
+        a, p = self.algorithm, self.sc.privacy
+        if released:
+            self.ledger.record_round(a.multipliers, a.sampling, reason=self._reason(), covered=a.covered, round=t + 1)
+        else:
+            self.ledger.record_no_release("secure aggregation aborted", round=t + 1)
+        eps = self.ledger.epsilon()
+        row = {"epsilon": None if math.isinf(eps) else eps, "dp_covered": self.ledger.fully_covered}
+        if not self.ledger.fully_covered:
+            row["epsilon_nominal"] = self.ledger.claimed_epsilon()
+        if p.geyer is not None:
+            row["delta_at_epsilon"] = self.shadow_delta_now(t)
+        return row
+
+    def shadow_delta_now(self, t: int) -> float:
+        """Nominal delta at Geyer's epsilon after round t (the shadow holds exactly t+1 rounds now)."""
+        return self.shadow.delta_for_epsilon(self.sc.privacy.geyer.epsilon)
+
+    def to_dict(self) -> dict:
+        out = self.ledger.to_dict()
+        out["noise_multiplier"] = self.noise_multiplier
+        out["noise_multiplier_calibrated"] = self.calibrated
+        return out
