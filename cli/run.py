@@ -25,6 +25,7 @@ def run(
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default: a private local Ray)"),
 ) -> None:
     """Train a federation as the scenario says and write its run directory."""
+    from dpfl_ray.algorithms import make_algorithm
     from dpfl_ray.data import build_federation
     from dpfl_ray.models import build_model
     from dpfl_ray.results import RunRecord, default_run_dir
@@ -34,6 +35,8 @@ def run(
     # Everything that can be wrong with the scenario is found before a file is written.
     fed = build_federation(sc)
     build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    if sc.privacy.noise_multiplier is not None:
+        make_algorithm(sc, fed.weights)  # catches impossible mechanism parameters
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     RunRecord.check_new(run_dir)
 

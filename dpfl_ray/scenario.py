@@ -83,7 +83,7 @@ class ClippingConfig(_Section):
     target_quantile: float = Field(0.5, gt=0, lt=1, description="adaptive: gamma (Andrew et al. 2019)")
     learning_rate: float = Field(0.2, gt=0, description="adaptive: eta_C of the geometric update")
     count_noise_multiplier: float | None = Field(
-        None, gt=0, description="adaptive: sigma_b of the clipped-count query; default expected cohort / 20")
+        None, gt=0, description="adaptive: sigma_b of the clipped-count query; default max(expected cohort / 20, z)")
 
 
 class GeyerRuleConfig(_Section):
@@ -111,10 +111,17 @@ class SecAggConfig(_Section):
     enabled: bool = False
     protocol: Literal["secagg", "secagg+"] = "secagg"
     bits: Literal[32, 64] = 64
-    scale: float = Field(2.0 ** 24, gt=0, description="fixed-point scale: value * scale is rounded")
+    scale: float | None = Field(
+        None, gt=0, description="fixed-point scale; default 2^40 for 64-bit words, 2^16 for 32-bit")
     overflow: Literal["error", "clip"] = "error"
     threshold: int | None = Field(None, ge=1, description="t; default floor(2n/3)+1 (secagg)")
     degree: int | None = Field(None, ge=2, description="secagg+ neighbours; default ceil(8 log2 n), even")
+    @property
+    def resolved_scale(self) -> float:
+        # 2^40 leaves 2^23 / n of headroom per summand in 64 bits and rounds far below float32's
+        # resolution, so SecAgg reproduces the plain model bit for bit in practice.
+        return self.scale if self.scale is not None else (2.0 ** 40 if self.bits == 64 else 2.0 ** 16)
+
     phase_timeout_seconds: float | None = Field(
         None, gt=0, description="a worker that misses a phase's deadline drops its clients in that phase")
 

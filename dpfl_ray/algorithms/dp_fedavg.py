@@ -52,7 +52,8 @@ class DPFedAvg:
         self.count_sigma = None
         self.update_z = self.z
         if p.clipping.mode == "adaptive":
-            self.count_sigma = p.clipping.count_noise_multiplier or self.expected_count / 20.0
+            # Andrew et al. suggest sigma_b = m/20; small cohorts need sigma_b >= z so that 2*sigma_b > z.
+            self.count_sigma = p.clipping.count_noise_multiplier or max(self.expected_count / 20.0, self.z)
             self.update_z = split_noise_multiplier(self.z, self.count_sigma)
 
     # -- what each client does to its update before it leaves (also used for SecAgg on workers) --

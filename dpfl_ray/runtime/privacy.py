@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..privacy import PrivacyLedger, calibrate_noise_multiplier
+from ..privacy import FixedSizeSampling, PoissonSampling, PrivacyLedger, calibrate_noise_multiplier
 
 
 class RunPrivacy:
@@ -21,8 +21,8 @@ class RunPrivacy:
         self.algorithm = None
         if self.noise_multiplier is None:
             s = scenario.sampling
-            sampling = ({"rate": s.rate} if s.mode == "poisson"
-                        else {"clients_per_round": s.clients_per_round, "num_clients": len(weights)})
+            sampling = (PoissonSampling(s.rate) if s.mode == "poisson"
+                        else FixedSizeSampling(s.clients_per_round, len(weights)))
             self.noise_multiplier = calibrate_noise_multiplier(
                 p.target_epsilon, p.delta, sampling, scenario.training.rounds, p.accountant)
             self.calibrated = True

@@ -64,7 +64,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict
     assignment = {w: ids for w, ids in zip(coord.workers, assign_clients(active, coord.sizes, len(coord.workers)))
                   if ids}
     phases = _Phases(assignment, sa.phase_timeout_seconds)
-    encoding = {"scale": sa.scale, "overflow": sa.overflow, "n_summands": n}
+    encoding = {"scale": sa.resolved_scale, "overflow": sa.overflow, "n_summands": n}
     seconds, record = {}, {"secagg_protocol": sa.protocol, "secagg_threshold": server_threshold(config)}
 
     def timed(phase, fn):
@@ -97,8 +97,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict
         secagg_seconds=seconds,
         secagg_bytes_per_client=round(float(np.mean(client_bytes)), 1) if client_bytes else 0.0,
         secagg_server_bytes_received=int(server.bytes_received),
-        secagg_rounding_bound=rounding_error_bound(n, sa.scale))
-    return {"sum": decode(total, bits=sa.bits, scale=sa.scale), "survivors": survivors, "record": record,
+        secagg_rounding_bound=rounding_error_bound(n, sa.resolved_scale))
+    return {"sum": decode(total, bits=sa.bits, scale=sa.resolved_scale), "survivors": survivors, "record": record,
             "lost": phases.lost, "dead": phases.dead}
 
 

@@ -1,0 +1,224 @@
+"""Compare finished runs side by side: the logic behind ``dpfl report``.
+
+The report answers "what did privacy cost?" for a handful of run directories, in the style of the
+paper's Figure 2: test accuracy per round next to epsilon per round, plus accuracy against epsilon.
+Where a run records both the effective epsilon (what the accountant can prove for the rounds that
+actually ran) and a claimed one (``epsilon_claimed``), the two are drawn together so the gap shows.
+
+This module reads run directories, builds table rows and draws PNGs; it prints nothing.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DPFLError
+from .results import _pyplot
+
+COLUMNS = ["run", "scenario", "rounds", "stop_reason", "final_accuracy", "best_accuracy", "epsilon",
+           "epsilon_claimed", "delta", "mean_survivors", "wall_seconds"]
+"""Table and CSV columns, in order."""
+
+
+@dataclass
+class Run:
+    """One run directory as written by ``dpfl run``."""
+
+    path: Path
+    summary: dict
+    rounds: list[dict]
+
+    @property
+    def label(self) -> str:
+        path = self.path.resolve()
+        return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+    def series(self, key: str) -> tuple[list, list]:
+        """(rounds, values) for the rounds where ``key`` has a value."""
+        pts = [(r["round"], r[key]) for r in self.rounds if r.get(key) is not None and r.get("round") is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    @property
+    def has_epsilon(self) -> bool:
+        return any(r.get(k) is not None for r in self.rounds for k in ("epsilon", "epsilon_nominal",
+                                                                        "epsilon_claimed"))
+
+
+def _read_json(path: Path, run_dir: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DPFLError(f"{path.name} is not valid JSON ({err.msg}, line {err.lineno})", field=str(run_dir))
+    if not isinstance(data, dict):
+        raise DPFLError(f"{path.name} does not hold a JSON object", field=str(run_dir))
+    return data
+
+
+def load_run(path: str | Path) -> Run:
+    """Read ``summary.json`` and ``rounds.jsonl``; any problem is a :class:`DPFLError` naming the path."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DPFLError("not a run directory (no such directory)", field=str(path))
+    missing = [n for n in ("summary.json", "rounds.jsonl") if not (path / n).is_file()]
+    if missing:
+        raise DPFLError(f"not a run directory (no {' or '.join(missing)})", field=str(path))
+    summary = _read_json(path / "summary.json", path)
+    rounds = []
+    with open(path / "rounds.jsonl") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DPFLError(f"rounds.jsonl line {lineno} is not valid JSON ({err.msg})", field=str(path))
+            if not isinstance(row, dict):
+                raise DPFLError(f"rounds.jsonl line {lineno} is not a JSON object", field=str(path))
+            rounds.append(row)
+    return Run(path, summary, rounds)
+
+
+def _last(run: Run, key: str):
+    """``key`` from the summary, else from the last round that has it."""
+    if run.summary.get(key) is not None:
+        return run.summary[key]
+    for r in reversed(run.rounds):
+        if r.get(key) is not None:
+            return r[key]
+    return None
+
+
+def row(run: Run) -> dict:
+    """The raw values of one table row (None where the run does not say)."""
+    s = run.summary
+    accs = [r["test_accuracy"] for r in run.rounds if r.get("test_accuracy") is not None]
+    survivors = [r["survived"] for r in run.rounds if r.get("survived") is not None]
+    final = s.get("final_accuracy")
+    if final is None and accs:
+        final = accs[-1]
+    private = "epsilon" in s or "delta" in s or "dp_covered" in s
+    return {
+        "run": run.label,
+        "scenario": s.get("name"),
+        "rounds_completed": s.get("rounds_completed", len(run.rounds)),
+        "rounds_planned": s.get("rounds_planned"),
+        "stop_reason": s.get("stop_reason"),
+        "final_accuracy": final,
+        "best_accuracy": max(accs) if accs else None,
+        "epsilon": s.get("epsilon") if private else _last(run, "epsilon"),
+        "epsilon_nominal": _last(run, "epsilon_nominal"),
+        "epsilon_claimed": _last(run, "epsilon_claimed"),
+        "delta": _last(run, "delta"),
+        "mean_survivors": sum(survivors) / len(survivors) if survivors else None,
+        "wall_seconds": s.get("wall_seconds"),
+    }
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def cells(r: dict) -> list[str]:
+    """One table row as text, in :data:`COLUMNS` order."""
+    eps = _num(r["epsilon"], ".3f")
+    if r["epsilon"] is None and r["epsilon_nominal"] is not None:
+        eps = f"- (nominal {r['epsilon_nominal']:.3f})"
+    planned = "?" if r["rounds_planned"] is None else r["rounds_planned"]
+    return [r["run"], str(r["scenario"] or "-"), f"{r['rounds_completed']}/{planned}", str(r["stop_reason"] or "-"),
+            _num(r["final_accuracy"], ".4f"), _num(r["best_accuracy"], ".4f"), eps,
+            _num(r["epsilon_claimed"], ".3f"), _num(r["delta"], "g"), _num(r["mean_survivors"], ".1f"),
+            _num(r["wall_seconds"], ".1f")]
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """The table with full-precision numbers; empty cells where a run does not say."""
+    fields = ["run", "scenario", "rounds_completed", "rounds_planned", "stop_reason", "final_accuracy",
+              "best_accuracy", "epsilon", "epsilon_nominal", "epsilon_claimed", "delta", "mean_survivors",
+              "wall_seconds"]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: "" if r[k] is None else r[k] for k in fields})
+    return path
+
+
+def _color(index: int) -> str:
+    """The same run keeps the same colour in every plot."""
+    return f"C{index % 10}"
+
+
+def _save(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    ax.set_xlabel(xlabel)
+    if xlabel == "round":
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_accuracy(runs: list[Run], path: Path) -> Path | None:
+    """Test accuracy against round, one line per run."""
+    runs = [(i, r) for i, r in enumerate(runs) if r.series("test_accuracy")[0]]
+    if not runs:
+        return None
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    for i, run in runs:
+        ax.plot(*run.series("test_accuracy"), marker=".", markersize=3, color=_color(i), label=run.label)
+    return _save(fig, ax, path, "round", "test accuracy", "Test accuracy per round")
+
+
+def plot_epsilon(runs: list[Run], path: Path) -> Path | None:
+    """Epsilon against round: effective solid, claimed dashed, nominal (rounds not covered) dotted."""
+    runs = [(i, r) for i, r in enumerate(runs) if r.has_epsilon]
+    if not runs:
+        return None
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    for i, run in runs:
+        effective = " (effective)" if run.series("epsilon_claimed")[0] else ""
+        for key, style, suffix in (("epsilon", "-", effective), ("epsilon_nominal", ":", " (nominal)"),
+                                   ("epsilon_claimed", "--", " (claimed)")):
+            xs, ys = run.series(key)
+            if xs:
+                ax.plot(xs, ys, linestyle=style, color=_color(i), label=run.label + suffix)
+    return _save(fig, ax, path, "round", "epsilon", "Privacy spent per round")
+
+
+def plot_accuracy_vs_epsilon(runs: list[Run], path: Path) -> Path | None:
+    """Test accuracy against the effective epsilon spent so far (nominal where rounds are not covered)."""
+    lines = []
+    for i, run in enumerate(runs):
+        pts = [(r["epsilon"] if r.get("epsilon") is not None else r.get("epsilon_nominal"), r.get("test_accuracy"))
+               for r in run.rounds]
+        pts = [p for p in pts if p[0] is not None and p[1] is not None]
+        if pts:
+            nominal = any(r.get("epsilon") is None and r.get("epsilon_nominal") is not None for r in run.rounds)
+            lines.append((i, run.label + (" (nominal)" if nominal else ""), pts))
+    if not lines:
+        return None
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    for i, label, pts in lines:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", markersize=3, color=_color(i), label=label)
+    return _save(fig, ax, path, "epsilon", "test accuracy", "Accuracy against privacy spent")
+
+
+def write_report(runs: list[Run], out: Path) -> tuple[list[dict], list[Path]]:
+    """Build the rows, write ``report.csv`` and every non-empty plot into ``out``; return rows and paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [row(r) for r in runs]
+    written = [write_csv(rows, out / "report.csv")]
+    for plot, name in ((plot_accuracy, "accuracy.png"), (plot_epsilon, "epsilon.png"),
+                       (plot_accuracy_vs_epsilon, "accuracy_vs_epsilon.png")):
+        path = plot(runs, out / name)
+        if path is not None:
+            written.append(path)
+    return rows, written

@@ -1,0 +1,131 @@
+"""`dpfl report` through typer's CliRunner on fake run directories (no Ray, no training)."""
+import csv
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+
+runner = CliRunner()
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(path, summary, rounds):
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (path / "scenario.yaml").write_text(f"name: {summary['name']}\nseed: {summary['seed']}\n")
+    return path
+
+
+def _round(i, acc, survived, **extra):
+    return {"round": i, "sampled": 10, "survived": survived, "dropped_by_phase": {"upload": 10 - survived} if
+            survived < 10 else {}, "test_accuracy": acc, "test_loss": 2.0 - acc, "seconds": 0.1, **extra}
+
+
+@pytest.fixture
+def runs(tmp_path):
+    plain = _write_run(tmp_path / "runs" / "plain", {
+        "name": "quickstart", "final_accuracy": 0.81, "rounds_completed": 3, "rounds_planned": 3,
+        "stop_reason": "completed", "wall_seconds": 12.5, "seed": 0,
+    }, [_round(1, 0.5, 10), _round(2, 0.85, 8), _round(3, 0.81, 9)])
+    dp = _write_run(tmp_path / "runs" / "dp", {
+        "name": "dp_fedavg", "final_accuracy": 0.62, "rounds_completed": 2, "rounds_planned": 4,
+        "stop_reason": "budget", "wall_seconds": 30.0, "seed": 1, "epsilon": 2.345678, "delta": 1e-5,
+        "accountant": "pld", "dp_covered": True, "noise_multiplier": 1.0,
+    }, [_round(1, 0.4, 10, epsilon=1.5, dp_covered=True), _round(2, 0.62, 10, epsilon=2.345678, dp_covered=True)])
+    claimed = _write_run(tmp_path / "runs" / "claimed", {
+        "name": "dp_secagg", "final_accuracy": 0.7, "rounds_completed": 2, "rounds_planned": 2,
+        "stop_reason": "completed", "wall_seconds": 20.0, "seed": 2, "epsilon": 3.25, "delta": 1e-6,
+        "accountant": "rdp", "dp_covered": True, "noise_multiplier": 0.8,
+    }, [_round(1, 0.55, 6, epsilon=2.0, epsilon_claimed=1.1, dp_covered=True),
+        _round(2, 0.7, 7, epsilon=3.25, epsilon_claimed=1.75, dp_covered=True)])
+    return plain, dp, claimed
+
+
+def report(*args):
+    return runner.invoke(app, ["report", *map(str, args)], env={"COLUMNS": "200"})
+
+
+def test_report_table_plots_and_csv(runs, tmp_path):
+    out = tmp_path / "out"
+    res = report(*runs, "--out", out)
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    row = {label: next(ln for ln in lines if label in ln) for label in ("runs/plain", "runs/dp", "runs/claimed")}
+    assert "quickstart" in row["runs/plain"] and "0.8100" in row["runs/plain"] and "0.8500" in row["runs/plain"]
+    assert "3/3" in row["runs/plain"] and "9.0" in row["runs/plain"]  # mean survivors (10+8+9)/3
+    assert "dp_fedavg" in row["runs/dp"] and "0.6200" in row["runs/dp"] and "2.346" in row["runs/dp"]
+    assert "2/4" in row["runs/dp"] and "budget" in row["runs/dp"] and "1e-05" in row["runs/dp"]
+    assert "0.7000" in row["runs/claimed"] and "3.250" in row["runs/claimed"] and "1.750" in row["runs/claimed"]
+
+    for name in ("accuracy.png", "epsilon.png", "accuracy_vs_epsilon.png"):
+        path = out / name
+        assert path.read_bytes()[:8] == PNG_MAGIC, name
+        assert str(path) in res.stdout
+    assert str(out / "report.csv") in res.stdout
+
+    with open(out / "report.csv", newline="") as fh:
+        table = {r["run"]: r for r in csv.DictReader(fh)}
+    assert list(table) == ["runs/plain", "runs/dp", "runs/claimed"]
+    plain, dp, claimed = table.values()
+    assert plain["scenario"] == "quickstart" and float(plain["final_accuracy"]) == 0.81
+    assert float(plain["best_accuracy"]) == 0.85 and float(plain["mean_survivors"]) == 9.0
+    assert plain["epsilon"] == "" and plain["epsilon_claimed"] == "" and plain["delta"] == ""
+    assert float(dp["epsilon"]) == 2.345678 and float(dp["delta"]) == 1e-5 and dp["epsilon_claimed"] == ""
+    assert dp["rounds_completed"] == "2" and dp["rounds_planned"] == "4" and dp["stop_reason"] == "budget"
+    assert float(claimed["epsilon"]) == 3.25 and float(claimed["epsilon_claimed"]) == 1.75
+    assert float(claimed["wall_seconds"]) == 20.0
+
+
+def test_non_private_runs_skip_the_epsilon_plots(runs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default --out is ./report
+    res = report(runs[0])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "report"
+    assert (out / "accuracy.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "report.csv").exists()
+    assert not (out / "epsilon.png").exists() and not (out / "accuracy_vs_epsilon.png").exists()
+
+
+def test_nominal_epsilon_when_rounds_are_not_covered(tmp_path):
+    run = _write_run(tmp_path / "runs" / "nominal", {
+        "name": "uncovered", "final_accuracy": 0.5, "rounds_completed": 1, "rounds_planned": 1,
+        "stop_reason": "completed", "wall_seconds": 1.0, "seed": 0, "epsilon": None, "epsilon_nominal": 0.9,
+        "delta": 1e-5, "accountant": "pld", "dp_covered": False, "noise_multiplier": 1.0,
+    }, [_round(1, 0.5, 10, epsilon=None, epsilon_nominal=0.9, dp_covered=False)])
+    res = report(run, "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert "nominal 0.900" in res.stdout
+    assert (tmp_path / "out" / "epsilon.png").exists()
+
+
+def _assert_user_error(res, *needles):
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)  # typer.Exit(2), not a crash
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    assert res.stdout == ""
+
+
+def test_not_a_run_directory(runs, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _assert_user_error(report(runs[0], empty, "--out", tmp_path / "out"), str(empty), "summary.json")
+    assert not (tmp_path / "out").exists()  # nothing is written when an input is bad
+    _assert_user_error(report(tmp_path / "missing"), str(tmp_path / "missing"))
+    (empty / "summary.json").write_text("{}")
+    _assert_user_error(report(empty), "rounds.jsonl")
+
+
+def test_malformed_json(runs, tmp_path):
+    plain = runs[0]
+    with open(plain / "rounds.jsonl", "a") as fh:
+        fh.write('{"round": 4, "test_accuracy": \n')
+    _assert_user_error(report(plain), str(plain), "line 4")
+    (runs[1] / "summary.json").write_text("{not json")
+    _assert_user_error(report(runs[1]), str(runs[1]), "summary.json")
