@@ -15,5 +15,32 @@ app.add_typer(scenarios.app, name="scenarios")
 app.add_typer(bench.app, name="bench")
 app.add_typer(privacy.app, name="privacy")
 
+
+
+def main() -> None:
+    """Console entry point: like ``app()``, but a malformed command line (unknown option, a value
+    of the wrong type) is one ``error:`` line and exit 2 instead of a usage box."""
+    import sys
+
+    try:  # recent Typer vendors its own copy of click
+        from typer._click import exceptions as clickexc
+    except ImportError:  # pragma: no cover - older Typer on real click
+        from click import exceptions as clickexc
+
+    from .common import err_console
+
+    try:
+        rv = app(standalone_mode=False)
+    except clickexc.NoArgsIsHelpError:
+        sys.exit(0)  # Typer has already printed the help
+    except clickexc.UsageError as err:
+        where = f"{err.ctx.command_path}: " if err.ctx else ""
+        err_console.print(f"[bold red]error:[/] {where}{err.format_message()}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -90,3 +90,17 @@ def test_scenarios_list_and_validate(tiny):
     assert res.returncode == 0 and "100 clients, sizes 40-40" in res.stdout
     res = dpfl("scenarios", "validate", tiny, "--set", "model.name=transformer")
     assert res.returncode == 2 and "model.name" in res.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("run",), "Missing argument"),
+    (("run", "x.yaml", "--bogus"), "No such option"),
+    (("privacy", "epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--rounds", "abc",
+      "--delta", "1e-5"), "--rounds"),
+])
+def test_malformed_command_lines_are_one_line(args, needle):
+    res = dpfl(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
