@@ -171,6 +171,9 @@ class Scenario(_Section):
     @model_validator(mode="after")
     def _privacy_checks(self):
         p = self.privacy
+        if self.training.algorithm == "fedavg" and p != PrivacyConfig():
+            # A privacy section that nothing reads would look like protection that is not there.
+            raise ValueError("privacy: these settings need a private algorithm; set training.algorithm: dp_fedavg")
         if self.training.algorithm == "dp_fedavg":
             if p.noise_multiplier is None and p.target_epsilon is None:
                 raise ValueError("privacy.noise_multiplier: dp_fedavg needs a noise multiplier "

@@ -28,6 +28,7 @@ def test_every_shipped_scenario_validates():
     ({"faults": {"dropout": {"rate": 1.5}}}, "faults.dropout.rate"),
     ({"sampling": {"clients_per_round": 500}}, "sampling.clients_per_round"),
     ({"privacy": {"enabled": True}}, "privacy.enabled"),
+    ({"privacy": {"noise_multiplier": 1.0}}, "training.algorithm: dp_fedavg"),
 ])
 def test_errors_name_the_field(raw, field):
     with pytest.raises(DPFLError) as err:
