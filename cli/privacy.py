@@ -25,6 +25,8 @@ from dpfl_ray.privacy.ledger import (
     epsilon_for,
 )
 
+from .common import user_errors
+
 app = typer.Typer(
     help="Privacy accounting: epsilon of a schedule, noise for a budget, rounds within budgets.",
     no_args_is_help=True,
@@ -37,11 +39,6 @@ SamplingRateOpt = Annotated[Optional[float], typer.Option(help="Poisson sampling
 ClientsPerRoundOpt = Annotated[Optional[int], typer.Option(help="Fixed-size cohorts: clients per round m (with --num-clients; replace-one relation).")]
 NumClientsOpt = Annotated[Optional[int], typer.Option(help="Fixed-size cohorts: population size K.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a sentence.")]
-
-
-def _fail(exc: DPFLError) -> typer.Exit:
-    typer.echo(f"error: {exc}", err=True)
-    return typer.Exit(code=2)
 
 
 def _sampling(sampling_rate: float | None, clients_per_round: int | None, num_clients: int | None,
@@ -94,6 +91,7 @@ def _ints(text: str, field: str) -> list[int]:
 
 
 @app.command()
+@user_errors
 def epsilon(
     noise_multiplier: Annotated[float, typer.Option(help="Noise multiplier z (noise std / clip norm) as planned.")],
     rounds: Annotated[int, typer.Option(help="Number of rounds T.")],
@@ -106,12 +104,9 @@ def epsilon(
     as_json: JsonOpt = False,
 ) -> None:
     """Epsilon after T identical rounds."""
-    try:
-        samp = _sampling(sampling_rate, clients_per_round, num_clients)
-        curve = EpsilonCurve(noise_multiplier, samp, delta, accountant, dropout_rate)
-        eps = curve.epsilon(rounds)
-    except DPFLError as exc:
-        raise _fail(exc)
+    samp = _sampling(sampling_rate, clients_per_round, num_clients)
+    curve = EpsilonCurve(noise_multiplier, samp, delta, accountant, dropout_rate)
+    eps = curve.epsilon(rounds)
     z_eff = curve.effective_multipliers[0]
     if as_json:
         out = {"epsilon": _finite(eps), "delta": delta, "rounds": rounds, "accountant": accountant,
@@ -128,6 +123,7 @@ def epsilon(
 
 
 @app.command()
+@user_errors
 def noise(
     epsilon: Annotated[float, typer.Option(help="Target epsilon after T rounds (never exceeded).")],
     rounds: Annotated[int, typer.Option(help="Number of rounds T.")],
@@ -139,12 +135,9 @@ def noise(
     as_json: JsonOpt = False,
 ) -> None:
     """The smallest noise multiplier whose epsilon after T rounds is <= the target."""
-    try:
-        samp = _sampling(sampling_rate, clients_per_round, num_clients)
-        z = calibrate_noise_multiplier(epsilon, delta, samp, rounds, accountant)
-        achieved = epsilon_for(z, samp, rounds, delta, accountant)
-    except DPFLError as exc:
-        raise _fail(exc)
+    samp = _sampling(sampling_rate, clients_per_round, num_clients)
+    z = calibrate_noise_multiplier(epsilon, delta, samp, rounds, accountant)
+    achieved = epsilon_for(z, samp, rounds, delta, accountant)
     if as_json:
         out = {"noise_multiplier": z, "epsilon": achieved, "epsilon_target": epsilon, "delta": delta,
                "rounds": rounds, "accountant": accountant, **_sampling_fields(samp)}
@@ -155,6 +148,7 @@ def noise(
 
 
 @app.command()
+@user_errors
 def table(
     noise_multiplier: Annotated[float, typer.Option(help="Planned noise multiplier z.")] = 1.0,
     sampling_rate: SamplingRateOpt = None,
@@ -173,19 +167,16 @@ def table(
     given), delta=1e-5, dropout 0 / 0.1 / 0.3, budgets 2 / 4 / 8. Each entry is one dp_accounting
     composition of T identical rounds (``count=T``), so the pld table takes ~10-20 s.
     """
-    try:
-        samp = _sampling(sampling_rate, clients_per_round, num_clients, default_rate=0.01)
-        rates = _floats(dropout_rates, "dropout_rates")
-        budget_list = _floats(budgets, "budgets")
-        round_list = _ints(rounds, "rounds")
-        curves = [EpsilonCurve(noise_multiplier, samp, delta, accountant, r) for r in rates]
-        rows = []
-        for r, curve in zip(rates, curves):
-            eps = [curve.epsilon(t) for t in round_list]
-            most = [curve.max_rounds(b) for b in budget_list]
-            rows.append((r, curve.effective_multipliers[0], eps, most))
-    except DPFLError as exc:
-        raise _fail(exc)
+    samp = _sampling(sampling_rate, clients_per_round, num_clients, default_rate=0.01)
+    rates = _floats(dropout_rates, "dropout_rates")
+    budget_list = _floats(budgets, "budgets")
+    round_list = _ints(rounds, "rounds")
+    curves = [EpsilonCurve(noise_multiplier, samp, delta, accountant, r) for r in rates]
+    rows = []
+    for r, curve in zip(rates, curves):
+        eps = [curve.epsilon(t) for t in round_list]
+        most = [curve.max_rounds(b) for b in budget_list]
+        rows.append((r, curve.effective_multipliers[0], eps, most))
 
     if as_csv:
         buf = io.StringIO()
