@@ -27,9 +27,6 @@ class RoundFaults:
     dropped: dict[int, str] = field(default_factory=dict)  # client id -> phase
     report_order: tuple[int, ...] = ()
 
-    def drops_in(self, phase: str) -> set[int]:
-        return {c for c, p in self.dropped.items() if p == phase}
-
     def delivers(self, client_id: int) -> bool:
         """Did this client's update reach the server (it may still vanish afterwards)?"""
         return self.dropped.get(int(client_id), "unmask") in DELIVERED_PHASES

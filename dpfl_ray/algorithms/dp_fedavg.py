@@ -60,8 +60,9 @@ class DPFedAvg:
     def client_spec(self) -> dict:
         """Clip to this round's S; adaptive clipping appends the indicator b_i - 1/2 as one more
         coordinate so the clipped count can be summed securely too."""
-        if self.clipping.mode == "median":
-            return {}
+        return {} if self.clipping.mode == "median" else self._spec()
+
+    def _spec(self) -> dict:
         return {"clip_norm": self.clip_norm, "indicator": self.clipping.mode == "adaptive"}
 
     @property
@@ -78,8 +79,7 @@ class DPFedAvg:
         """Clip in the clear (the server sees each update, as in central DP), then add noise."""
         if self.clipping.mode == "median" and updates:
             self.clip_norm = float(np.median([np.linalg.norm(u.astype(np.float64)) for u in updates.values()]))
-        spec = {"clip_norm": self.clip_norm, "indicator": self.clipping.mode == "adaptive"}
-        prepared = {c: client_vector(u, spec) for c, u in updates.items()}
+        prepared = {c: client_vector(u, self._spec()) for c, u in updates.items()}
         total, wsum = weighted_sum(prepared, weights) if prepared else (None, 0.0)
         return self.from_sum(total, wsum, dim, round_idx)
 

@@ -53,12 +53,9 @@ class RunPrivacy:
         if not self.ledger.fully_covered:
             row["epsilon_nominal"] = self.ledger.claimed_epsilon()
         if p.geyer is not None:
-            row["delta_at_epsilon"] = self.shadow_delta_now(t)
+            # the shadow ledger holds exactly rounds 1..t+1 now: the nominal delta at Geyer's epsilon
+            row["delta_at_epsilon"] = self.shadow.delta_for_epsilon(p.geyer.epsilon)
         return row
-
-    def shadow_delta_now(self, t: int) -> float:
-        """Nominal delta at Geyer's epsilon after round t (the shadow holds exactly t+1 rounds now)."""
-        return self.shadow.delta_for_epsilon(self.sc.privacy.geyer.epsilon)
 
     def to_dict(self) -> dict:
         out = self.ledger.to_dict()
