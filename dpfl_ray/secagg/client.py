@@ -9,11 +9,22 @@ paper). If its ciphertext fails authentication the client leaves that share out 
 lists the sender under ``"rejected"``; the round continues as long as the other holders reach the
 threshold. The sender is *not* blamed, because a bit flip in transit (or by the server, which
 forwards every ciphertext) looks the same as a misbehaving sender.
+
+Extension -- noise layer seeds, shared like b_u, for :mod:`dpfl_ray.algorithms.baek`'s layered
+calibration: a client's DP noise is a sum of layers ``k = 0..L``, each drawn from a 32-byte PRG
+seed. ``share_keys(..., layer_seeds=...)`` Shamir-shares the seeds of layers ``1..L`` (layer 0 is
+never shared) to the same holders, with the same threshold, in the same sealed ciphertext as the
+shares of ``s_u^SK`` and ``b_u``. In Round 4 the server may ask (``"layer_shares_for"``,
+``"layers_from": k``) for the shares of layers ``k..L`` of survivors; with ``d`` of the ``N``
+sampled clients missing from the sum, a client refuses any ``k <= d``, so the server never learns
+the seeds of layers ``1..d`` that the surviving noise still needs.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from dpfl_ray.secagg import shamir
 from dpfl_ray.secagg.config import SecAggConfig, as_ring_vector, check_round, wire_size
@@ -30,6 +41,10 @@ def _ids(values: object, what: str) -> frozenset[int]:
     if not isinstance(values, (list, tuple, set, frozenset)):
         raise SecAggProtocolError(f"unmask request field {what!r} must be a list of client ids")
     return frozenset(int(v) for v in values)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 class SecAggClient:
@@ -50,8 +65,11 @@ class SecAggClient:
         self._peer_s_pk: dict[int, bytes] = {}
         self._enc_keys: dict[int, bytes] = {}
         self._own_shares: tuple[int, int] | None = None  # (s_sk share, b share) held by u itself
-        self._inbox: dict[int, bytes] = {}               # sender -> sealed (s_sk share, b share) for u
+        self._own_layer_shares: tuple[int, ...] = ()     # u's shares of its own layer seeds 1..L
+        self._absent = 0                                 # sampled clients that never joined the protocol
+        self._inbox: dict[int, bytes] = {}               # sender -> sealed (s_sk, b, layer 1..L shares) for u
         self._revealed: dict[int, str] = {}              # peer -> 'b' | 'sk', across unmask requests
+        self._layer_floor = 0                            # largest d seen: layers 1..d are never revealed
 
     def __repr__(self) -> str:
         return f"SecAggClient(id={self.id}, phase={self.phase!r})"
@@ -75,12 +93,25 @@ class SecAggClient:
                            "c_pk": self._c.public, "s_pk": self._s.public})
 
     # Round 1 -- ShareKeys
-    def share_keys(self, keys_message: Mapping) -> dict:
+    def share_keys(self, keys_message: Mapping, layer_seeds: Sequence[bytes] = (), absent: int = 0) -> dict:
         """Shamir-share ``b_u`` and ``s_u^SK`` among the live neighbours and seal each pair of shares.
 
         ``keys_message``: ``{"round_id", "keys": {v: (c_pk, s_pk)}}`` as broadcast by the server.
+        ``layer_seeds[j]``: the 32-byte PRG seed of noise layer ``j + 1`` (``L = len(layer_seeds)``);
+        each is shared like ``b_u`` and its shares travel in the same ciphertext, after the
+        ``s_u^SK`` and ``b_u`` shares. ``absent``: clients sampled for the round that take no part
+        in the protocol, so ``N = absent + config.n_clients`` clients were sampled. Without layer
+        seeds the messages are exactly those of the plain protocol.
         """
+        layer_seeds = tuple(layer_seeds)
+        for j, seed in enumerate(layer_seeds):
+            if not isinstance(seed, bytes) or len(seed) != shamir.SECRET_BYTES:
+                raise SecAggProtocolError(f"client {self.id}: seed of layer {j + 1} must be {shamir.SECRET_BYTES} "
+                                          "bytes", client=self.id)
+        if not _is_int(absent) or absent < 0:
+            raise SecAggProtocolError(f"client {self.id}: absent must be an int >= 0, got {absent!r}", client=self.id)
         self._advance("advertise", "share")
+        self._absent = int(absent)
         check_round(keys_message, self.config)
         keys = keys_message.get("keys")
         if not isinstance(keys, Mapping) or tuple(keys.get(self.id) or ()) != (self._c.public, self._s.public):
@@ -105,9 +136,11 @@ class SecAggClient:
         points = [v + 1 for v in peers] + [self.id + 1]
         s_shares = shamir.split(shamir.secret_to_int(self._s.private), self.threshold, points)
         b_shares = shamir.split(shamir.secret_to_int(self._b), self.threshold, points)
+        layer_shares = [shamir.split(shamir.secret_to_int(seed), self.threshold, points) for seed in layer_seeds]
         self._own_shares = (s_shares[self.id + 1], b_shares[self.id + 1])
-        sealed = {v: seal(self._enc_keys[v],
-                          shamir.encode_share(s_shares[v + 1]) + shamir.encode_share(b_shares[v + 1]),
+        self._own_layer_shares = tuple(shares[self.id + 1] for shares in layer_shares)
+        secrets = (s_shares, b_shares, *layer_shares)  # plaintext order: s_sk, b, layer 1..L
+        sealed = {v: seal(self._enc_keys[v], b"".join(shamir.encode_share(shares[v + 1]) for shares in secrets),
                           sender=self.id, receiver=v, round_id=self.config.round_id) for v in peers}
         return self._send({"round_id": self.config.round_id, "client": self.id, "ciphertexts": sealed})
 
@@ -148,6 +181,12 @@ class SecAggClient:
         ``request``: ``{"round_id", "survivors", "dropped"}`` plus optional explicit
         ``"b_shares_for"`` / ``"sk_shares_for"`` (defaulting to survivors / dropped). Raises
         :class:`UnmaskRefused` for any request that could leak both secrets of a peer.
+
+        Optional ``"layer_shares_for"`` (survivors) with ``"layers_from": k >= 1`` asks for the
+        shares of layers ``k..L_v`` of each listed ``v``; they come back as ``"layer_shares":
+        {v: {layer: share}}`` (always present, empty when none were asked). With
+        ``d = absent + n_clients - len(survivors)`` sampled clients missing from the sum, ``k <= d``
+        is refused; the largest ``d`` of any request so far applies to later requests too.
         """
         if self.phase not in ("masked_input", "unmask"):
             raise SecAggProtocolError(f"client {self.id}: unmask called in phase {self.phase!r}", client=self.id)
@@ -156,15 +195,23 @@ class SecAggClient:
         dropped = _ids(request.get("dropped"), "dropped")
         b_for = _ids(request.get("b_shares_for", survivors), "b_shares_for")
         sk_for = _ids(request.get("sk_shares_for", dropped), "sk_shares_for")
+        layer_for = _ids(request.get("layer_shares_for", ()), "layer_shares_for")
+        layers_from = request.get("layers_from")
+        n = self.config.n_clients
+        # d of this request; the largest d ever claimed bounds every later request too.
+        self._layer_floor = max(self._layer_floor, self._absent + n - sum(1 for v in survivors if 0 <= v < n))
         self._check_request(survivors, dropped, b_for, sk_for)
+        self._check_layer_request(survivors, layer_for, layers_from)
         self.phase = "unmask"
 
         b_shares: dict[int, bytes] = {}
         sk_shares: dict[int, bytes] = {}
+        layer_shares: dict[int, dict[int, bytes]] = {}
         rejected: list[int] = []
-        for v in sorted((b_for | sk_for) & (set(self._inbox) | {self.id})):
+        for v in sorted((b_for | sk_for | layer_for) & (set(self._inbox) | {self.id})):
             if v == self.id:
                 s_share, b_share = self._own_shares
+                layers = self._own_layer_shares
             else:
                 try:
                     plain = open_sealed(self._enc_keys[v], self._inbox[v], sender=v, receiver=self.id,
@@ -172,18 +219,41 @@ class SecAggClient:
                 except ShareAuthenticationError:
                     rejected.append(v)
                     continue
-                if len(plain) != 2 * _SHARE:
+                if len(plain) < 2 * _SHARE or len(plain) % _SHARE:  # (2 + L_v) shares, any L_v >= 0
                     rejected.append(v)
                     continue
-                s_share, b_share = int.from_bytes(plain[:_SHARE], "big"), int.from_bytes(plain[_SHARE:], "big")
+                s_share, b_share, *layers = (int.from_bytes(plain[i:i + _SHARE], "big")
+                                             for i in range(0, len(plain), _SHARE))
             if v in b_for:
                 b_shares[v] = shamir.encode_share(b_share)
                 self._revealed[v] = "b"
-            else:
+            elif v in sk_for:
                 sk_shares[v] = shamir.encode_share(s_share)
                 self._revealed[v] = "sk"
+            if v in layer_for:
+                self._revealed[v] = "b"  # layer shares are survivor-side: s_sk of v stays hidden from now on
+                wanted = {k: shamir.encode_share(layers[k - 1]) for k in range(int(layers_from), len(layers) + 1)}
+                if wanted:
+                    layer_shares[v] = wanted
         return self._send({"round_id": self.config.round_id, "client": self.id, "b_shares": b_shares,
-                           "sk_shares": sk_shares, "rejected": rejected})
+                           "sk_shares": sk_shares, "layer_shares": layer_shares, "rejected": rejected})
+
+    def _check_layer_request(self, survivors, layer_for, layers_from) -> None:
+        def refuse(reason: str, **details):
+            raise UnmaskRefused(f"client {self.id} refuses to reveal layer shares: {reason}", client=self.id,
+                                **details)
+
+        if not layer_for:
+            return
+        if not layer_for <= survivors:
+            refuse(f"layer shares asked for clients {sorted(layer_for - survivors)} that are not survivors",
+                   peers=sorted(layer_for - survivors))
+        if not _is_int(layers_from) or layers_from < 1:
+            refuse(f"'layers_from' must be an int >= 1, got {layers_from!r}")
+        if layers_from <= self._layer_floor:
+            refuse(f"layers_from={layers_from} but {self._layer_floor} sampled clients are missing from the sum, "
+                   f"so layers 1..{self._layer_floor} must stay secret", layers_from=int(layers_from),
+                   missing=self._layer_floor)
 
     def _check_request(self, survivors, dropped, b_for, sk_for) -> None:
         def refuse(reason: str, **details):

@@ -9,6 +9,12 @@ needed secret has fewer than its threshold of shares.
 
 Masked inputs may arrive pre-summed: a worker hosting several clients may add their ``y_u`` mod
 2^bits and send ``{"clients": [...], "masked": sum}``; the server only needs the total and the ids.
+
+Extension -- noise layer seeds, shared like b_u, for :mod:`dpfl_ray.algorithms.baek`'s layered
+calibration: between ``receive_masked`` and ``receive_unmask``, :meth:`SecAggServer.request_layers`
+asks the survivors for the shares of noise layers ``k..L`` of every client of U_3;
+``receive_unmask`` then reconstructs those seeds into :attr:`SecAggServer.layer_seeds`, also for
+survivors that vanish during unmasking. Clients refuse ``k <= d`` (``d`` sampled clients missing).
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ class SecAggServer:
         self.u3: frozenset[int] = frozenset()
         self.u4: frozenset[int] = frozenset()
         self._masked_sum: np.ndarray | None = None
+        self._layers_from: int | None = None  # set by request_layers
+        self.layer_seeds: dict[int, dict[int, bytes]] = {}  # owner in U_3 -> {layer: 32-byte seed}
 
     def _advance(self, expected: str, new: str) -> None:
         if self.phase != expected:
@@ -155,14 +163,40 @@ class SecAggServer:
         self.seconds["masked_input"] += time.perf_counter() - start
         return out
 
+    def request_layers(self, request: Mapping, layers_from: int) -> dict:
+        """The unmask ``request`` of :meth:`receive_masked`, also asking every survivor for the
+        shares of noise layers ``layers_from..L`` of every client of U_3.
+
+        Call between ``receive_masked`` and ``receive_unmask``; the seeds then land in
+        :attr:`layer_seeds`. Clients refuse ``layers_from <= d``, the number of sampled clients
+        whose masked input did not arrive.
+        """
+        if self.phase != "masked_input":
+            raise SecAggProtocolError(f"server: request_layers in phase {self.phase!r}, expected after "
+                                      "'masked_input'")
+        check_round(request, self.config)
+        if not isinstance(layers_from, (int, np.integer)) or isinstance(layers_from, bool) or layers_from < 1:
+            raise SecAggProtocolError(f"layers_from must be an int >= 1, got {layers_from!r}", "layers_from")
+        out = dict(request)
+        out["layer_shares_for"] = sorted(self.u3)
+        out["layers_from"] = int(layers_from)
+        self._layers_from = int(layers_from)
+        self.bytes_sent += (wire_size(out) - wire_size(request)) * len(self.u3)
+        return out
+
     # Round 4 -- Unmasking
     def receive_unmask(self, responses: Iterable[Mapping]) -> np.ndarray:
-        """Reconstruct ``b_u`` (u in U_3) and ``s_u^SK`` (u in U_2 \\ U_3); returns sum_{U_3} x_u mod 2^bits."""
+        """Reconstruct ``b_u`` (u in U_3) and ``s_u^SK`` (u in U_2 \\ U_3); returns sum_{U_3} x_u mod 2^bits.
+
+        After :meth:`request_layers` it also reconstructs the requested noise layer seeds of every
+        client of U_3 into :attr:`layer_seeds`.
+        """
         start = time.perf_counter()
         self._advance("masked_input", "unmask")
         dropped = self.u2 - self.u3
         b_points: dict[int, dict[int, int]] = {u: {} for u in self.u3}
         sk_points: dict[int, dict[int, int]] = {u: {} for u in dropped}
+        layer_points: dict[int, dict[int, dict[int, int]]] = {u: {} for u in self.u3}  # owner -> layer -> points
         responders = set()
         for m in self._receive(responses):
             r = int(m["client"])
@@ -178,6 +212,7 @@ class SecAggServer:
                     if u not in owners or r not in self.graph.holders(u):
                         raise SecAggProtocolError(f"client {r} sent an unrequested {field} entry for {u}", client=r)
                     points[u][r + 1] = shamir.decode_share(share)
+            self._collect_layers(r, m, layer_points)
             self.rejected_shares.extend((r, int(u)) for u in m.get("rejected", ()))
         self.u4 = frozenset(responders)
         self._check_live("unmask", self.u4)
@@ -198,9 +233,38 @@ class SecAggServer:
             for v, seed in seeds.items():
                 # v added PRG(s_uv) if v < u and subtracted it otherwise; undo that.
                 add_prg(total, seed, -1 if v < u else 1)
+        if self._layers_from is not None:
+            self.layer_seeds = {u: {k: self._recover(u, layer_points[u][k], f"layer-{k} seed")
+                                    for k in sorted(layer_points[u])} for u in sorted(self.u3)}
         self._masked_sum = None
         self.seconds["reconstruct"] += time.perf_counter() - start
         return total
+
+    def _collect_layers(self, r: int, message: Mapping, layer_points: dict[int, dict[int, dict[int, int]]]) -> None:
+        """Add the ``"layer_shares"`` of responder ``r`` to ``layer_points[owner][layer]``.
+
+        Every layer for which any share arrives is reconstructed later, so a layer that fewer than
+        the owner's threshold of holders revealed aborts the round there.
+        """
+        shares = message.get("layer_shares")
+        if shares is None and self._layers_from is None:
+            return
+        if not isinstance(shares, Mapping):
+            raise SecAggProtocolError(f"unmask response of client {r} lacks 'layer_shares'", client=r)
+        if shares and self._layers_from is None:
+            raise SecAggProtocolError(f"client {r} sent layer shares, but none were requested", client=r)
+        for u, layers in shares.items():
+            u = int(u)
+            if u not in self.u3 or r not in self.graph.holders(u):
+                raise SecAggProtocolError(f"client {r} sent an unrequested layer_shares entry for {u}", client=r)
+            if not isinstance(layers, Mapping):
+                raise SecAggProtocolError(f"layer shares of client {u} from client {r} must be a dict", client=r)
+            for k in layers:
+                if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < self._layers_from:
+                    raise SecAggProtocolError(f"client {r} sent a share of layer {k!r} of client {u}; layers "
+                                              f"{self._layers_from} and up were requested", client=r)
+            for k, share in layers.items():
+                layer_points[u].setdefault(int(k), {})[r + 1] = shamir.decode_share(share)
 
     def _recover(self, owner: int, points: dict[int, int], kind: str) -> bytes:
         needed = self.graph.thresholds[owner]
