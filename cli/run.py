@@ -67,6 +67,8 @@ def run(
                     if ev.get("epsilon") is not None or "epsilon_nominal" in ev:
                         eps = ev.get("epsilon")
                         status += f" eps {eps:.3f}" if eps is not None else f" eps n/a (nominal {ev['epsilon_nominal']:.3f})"
+                        if ev.get("epsilon_claimed") is not None and eps is not None:
+                            status += f" (claimed {ev['epsilon_claimed']:.3f})"
                     progress.update(task, completed=ev["round"], status=status)
 
             summary = run_scenario(sc, fed, record, on_event=on_event)
@@ -81,6 +83,9 @@ def run(
         console.print(f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'} at delta {summary['delta']:g} "
                       f"({summary['accountant']}, z={summary['noise_multiplier']:.4f})"
                       + ("" if summary.get("dp_covered", True) else
-                         f"; NOT covered by DP (median clipping), nominal {summary.get('epsilon_nominal', 0):.4f}"))
+                         f"; NOT covered by DP (median clipping), nominal {summary.get('epsilon_nominal', 0):.4f}")
+                      + (f"; claimed {summary['epsilon_claimed']:.4f} (calibration={summary['calibration']}), "
+                         "the epsilon above is what the server's view guarantees"
+                         if summary.get("epsilon_claimed") is not None and eps is not None else ""))
     if summary["stop_reason"] == "interrupted":
         raise typer.Exit(130)

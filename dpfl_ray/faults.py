@@ -12,12 +12,15 @@ import numpy as np
 from . import rng as rngmod
 
 # The phases a client can vanish in, in protocol order. 'advertise' and 'share' are SecAgg's key
-# rounds, 'upload' is the (masked) input, 'unmask' comes after the input reached the server.
-PHASES = ("training", "advertise", "share", "upload", "unmask")
+# rounds, 'upload' is the (masked) input, 'unmask' comes after the input reached the server, and
+# 'calibration' after the unmask shares, before the client's calibration term (Baek et al. Alg. 2
+# line 22) is sent.
+PHASES = ("training", "advertise", "share", "upload", "unmask", "calibration")
 # A client that leaves in one of these phases has already delivered its update.
-DELIVERED_PHASES = ("unmask",)
-# Fault-plan phase -> SecAgg protocol phase (dpfl_ray.secagg.PHASES)
-SECAGG_PHASE = {"advertise": "advertise", "share": "share", "upload": "masked_input", "unmask": "unmask"}
+DELIVERED_PHASES = ("unmask", "calibration")
+# Fault-plan phase -> the worker's phase (dpfl_ray.secagg.PHASES, then Baek's calibration)
+SECAGG_PHASE = {"advertise": "advertise", "share": "share", "upload": "masked_input", "unmask": "unmask",
+                "calibration": "calibration"}
 
 
 @dataclass(frozen=True)
@@ -43,20 +46,31 @@ def num_tail_drops(rate: float, n: int) -> int:
 def plan_round(dropout_cfg, sampled: np.ndarray, seed: int, round_idx: int) -> RoundFaults:
     """Draw the round's dropouts.
 
-    ``bernoulli``: each sampled client drops independently with probability ``rate``.
+    ``dropout_cfg`` is one dropout model or a list of them (several phases of one round); they
+    act in protocol order, each on the clients still present in its phase, so a ``rate`` of a
+    later phase is a fraction of the clients that reached it.
+
+    ``bernoulli``: each present client drops independently with probability ``rate``.
     ``tail``: clients report in a seeded random order and the last ``rate`` fraction to report
     drop (Baek et al. 2021, Sec. VI.B.2: 'dropped out in the order in which the data are sent').
     """
+    specs = list(dropout_cfg) if isinstance(dropout_cfg, (list, tuple)) else [dropout_cfg]
     sampled = [int(c) for c in sampled]
     g = rngmod.generator(seed, "faults", round_idx)
     order = tuple(int(c) for c in g.permutation(sampled)) if sampled else ()
-    model, rate, phase = dropout_cfg.model, dropout_cfg.rate, dropout_cfg.phase
-    if model == "none" or rate == 0 or not sampled:
-        return RoundFaults({}, order)
-    if model == "bernoulli":
-        hits = g.random(len(sampled)) < rate
-        return RoundFaults({c: phase for c, h in zip(sampled, hits) if h}, order)
-    if model == "tail":
-        k = num_tail_drops(rate, len(sampled))
-        return RoundFaults({c: phase for c in order[len(order) - k:]}, order)
-    raise ValueError(f"unknown dropout model {model!r}")
+    dropped: dict[int, str] = {}
+    for spec in sorted(specs, key=lambda d: PHASES.index(d.phase)):
+        model, rate, phase = spec.model, spec.rate, spec.phase
+        present = [c for c in sampled if c not in dropped]
+        if model == "none" or rate == 0 or not present:
+            continue
+        if model == "bernoulli":
+            hits = g.random(len(present)) < rate
+            dropped.update({c: phase for c, h in zip(present, hits) if h})
+        elif model == "tail":
+            still = [c for c in order if c not in dropped]
+            k = num_tail_drops(rate, len(still))
+            dropped.update({c: phase for c in still[len(still) - k:]})
+        else:
+            raise ValueError(f"unknown dropout model {model!r}")
+    return RoundFaults(dropped, order)

@@ -54,7 +54,7 @@ class ModelConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    algorithm: Literal["fedavg", "dp_fedavg"] = "fedavg"
+    algorithm: Literal["fedavg", "dp_fedavg", "baek"] = "fedavg"
     rounds: int = Field(50, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
@@ -94,15 +94,23 @@ class GeyerRuleConfig(_Section):
 
 
 class PrivacyConfig(_Section):
-    """Client-level DP (used by training.algorithm: dp_fedavg). Every epsilon comes from the ledger."""
+    """Client-level DP (training.algorithm: dp_fedavg or baek). Every epsilon comes from the ledger."""
 
-    noise_multiplier: float | None = Field(None, gt=0, description="z: noise std = z * S on the sum")
+    noise_multiplier: float | None = Field(
+        None, gt=0, description="z: noise std = z * S on the sum (dp_fedavg), z * 2C (baek, replace-one)")
     clipping: ClippingConfig = ClippingConfig()
-    denominator: Literal["expected", "actual"] = "expected"
+    denominator: Literal["expected", "actual"] | None = Field(
+        None, description="dp_fedavg: divide by the expected cohort weight (default) or the actual one; "
+                          "baek always divides by the survivors' weight")
     accountant: Literal["pld", "rdp", "rdp-classic"] = "pld"
     delta: float = Field(1e-5, gt=0, lt=1)
     target_epsilon: float | None = Field(None, gt=0, description="budget: stop before exceeding it")
     geyer: GeyerRuleConfig | None = None
+    calibration: Literal["none", "baek", "baek-extended", "layered"] = Field(
+        "none", description="baek: what happens to the distributed noise after dropouts (docs/baek2021.md)")
+    min_weight_fraction: float = Field(
+        0.5, gt=0, le=1, description="baek-extended: n_0 = F * expected sampled weight; layered: the round "
+                                     "tolerates up to N - ceil(F * N) of its N sampled clients dropping")
 
 
 class SecAggConfig(_Section):
@@ -114,7 +122,8 @@ class SecAggConfig(_Section):
     scale: float | None = Field(
         None, gt=0, description="fixed-point scale; default 2^40 for 64-bit words, 2^16 for 32-bit")
     overflow: Literal["error", "clip"] = "error"
-    threshold: int | None = Field(None, ge=1, description="t; default floor(2n/3)+1 (secagg)")
+    threshold: int | Literal["majority"] | None = Field(
+        None, description="t; default floor(2n/3)+1 (secagg); 'majority': floor(n/2)+1 of this round's n")
     degree: int | None = Field(None, ge=2, description="secagg+ neighbours; default ceil(8 log2 n), even")
     @property
     def resolved_scale(self) -> float:
@@ -125,15 +134,26 @@ class SecAggConfig(_Section):
     phase_timeout_seconds: float | None = Field(
         None, gt=0, description="a worker that misses a phase's deadline drops its clients in that phase")
 
+    @model_validator(mode="after")
+    def _threshold_positive(self):
+        if isinstance(self.threshold, int) and self.threshold < 1:
+            raise ValueError("secagg.threshold must be >= 1, 'majority' or unset")
+        return self
+
 
 class DropoutConfig(_Section):
     model: Literal["none", "bernoulli", "tail"] = "none"
-    rate: float = Field(0.0, ge=0, le=1)
-    phase: Literal["training", "advertise", "share", "upload", "unmask"] = "upload"
+    rate: float = Field(0.0, ge=0, le=1, description="fraction of the clients still present in this phase")
+    phase: Literal["training", "advertise", "share", "upload", "unmask", "calibration"] = "upload"
 
 
 class FaultsConfig(_Section):
-    dropout: DropoutConfig = DropoutConfig()
+    # one dropout model, or a list of them for several phases of the same round
+    dropout: DropoutConfig | list[DropoutConfig] = DropoutConfig()
+
+    @property
+    def dropouts(self) -> list[DropoutConfig]:
+        return list(self.dropout) if isinstance(self.dropout, list) else [self.dropout]
 
 
 class ResourcesConfig(_Section):
@@ -171,19 +191,39 @@ class Scenario(_Section):
     @model_validator(mode="after")
     def _privacy_checks(self):
         p = self.privacy
-        if self.training.algorithm == "fedavg" and p != PrivacyConfig():
+        algorithm = self.training.algorithm
+        if algorithm == "fedavg" and p != PrivacyConfig():
             # A privacy section that nothing reads would look like protection that is not there.
-            raise ValueError("privacy: these settings need a private algorithm; set training.algorithm: dp_fedavg")
-        if self.training.algorithm == "dp_fedavg":
+            raise ValueError("privacy: these settings need a private algorithm; set training.algorithm: "
+                             "dp_fedavg or baek")
+        if algorithm != "fedavg":
             if p.noise_multiplier is None and p.target_epsilon is None:
-                raise ValueError("privacy.noise_multiplier: dp_fedavg needs a noise multiplier "
+                raise ValueError(f"privacy.noise_multiplier: {algorithm} needs a noise multiplier "
                                  "(or privacy.target_epsilon to calibrate one)")
             if self.sampling.mode == "fixed" and p.accountant == "pld":
                 raise ValueError("privacy.accountant: pld cannot account fixed-size cohorts (sampling without "
                                  "replacement); use rdp or rdp-classic, or sampling.mode: poisson")
+        if algorithm == "dp_fedavg":
             if self.secagg.enabled and p.clipping.mode == "median":
                 raise ValueError("privacy.clipping.mode: median needs every client's update norm, which "
                                  "secure aggregation hides")
+            if p.calibration != "none":
+                raise ValueError("privacy.calibration: dp_fedavg adds its noise centrally, after the dropouts; "
+                                 "calibration modes belong to training.algorithm: baek")
+        if algorithm == "baek":
+            if not self.secagg.enabled:
+                raise ValueError("secagg.enabled: baek sends noisy updates that only secure aggregation keeps "
+                                 "private; set secagg.enabled: true")
+            if p.clipping.mode != "fixed":
+                raise ValueError("privacy.clipping.mode: baek clips to a fixed bound C (privacy.clipping.norm)")
+            if p.denominator == "expected":
+                raise ValueError("privacy.denominator: baek divides by the survivors' weight n' (Alg. 2 line 24); "
+                                 "leave it unset or set 'actual'")
+            if p.geyer is not None:
+                raise ValueError("privacy.geyer: Geyer's stopping rule belongs to dp_fedavg")
+        if algorithm != "baek" and any(d.phase == "calibration" and d.model != "none"
+                                       for d in self.faults.dropouts):
+            raise ValueError("faults.dropout.phase: only training.algorithm: baek has a calibration phase")
         return self
 
     @model_validator(mode="after")
@@ -198,16 +238,28 @@ class Scenario(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+_TYPE_MISMATCH = ("model_type", "list_type", "dict_type", "model_attributes_type")
+
+
+def _is_tag(part) -> bool:
+    """Location parts that are pydantic's, not the user's: validator and union-member tags."""
+    text = str(part)
+    return isinstance(part, str) and (text.startswith("function-") or "[" in text or text[:1].isupper())
+
+
 def _format_validation_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+    errors = err.errors()
+    # A one-or-many field reports each union member; the member of the wrong shape is noise.
+    errors = [e for e in errors if e["type"] not in _TYPE_MISMATCH] or errors
+    first = errors[0]
+    loc = ".".join(str(p) for p in first["loc"] if not _is_tag(p))
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in first and first["type"] not in ("value_error", "missing"):
         msg = f"{msg} (got {first['input']!r})"
     msg = msg.removeprefix("Value error, ")
-    extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    extra = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{loc}: {msg}{extra}" if loc else f"{msg}{extra}"
 
 

@@ -30,6 +30,13 @@ def split_noise_multiplier(z: float, count_noise_multiplier: float) -> float:
     return (z ** -2 - count_z ** -2) ** -0.5
 
 
+def make_sampling(s, num_clients: int):
+    """The ledger's sampling of ``sampling`` (a SamplingConfig) and the expected sampled fraction."""
+    if s.mode == "poisson":
+        return PoissonSampling(s.rate), s.rate
+    return FixedSizeSampling(s.clients_per_round, num_clients), s.clients_per_round / num_clients
+
+
 class DPFedAvg:
     name = "dp_fedavg"
 
@@ -37,15 +44,10 @@ class DPFedAvg:
         p, s = scenario.privacy, scenario.sampling
         self.seed = scenario.seed
         self.clipping = p.clipping
-        self.denominator = p.denominator
+        self.denominator = p.denominator or "expected"
         self.z = float(noise_multiplier)
         k = len(weights)
-        if s.mode == "poisson":
-            self.sampling = PoissonSampling(s.rate)
-            frac = s.rate
-        else:
-            self.sampling = FixedSizeSampling(s.clients_per_round, k)
-            frac = s.clients_per_round / k
+        self.sampling, frac = make_sampling(s, k)
         self.expected_weight = frac * float(np.sum(weights))
         self.expected_count = frac * k
         self.clip_norm = float(p.clipping.norm)
@@ -69,6 +71,11 @@ class DPFedAvg:
     def multipliers(self) -> list[float]:
         """The Gaussian mechanisms of one round, for the ledger."""
         return [self.update_z] if self.count_sigma is None else [self.update_z, 2.0 * self.count_sigma]
+
+    def round_mechanism(self) -> tuple[list[float], list[float] | None]:
+        """(effective, claimed) multipliers of the round just released: central noise after the
+        dropouts, so both are the planned ones."""
+        return self.multipliers, None
 
     @property
     def covered(self) -> bool:

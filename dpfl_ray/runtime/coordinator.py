@@ -107,26 +107,37 @@ class Coordinator:
         t0 = time.perf_counter()
         sc = self.sc
         sampled = sample_clients(sc.sampling, len(self.sizes), sc.seed, t)
-        faults = plan_round(sc.faults.dropout, sampled, sc.seed, t)
+        faults = plan_round(sc.faults.dropouts, sampled, sc.seed, t)
         active = [int(c) for c in sampled if faults.dropped.get(int(c)) != "training"]
         theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
         dropped = dict(faults.dropped)
         extra: dict = {}
-        if sc.secagg.enabled and active:
-            out = secagg_round(self, t, theta_ref, active, faults, self.algorithm.client_spec())
+        alg = self.algorithm
+        refused = alg.begin_round(t, sampled) if hasattr(alg, "begin_round") else None
+        if refused is None and hasattr(alg, "begin_round") and not active:
+            refused = "every sampled client dropped before uploading"
+        if refused:  # Baek et al. Alg. 3 line 17: the server stops before anyone trains
+            survivors, extra = [], {"round_aborted": refused}
+            agg, released = Aggregate(np.zeros_like(self.theta), 0.0), False
+        elif sc.secagg.enabled and active:
+            out = secagg_round(self, t, theta_ref, active, faults, alg.client_spec(),
+                               getattr(alg, "after_upload", None))
             dropped.update(out["lost"])
             self._replace(out["dead"])
             survivors, extra = out["survivors"], out["record"]
             if out["sum"] is None:  # aborted: nothing was released, the model stays
                 agg, released = Aggregate(np.zeros_like(self.theta), 0.0), False
+            elif hasattr(alg, "from_secagg"):
+                agg, released = alg.from_secagg(out, self.theta.size), True
             else:
-                agg, released = self.algorithm.from_sum(out["sum"], sum(float(self.weights[c]) for c in survivors),
-                                                        self.theta.size, t), True
+                agg, released = alg.from_sum(out["sum"], sum(float(self.weights[c]) for c in survivors),
+                                             self.theta.size, t), True
         else:
             updates = self._plain_updates(t, theta_ref, active, faults, dropped)
             survivors, released = sorted(updates), True
             agg = self.algorithm.aggregate(updates, self.weights, self.theta.size, t)
-        extra.update(self.privacy.account(t, released) if self.privacy else {})
+        why = extra.get("round_aborted") or extra.get("secagg_aborted") or "nothing released"
+        extra.update(self.privacy.account(t, released, why) if self.privacy else {})
         self.theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         acc, loss = last_eval
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:

@@ -96,8 +96,11 @@ def _finish(scenario, fed, record, coord, stop_reason, error, wall) -> dict:
         summary.update(epsilon=last.get("epsilon"), delta=scenario.privacy.delta,
                        accountant=scenario.privacy.accountant, dp_covered=ledger.get("fully_covered"),
                        noise_multiplier=ledger.get("noise_multiplier"))
-        if "epsilon_nominal" in last:
-            summary["epsilon_nominal"] = last["epsilon_nominal"]
+        for key in ("epsilon_nominal", "epsilon_claimed"):
+            if key in last:
+                summary[key] = last[key]
+        if scenario.training.algorithm == "baek":
+            summary["calibration"] = scenario.privacy.calibration
         record.plot_privacy()
     try:
         theta = ray.get(coord.final_model.remote(), timeout=60)

@@ -31,25 +31,36 @@ class RunPrivacy:
         self.algorithm = algorithm
 
     def _reason(self) -> str:
+        if self.algorithm.name == "baek":
+            return f"baek, calibration={self.sc.privacy.calibration}"
         return f"{self.algorithm.name}, clipping={self.sc.privacy.clipping.mode}"
 
     def next_round_fits(self, t: int) -> bool:
         """Record round t's mechanism on the shadow ledger and check the budgets there."""
         a, p = self.algorithm, self.sc.privacy
         self.shadow.record_round(a.multipliers, a.sampling, reason=self._reason(), round=t + 1)
-        if p.target_epsilon is not None and self.shadow.epsilon() > p.target_epsilon:
+        if p.target_epsilon is not None and (self.shadow.epsilon() > p.target_epsilon
+                                             or self.ledger.epsilon() > p.target_epsilon):
+            # the shadow books the planned mechanism; the real ledger may already be past it
             return False
         return p.geyer is None or self.shadow.delta_for_epsilon(p.geyer.epsilon) <= p.geyer.delta_threshold
 
-    def account(self, t: int, released: bool) -> dict:
-        """Ledger event of round t; the figures that go into its rounds.jsonl row."""
+    def account(self, t: int, released: bool, why: str = "secure aggregation aborted") -> dict:
+        """Ledger event of round t; the figures that go into its rounds.jsonl row. The effective
+        multipliers are what protects the release after this round's dropouts; the claimed ones
+        what the mechanism's paper states."""
         a, p = self.algorithm, self.sc.privacy
         if released:
-            self.ledger.record_round(a.multipliers, a.sampling, reason=self._reason(), covered=a.covered, round=t + 1)
+            effective, claimed = a.round_mechanism()
+            self.ledger.record_round(effective, a.sampling, reason=self._reason(), covered=a.covered,
+                                     claimed_noise_multiplier=claimed, round=t + 1)
         else:
-            self.ledger.record_no_release("secure aggregation aborted", round=t + 1)
+            self.ledger.record_no_release(why, round=t + 1)
         eps = self.ledger.epsilon()
         row = {"epsilon": None if math.isinf(eps) else eps, "dp_covered": self.ledger.fully_covered}
+        if a.name == "baek":
+            claimed_eps = self.ledger.claimed_epsilon()
+            row["epsilon_claimed"] = None if math.isinf(claimed_eps) else claimed_eps
         if not self.ledger.fully_covered:
             row["epsilon_nominal"] = self.ledger.claimed_epsilon()
         if p.geyer is not None:

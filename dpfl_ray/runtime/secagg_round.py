@@ -49,13 +49,21 @@ class _Phases:
             self.lost[cid] = why
 
 
-def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict) -> dict:
-    """Securely sum w_i * Delta_i over ``active`` clients (those that trained). Returns the decoded
-    sum, the survivors (whose masked input reached the server), and the round's SecAgg record."""
+def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict, after_upload=None) -> dict:
+    """Securely sum w_i * Delta_i (+ noise) over ``active`` clients (those that trained). Returns the
+    decoded sum, the survivors (whose masked input reached the server), and the round's SecAgg record.
+
+    ``after_upload(survivors)`` (Baek et al.) sees who uploaded before unmasking and returns what
+    the unmask request carries -- ``{"calibration": {"n_prime"}}`` or ``{"layers_from": k}`` -- or a
+    reason to abort the round without unmasking anything. The output then also holds the
+    survivors' calibration terms and the reconstructed noise-layer seeds."""
     sc, sa = coord.sc, coord.sc.secagg
     index = {cid: i for i, cid in enumerate(active)}
     n = len(active)
-    threshold = min(sa.threshold, n) if sa.threshold else None
+    if sa.threshold == "majority":  # secagg+ already defaults to a majority of each neighbourhood
+        threshold = n // 2 + 1 if sa.protocol == "secagg" else None
+    else:
+        threshold = min(sa.threshold, n) if sa.threshold else None
     config = SecAggConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold, round_id=t,
                           graph_seed=sc.seed, degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
                           dim=int(coord.theta.size) + (1 if spec.get("indicator") else 0))
@@ -86,7 +94,15 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict
             {index[c]: forwarded[index[c]] for c in ids if index[c] in forwarded})))
         request = timed("masked_input_server", lambda: server.receive_masked(
             m for r in replies for m in r["messages"]))
-        replies = timed("unmask", lambda: phases.call("unmask", lambda w, ids: w.secagg_unmask.remote(request)))
+        extras = after_upload(sorted(active[u] for u in server.u3)) if after_upload else {}
+        if isinstance(extras, str):  # the mechanism refuses to release this round
+            record.update(round_aborted=extras, secagg_seconds=seconds)
+            return {"sum": None, "survivors": [], "record": record, "lost": phases.lost, "dead": phases.dead}
+        if "layers_from" in extras:
+            request = server.request_layers(request, extras["layers_from"])
+        calibration = extras.get("calibration")
+        replies = timed("unmask", lambda: phases.call("unmask", lambda w, ids: w.secagg_unmask.remote(
+            request, calibration)))
         total = timed("reconstruct", lambda: server.receive_unmask(m for r in replies for m in r["messages"]))
     except SecAggAbort as err:
         record.update(secagg_aborted=str(err), secagg_seconds=seconds)
@@ -98,8 +114,17 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict
         secagg_bytes_per_client=round(float(np.mean(client_bytes)), 1) if client_bytes else 0.0,
         secagg_server_bytes_received=int(server.bytes_received),
         secagg_rounding_bound=rounding_error_bound(n, sa.resolved_scale))
-    return {"sum": decode(total, bits=sa.bits, scale=sa.resolved_scale), "survivors": survivors, "record": record,
-            "lost": phases.lost, "dead": phases.dead}
+    out = {"sum": decode(total, bits=sa.bits, scale=sa.resolved_scale), "survivors": survivors, "record": record,
+           "lost": phases.lost, "dead": phases.dead}
+    if calibration is not None:
+        terms = {c: v for r in replies for c, v in r["calibration"].items()}
+        total_terms = None
+        for c in sorted(terms):  # client-id order: the same float sum for any pool
+            total_terms = terms[c].copy() if total_terms is None else total_terms + terms[c]
+        out["calibration"] = {"sum": total_terms, "clients": sorted(terms)}
+    if "layers_from" in extras:
+        out["layer_seeds"] = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
+    return out
 
 
 def server_threshold(config: SecAggConfig) -> int:

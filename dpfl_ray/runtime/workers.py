@@ -14,12 +14,16 @@ import ray
 import torch
 
 from .. import rng as rngmod
+from ..algorithms.baek import calibration_term, client_layer_seeds, client_noise
 from ..algorithms.base import client_vector
 from ..local import local_update
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import SecAggClient, encode, presum_masked
 from ..models import build_model
 from ..scenario import Scenario
+
+# The worker's phases: the protocol's, then Baek et al.'s calibration (Alg. 2 line 22).
+WORKER_PHASES = PROTOCOL_PHASES + ("calibration",)
 
 
 class ClientWorker:
@@ -64,15 +68,19 @@ class ClientWorker:
     # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
     def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict,
                      config, weights: dict, encoding: dict, spec: dict) -> dict:
-        """Train, encode w_i * Delta_i into Z_2^b, and advertise keys (Bonawitz et al. Round 0).
+        """Train, encode w_i * Delta_i (+ e_i, Baek et al.) into Z_2^b, and advertise keys
+        (Bonawitz et al. Round 0).
 
-        ``clients`` maps client id -> protocol index; ``leave`` maps client id -> the SecAgg phase
-        from which that client sends nothing (the fault plan)."""
+        ``clients`` maps client id -> protocol index; ``leave`` maps client id -> the worker phase
+        (WORKER_PHASES) from which that client sends nothing (the fault plan)."""
         t0 = time.perf_counter()
-        self._sa = {"clients": {}, "inputs": {}, "clip_events": [],
-                    "leave": {clients[c]: PROTOCOL_PHASES.index(p) for c, p in leave.items() if c in clients}}
+        noise = spec.get("noise")
+        self._sa = {"clients": {}, "inputs": {}, "clip_events": [], "cids": {}, "weights": {}, "noise": noise,
+                    "leave": {clients[c]: WORKER_PHASES.index(p) for c, p in leave.items() if c in clients}}
         for cid, idx in clients.items():
             value = client_vector(self._local(round_idx, theta, cid), spec) * np.float32(weights[cid])
+            if noise is not None:
+                value = value.astype(np.float64) + client_noise(noise, cid, weights[cid], value.size)
             enc = encode(value, bits=config.bits, scale=encoding["scale"], n_summands=encoding["n_summands"],
                          rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
                          overflow="clip" if encoding["overflow"] == "clip" else "raise")
@@ -80,17 +88,24 @@ class ClientWorker:
                 self._sa["clip_events"].append({"client": cid, "clipped": enc.clip.n_clipped})
             self._sa["inputs"][idx] = enc.data
             self._sa["clients"][idx] = SecAggClient(idx, config)
+            self._sa["cids"][idx], self._sa["weights"][idx] = cid, float(weights[cid])
         msgs = self._phase("advertise", lambda c: c.advertise_keys())
         return {"messages": msgs, "clip_events": self._sa["clip_events"], "seconds": time.perf_counter() - t0}
 
     def _phase(self, phase: str, call, only=None) -> list:
         """Call ``call`` for each client still online in ``phase`` (and in ``only``, if given)."""
-        order, leave = PROTOCOL_PHASES.index(phase), self._sa["leave"]
+        order, leave = WORKER_PHASES.index(phase), self._sa["leave"]
         return [call(client) for idx, client in self._sa["clients"].items()
-                if leave.get(idx, len(PROTOCOL_PHASES)) > order and (only is None or idx in only)]
+                if leave.get(idx, len(WORKER_PHASES)) > order and (only is None or idx in only)]
 
     def secagg_share(self, keys: dict) -> dict:
-        return {"messages": self._phase("share", lambda c: c.share_keys(keys))}
+        noise = self._sa["noise"]
+        if noise is None or noise.get("mode") != "layered":
+            return {"messages": self._phase("share", lambda c: c.share_keys(keys))}
+        # layered calibration: the seeds of noise layers 1..L are Shamir-shared with b_u and s_u^SK
+        absent = noise["N"] - next(iter(self._sa["clients"].values())).config.n_clients
+        return {"messages": self._phase("share", lambda c: c.share_keys(
+            keys, layer_seeds=client_layer_seeds(noise, self._sa["cids"][c.id]), absent=absent))}
 
     def secagg_masked(self, forwarded: dict) -> dict:
         """Masked inputs of this worker's clients, pre-summed mod 2^b into one message."""
@@ -99,9 +114,19 @@ class ClientWorker:
         bits = msgs[0]["masked"].dtype.itemsize * 8 if msgs else 0
         return {"messages": [presum_masked(msgs, bits)] if msgs else []}
 
-    def secagg_unmask(self, request: dict) -> dict:
-        msgs = self._phase("unmask", lambda c: c.unmask(request), only=set(request["survivors"]))
-        return {"messages": msgs, "bytes_sent": {c.id: c.bytes_sent for c in self._sa["clients"].values()}}
+    def secagg_unmask(self, request: dict, calibration: dict | None = None) -> dict:
+        """Unmask shares; with ``calibration`` ({"n_prime"}) also each survivor's calibration term
+        (Baek et al. Alg. 2 line 22 / Alg. 3 line 34), per client so the server sums in id order."""
+        survivors = set(request["survivors"])
+        msgs = self._phase("unmask", lambda c: c.unmask(request), only=survivors)
+        terms, sent = {}, {c.id: c.bytes_sent for c in self._sa["clients"].values()}
+        if calibration is not None:
+            for idx in self._phase("calibration", lambda c: c.id, only=survivors):
+                cid, dim = self._sa["cids"][idx], int(self._sa["inputs"][idx].size)
+                terms[cid] = calibration_term(self._sa["noise"], cid, self._sa["weights"][idx], dim,
+                                              calibration["n_prime"])
+                sent[idx] += terms[cid].nbytes
+        return {"messages": msgs, "calibration": terms, "bytes_sent": sent}
 
 
 def make_worker_class(num_cpus: float, num_gpus: float):

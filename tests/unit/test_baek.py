@@ -1,0 +1,223 @@
+"""Baek et al. 2021 without Ray: the distributed noise, its calibration after dropouts, and the
+server's view that the ledger books (docs/baek2021.md)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from dpfl_ray.algorithms.baek import Baek, calibration_term, client_layer_seeds, client_noise, layer_seed
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.faults import plan_round
+from dpfl_ray.privacy.dropouts import (
+    best_estimate_variance, effective_noise_multipliers, layer_variances, planned_noise_multipliers, server_view,
+    tolerated_dropouts,
+)
+from dpfl_ray.scenario import DropoutConfig, scenario_from_dict
+
+LEVEL = 1e-6  # two-sided level of every statistical test here
+Z, C = 1.0, 0.5
+T = 2 * C * Z
+
+
+def _scenario(mode: str, **privacy):
+    return scenario_from_dict({
+        "data": {"source": "synthetic", "num_clients": 40},
+        "training": {"algorithm": "baek"},
+        "sampling": {"mode": "poisson", "rate": 0.5},
+        "privacy": {"noise_multiplier": Z, "clipping": {"norm": C}, "calibration": mode, "accountant": "rdp",
+                    **privacy},
+        "secagg": {"enabled": True},
+    })
+
+
+def _check_noise(samples: np.ndarray, variance: float) -> None:
+    """Zero mean (z-test) and the given variance (chi-square on the sum of squares), both at LEVEL."""
+    m = samples.size
+    z = samples.mean() / math.sqrt(variance / m)
+    assert 2 * stats.norm.sf(abs(z)) > LEVEL, f"mean {samples.mean():.3g} is not 0"
+    chi = float(np.sum(samples.astype(np.float64) ** 2)) / variance
+    p = 2 * min(stats.chi2.cdf(chi, m), stats.chi2.sf(chi, m))
+    assert p > LEVEL, f"variance {chi / m * variance:.6g} is not {variance:.6g} (p={p:.2g})"
+
+
+def _released_noise(mode: str, rounds: int, dim: int, n_sampled: int, n_drop: int, n_cal_drop: int = 0,
+                    seed: int = 0):
+    """Run ``rounds`` rounds of the pure mechanism with a fixed dropout pattern; return the noise in
+    the released average (released / n' minus the noiseless weighted average) and the plan."""
+    g = np.random.default_rng(seed)
+    weights = np.r_[g.uniform(0.3, 1.0, n_sampled), np.ones(40 - n_sampled)]
+    alg = Baek(_scenario(mode), weights, Z)
+    sampled = list(range(n_sampled))
+    survivors = sampled[: n_sampled - n_drop]
+    senders = survivors[: len(survivors) - n_cal_drop]
+    updates = {c: g.normal(size=dim) for c in sampled}
+    for c in sampled:  # Alg. 1 clipping to C
+        updates[c] *= min(1.0, C / np.linalg.norm(updates[c]))
+    out = []
+    for t in range(rounds):
+        assert alg.begin_round(t, sampled) is None
+        noise = alg.client_spec()["noise"]
+        total = sum(weights[c] * updates[c] + client_noise(noise, c, weights[c], dim) for c in survivors)
+        extras = alg.after_upload(survivors)
+        calibration = layers = None
+        if "calibration" in extras:
+            n_prime = extras["calibration"]["n_prime"]
+            calibration = {"clients": senders,
+                           "sum": sum(calibration_term(noise, c, weights[c], dim, n_prime) for c in senders)}
+        if "layers_from" in extras:  # what SecAgg reconstructs: layers d+1..L of each survivor
+            layers = {c: {k: layer_seed(noise, c, k) for k in range(extras["layers_from"], len(noise["variances"]))}
+                      for c in survivors}
+        released, info = alg.release(total, survivors, calibration, layers)
+        n_prime = info["weight_survived"]
+        clean = sum(weights[c] * updates[c] for c in survivors)
+        out.append((released - clean) / n_prime)
+    n = float(weights[:n_sampled].sum())
+    n_prime = float(weights[survivors].sum())
+    w_d = n_prime - float(weights[senders].sum())
+    return np.concatenate(out), n, n_prime, w_d, alg
+
+
+@pytest.mark.parametrize("mode", ["none", "baek", "baek-extended", "layered"])
+def test_released_noise_has_the_variance_the_mode_intends(mode):
+    """30% of 20 weighted clients drop before their masked input, every round."""
+    noise, n, n_prime, _, alg = _released_noise(mode, rounds=25, dim=4000, n_sampled=20, n_drop=6)
+    sigma, sigma_prime = T / n, T / n_prime
+    intended = {"none": n / n_prime * sigma ** 2,  # Sec. IV.B: std sqrt(n/n') sigma
+                "baek": sigma_prime ** 2, "baek-extended": sigma_prime ** 2, "layered": sigma_prime ** 2}[mode]
+    _check_noise(noise, intended)
+    # and the test can tell the modes apart: none's variance is 30% off the calibrated one
+    assert abs(n / n_prime * sigma ** 2 / sigma_prime ** 2 - 1) > 0.25
+
+
+def test_calibration_dropouts_leave_their_first_noise_in():
+    """2 of the 14 survivors never send their calibration term: their e_i (variance w T^2/n) stays."""
+    noise, n, n_prime, w_d, _ = _released_noise("baek", rounds=25, dim=4000, n_sampled=20, n_drop=6, n_cal_drop=2)
+    _check_noise(noise, T ** 2 * (w_d / n + (n_prime - w_d) / n_prime) / n_prime ** 2)
+
+
+def test_no_dropout_baek_skips_the_calibration_and_keeps_sigma():
+    noise, n, _, _, alg = _released_noise("baek", rounds=10, dim=4000, n_sampled=20, n_drop=0)
+    assert alg.plan.extras == {}
+    _check_noise(noise, (T / n) ** 2)
+    assert alg.round_mechanism() == ([Z], [Z])
+
+
+@pytest.mark.parametrize("mode,n_cal_drop", [("baek", 0), ("baek", 3), ("baek-extended", 0), ("baek-extended", 3)])
+def test_best_estimate_from_the_servers_view_has_the_predicted_variance(mode, n_cal_drop):
+    """The server holds A = sum M_i and the calibration terms. Combining the two views (generalised
+    least squares with the covariance of docs/baek2021.md) estimates the data sum with the error
+    variance the ledger books -- below the released model's."""
+    g = np.random.default_rng(7)
+    n_sampled, n_drop, dim, rounds = 20, 6, 3000, 20
+    weights = np.r_[g.uniform(0.3, 1.0, n_sampled), np.ones(20)]
+    alg = Baek(_scenario(mode), weights, Z)
+    sampled = list(range(n_sampled))
+    survivors = sampled[: n_sampled - n_drop]
+    senders = survivors[: len(survivors) - n_cal_drop]
+    n, n_prime = float(weights[:n_sampled].sum()), float(weights[survivors].sum())
+    view = server_view(mode, n, n_prime, n_prime - float(weights[senders].sum()), alg.n0)
+    solve = np.linalg.solve(view.cov, np.ones(2))
+    errors_best, errors_released = [], []
+    for t in range(rounds):
+        alg.begin_round(t, sampled)
+        noise = alg.client_spec()["noise"]
+        data = g.normal(size=dim)  # the weighted sum S; any value: the estimate is unbiased
+        first = data + sum(client_noise(noise, c, weights[c], dim) for c in survivors)
+        released = first + sum(calibration_term(noise, c, weights[c], dim, n_prime) for c in senders)
+        estimate = (solve[0] * first + solve[1] * released) / solve.sum()
+        errors_best.append(estimate - data)
+        errors_released.append(released - data)
+    best = np.concatenate(errors_best)
+    _check_noise(best, T ** 2 * view.effective_variance)
+    _check_noise(np.concatenate(errors_released), T ** 2 * view.released_variance)
+    assert view.effective_variance < 0.9 * view.released_variance
+    _, z_eff = effective_noise_multipliers(Z, mode, n, n_prime, n_prime - float(weights[senders].sum()), alg.n0)
+    assert z_eff == pytest.approx(Z * math.sqrt(view.effective_variance))
+
+
+def test_effective_multipliers_at_thirty_percent_dropout():
+    """n' = 0.7 n, F = 0.5: the closed forms of docs/baek2021.md."""
+    got = {m: planned_noise_multipliers(1.0, m, 0.3) for m in ("none", "baek", "baek-extended", "layered")}
+    assert got["none"] == pytest.approx((1.0, math.sqrt(0.7)))
+    assert got["baek"] == pytest.approx((1.0, math.sqrt(0.7 / 1.7)))
+    assert got["baek-extended"] == pytest.approx((1.0, math.sqrt(0.7 / 1.2)))
+    assert got["layered"] == (1.0, 1.0)
+    # without dropouts nothing is lost, except by baek-extended, which always calibrates
+    assert planned_noise_multipliers(1.0, "baek", 0.0) == (1.0, 1.0)
+    assert planned_noise_multipliers(1.0, "baek-extended", 0.0)[1] == pytest.approx(math.sqrt(1 / 1.5))
+    with pytest.raises(DPFLError, match="layered tolerates"):
+        planned_noise_multipliers(1.0, "layered", 0.6, min_weight_fraction=0.5)
+
+
+def test_best_estimate_variance_of_independent_views_is_harmonic():
+    assert best_estimate_variance([[2.0, 0.0], [0.0, 3.0]]) == pytest.approx(6 / 5)
+    assert best_estimate_variance([[4.0]]) == 4.0
+
+
+@pytest.mark.parametrize("n_sampled,fraction", [(1, 0.5), (10, 0.5), (50, 0.7), (51, 0.5), (7, 1.0)])
+def test_kept_layers_add_up_to_the_target(n_sampled, fraction):
+    tolerated = tolerated_dropouts(n_sampled, fraction)
+    v = layer_variances(n_sampled, tolerated)
+    assert len(v) == tolerated + 1 and np.all(v > 0)
+    for d in range(tolerated + 1):
+        assert (n_sampled - d) * v[: d + 1].sum() == pytest.approx(1.0, rel=1e-12)
+    assert n_sampled - tolerated >= max(1, math.ceil(fraction * n_sampled - 1e-9))
+
+
+def test_layer_seeds_and_noise_repeat_and_differ():
+    alg = Baek(_scenario("layered"), np.ones(40), Z)
+    alg.begin_round(3, list(range(10)))
+    noise = alg.client_spec()["noise"]
+    seeds = client_layer_seeds(noise, 4)
+    assert len(seeds) == len(noise["variances"]) - 1 == tolerated_dropouts(10, 0.5)
+    assert len(set(seeds)) == len(seeds) and seeds != client_layer_seeds(noise, 5)
+    assert np.array_equal(client_noise(noise, 4, 1.0, 50), client_noise(noise, 4, 1.0, 50))
+
+
+def test_layered_aborts_beyond_its_tolerance_and_extended_below_n0():
+    alg = Baek(_scenario("layered", min_weight_fraction=0.8), np.ones(40), Z)
+    assert alg.begin_round(0, list(range(10))) is None
+    assert "tolerate 2" in alg.after_upload(list(range(7)))
+    assert alg.after_upload(list(range(8))) == {}  # d = L: every layer stays
+    assert alg.after_upload(list(range(9))) == {"layers_from": 2}
+    assert alg.after_upload(list(range(10))) == {"layers_from": 1}
+    ext = Baek(_scenario("baek-extended", min_weight_fraction=0.5), np.ones(40), Z)
+    assert ext.n0 == pytest.approx(10.0)  # F * q * sum w = 0.5 * 0.5 * 40
+    assert "below n_0" in ext.begin_round(0, list(range(9)))
+    assert ext.begin_round(0, list(range(10))) is None
+
+
+def test_dropouts_in_several_phases_of_one_round():
+    specs = [DropoutConfig(model="tail", rate=0.3, phase="upload"),
+             DropoutConfig(model="tail", rate=0.5, phase="calibration")]
+    f = plan_round(specs, np.arange(20), seed=1, round_idx=0)
+    phases = list(f.dropped.values())
+    assert phases.count("upload") == 6 and phases.count("calibration") == 7  # half of the 14 left
+    assert all(f.delivers(c) for c, p in f.dropped.items() if p == "calibration")
+    # the tail of the report order goes first: upload dropouts report last
+    order = [c for c in f.report_order]
+    assert set(order[-6:]) == {c for c, p in f.dropped.items() if p == "upload"}
+    # one model alone draws exactly what it drew before multi-phase plans existed
+    one = plan_round(specs[0], np.arange(20), seed=1, round_idx=0)
+    assert one.dropped == {c: p for c, p in f.dropped.items() if p == "upload"}
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"training": {"algorithm": "baek"}, "privacy": {"noise_multiplier": 1.0}}, "secagg.enabled"),
+    ({"training": {"algorithm": "dp_fedavg"}, "privacy": {"noise_multiplier": 1.0, "calibration": "baek"}},
+     "privacy.calibration"),
+    ({"training": {"algorithm": "baek"}, "secagg": {"enabled": True},
+      "privacy": {"noise_multiplier": 1.0, "denominator": "expected"}}, "privacy.denominator"),
+    ({"training": {"algorithm": "dp_fedavg"}, "privacy": {"noise_multiplier": 1.0},
+      "faults": {"dropout": {"model": "tail", "rate": 0.1, "phase": "calibration"}}}, "faults.dropout.phase"),
+    ({"training": {"algorithm": "baek"}, "secagg": {"enabled": True},
+      "privacy": {"noise_multiplier": 1.0, "min_weight_fraction": 0}}, "privacy.min_weight_fraction"),
+])
+def test_bad_baek_settings_name_the_field(raw, field):
+    raw["privacy"]["accountant"] = "rdp"
+    with pytest.raises(DPFLError) as err:
+        scenario_from_dict(raw)
+    assert str(err.value).startswith(field)
