@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy.dropouts import CALIBRATIONS, planned_noise_multipliers
 from dpfl_ray.privacy.ledger import (
     DEFAULT_ACCOUNTANT,
     EpsilonCurve,
@@ -24,6 +25,7 @@ from dpfl_ray.privacy.ledger import (
     calibrate_noise_multiplier,
     epsilon_for,
 )
+from dpfl_ray.privacy.validation import _check_noise
 
 from .common import user_errors
 
@@ -90,6 +92,19 @@ def _ints(text: str, field: str) -> list[int]:
     return [int(v) for v in values]
 
 
+def _calibration_note(calibration: str, min_weight_fraction: float, dropout_rate: float,
+                      calibration_dropout_rate: float) -> str:
+    """``calibration=baek-extended (F=0.5), dropout rate 0.3``: the settings that shape the round."""
+    note = f"calibration={calibration}"
+    if calibration in ("baek-extended", "layered"):
+        note += f" (F={min_weight_fraction:g})"
+    if dropout_rate and calibration != "none":  # none: the dropout note already says it
+        note += f", dropout rate {dropout_rate:g}"
+    if calibration_dropout_rate and calibration in ("baek", "baek-extended"):
+        note += f", calibration dropout rate {calibration_dropout_rate:g}"
+    return note
+
+
 @app.command()
 @user_errors
 def epsilon(
@@ -100,23 +115,52 @@ def epsilon(
     clients_per_round: ClientsPerRoundOpt = None,
     num_clients: NumClientsOpt = None,
     accountant: AccountantOpt = DEFAULT_ACCOUNTANT,
-    dropout_rate: Annotated[float, typer.Option(help="Dropout rate R in [0, 1): the surviving multiplier is z*sqrt(1-R).")] = 0.0,
+    dropout_rate: Annotated[float, typer.Option(help="Dropout rate R in [0, 1): fraction of the sampled weight lost before upload.")] = 0.0,
+    calibration: Annotated[str, typer.Option(help="Noise after dropouts: none, baek, baek-extended or layered (see above).")] = "none",
+    min_weight_fraction: Annotated[float, typer.Option(help="F in (0, 1]: baek-extended draws the first noise for n_0 = F*n; layered tolerates dropout up to 1-F.")] = 0.5,
+    calibration_dropout_rate: Annotated[float, typer.Option(help="Fraction in [0, 1] of the survivors that vanish before sending their calibration term (baek, baek-extended).")] = 0.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Epsilon after T identical rounds."""
+    """Epsilon after T identical rounds, as the server's real view of each round guarantees it.
+
+    --calibration says how the noise is kept up after dropouts (Baek et al. 2021):
+
+    * none: no calibration; the survivors' noise is z*sqrt(1-R).
+
+    * baek: the survivors re-draw their noise for n' (the paper); the server keeps both views, so less than z protects.
+
+    * baek-extended: as baek, with the first noise drawn for n_0 = F*n.
+
+    * layered: layered noise whose removable layers are known exactly; z holds for dropout up to 1-F.
+
+    "epsilon" is always the effective value; "epsilon_claimed" is what the planned z would give.
+    """
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
-    curve = EpsilonCurve(noise_multiplier, samp, delta, accountant, dropout_rate)
+    _check_noise(noise_multiplier)
+    if calibration not in CALIBRATIONS:
+        raise DPFLError(f"unknown calibration {calibration!r}; choose one of {', '.join(CALIBRATIONS)}",
+                        field="calibration")
+    z_claimed, z_eff = planned_noise_multipliers(noise_multiplier, calibration, dropout_rate,
+                                                 calibration_dropout_rate, min_weight_fraction)
+    curve = EpsilonCurve(z_eff, samp, delta, accountant)  # the dropout is already in z_eff
     eps = curve.epsilon(rounds)
-    z_eff = curve.effective_multipliers[0]
+    eps_claimed = eps if z_claimed == z_eff else EpsilonCurve(z_claimed, samp, delta, accountant).epsilon(rounds)
     if as_json:
-        out = {"epsilon": _finite(eps), "delta": delta, "rounds": rounds, "accountant": accountant,
-               "noise_multiplier": noise_multiplier, "dropout_rate": dropout_rate,
-               "noise_multiplier_effective": z_eff, **_sampling_fields(samp)}
+        out = {"epsilon": _finite(eps), "epsilon_claimed": _finite(eps_claimed), "delta": delta, "rounds": rounds,
+               "accountant": accountant, "noise_multiplier": noise_multiplier, "dropout_rate": dropout_rate,
+               "noise_multiplier_effective": z_eff, "calibration": calibration,
+               "min_weight_fraction": min_weight_fraction, "calibration_dropout_rate": calibration_dropout_rate,
+               **_sampling_fields(samp)}
         typer.echo(json.dumps(out))
         return
     line = f"epsilon = {eps:.4f} after {rounds} rounds (delta={delta:g}, accountant={accountant})"
-    if dropout_rate:
+    if dropout_rate and calibration == "none":
         line += f"; noise multiplier {noise_multiplier:g} -> {z_eff:.4f} after dropout rate {dropout_rate:g}"
+    if calibration != "none" or z_claimed != z_eff:
+        line += f"; {_calibration_note(calibration, min_weight_fraction, dropout_rate, calibration_dropout_rate)}: "
+        line += f"claimed epsilon {eps_claimed:.4f} (z={z_claimed:g})"
+        if calibration != "none":
+            line += f", effective noise multiplier {z_eff:.4f} -> the epsilon above"
     if isinstance(samp, FixedSizeSampling):
         line += f"; {samp.describe()}, replace-one relation"
     typer.echo(line)

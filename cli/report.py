@@ -12,8 +12,8 @@ from rich.table import Table
 
 from .common import console, user_errors
 
-HEADERS = ["run", "scenario", "rounds", "stop", "final acc", "best acc", "epsilon", "eps claimed", "delta",
-           "survivors/round", "wall s"]
+HEADERS = ["run", "scenario", "rounds", "stop", "final acc", "best acc", "epsilon", "eps claimed", "calibration",
+           "delta", "survivors/round", "wall s"]
 
 
 @user_errors
@@ -28,7 +28,8 @@ def report(
     rows, written = write_report(runs, out)
     table = Table(title="dpfl report", header_style="bold")
     for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i < 4 else "right", no_wrap=i != 0)
+        text = i < 4 or header == "calibration"
+        table.add_column(header, justify="left" if text else "right", no_wrap=i != 0)
     for row in rows:
         table.add_row(*cells(row))
     console.print(table)

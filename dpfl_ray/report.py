@@ -18,7 +18,7 @@ from .errors import DPFLError
 from .results import _pyplot
 
 COLUMNS = ["run", "scenario", "rounds", "stop_reason", "final_accuracy", "best_accuracy", "epsilon",
-           "epsilon_claimed", "delta", "mean_survivors", "wall_seconds"]
+           "epsilon_claimed", "calibration", "delta", "mean_survivors", "wall_seconds"]
 """Table and CSV columns, in order."""
 
 
@@ -39,6 +39,17 @@ class Run:
         """(rounds, values) for the rounds where ``key`` has a value."""
         pts = [(r["round"], r[key]) for r in self.rounds if r.get(key) is not None and r.get("round") is not None]
         return [p[0] for p in pts], [p[1] for p in pts]
+
+    @property
+    def calibration(self) -> str | None:
+        """The noise calibration after dropouts (summary.json's optional ``calibration``), if recorded."""
+        value = self.summary.get("calibration")
+        return None if value in (None, "") else str(value)
+
+    @property
+    def legend(self) -> str:
+        """The label in the plots: the run, plus its calibration when it records one."""
+        return f"{self.label} (calibration={self.calibration})" if self.calibration else self.label
 
     @property
     def has_epsilon(self) -> bool:
@@ -110,6 +121,7 @@ def row(run: Run) -> dict:
         "epsilon": s.get("epsilon") if private else _last(run, "epsilon"),
         "epsilon_nominal": _last(run, "epsilon_nominal"),
         "epsilon_claimed": _last(run, "epsilon_claimed"),
+        "calibration": run.calibration,
         "delta": _last(run, "delta"),
         "mean_survivors": sum(survivors) / len(survivors) if survivors else None,
         "wall_seconds": s.get("wall_seconds"),
@@ -128,15 +140,15 @@ def cells(r: dict) -> list[str]:
     planned = "?" if r["rounds_planned"] is None else r["rounds_planned"]
     return [r["run"], str(r["scenario"] or "-"), f"{r['rounds_completed']}/{planned}", str(r["stop_reason"] or "-"),
             _num(r["final_accuracy"], ".4f"), _num(r["best_accuracy"], ".4f"), eps,
-            _num(r["epsilon_claimed"], ".3f"), _num(r["delta"], "g"), _num(r["mean_survivors"], ".1f"),
-            _num(r["wall_seconds"], ".1f")]
+            _num(r["epsilon_claimed"], ".3f"), r["calibration"] or "-", _num(r["delta"], "g"),
+            _num(r["mean_survivors"], ".1f"), _num(r["wall_seconds"], ".1f")]
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
     """The table with full-precision numbers; empty cells where a run does not say."""
     fields = ["run", "scenario", "rounds_completed", "rounds_planned", "stop_reason", "final_accuracy",
-              "best_accuracy", "epsilon", "epsilon_nominal", "epsilon_claimed", "delta", "mean_survivors",
-              "wall_seconds"]
+              "best_accuracy", "epsilon", "epsilon_nominal", "epsilon_claimed", "calibration", "delta",
+              "mean_survivors", "wall_seconds"]
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
@@ -173,7 +185,7 @@ def plot_accuracy(runs: list[Run], path: Path) -> Path | None:
         return None
     fig, ax = _pyplot().subplots(figsize=(7, 4.5))
     for i, run in runs:
-        ax.plot(*run.series("test_accuracy"), marker=".", markersize=3, color=_color(i), label=run.label)
+        ax.plot(*run.series("test_accuracy"), marker=".", markersize=3, color=_color(i), label=run.legend)
     return _save(fig, ax, path, "round", "test accuracy", "Test accuracy per round")
 
 
@@ -189,7 +201,7 @@ def plot_epsilon(runs: list[Run], path: Path) -> Path | None:
                                    ("epsilon_claimed", "--", " (claimed)")):
             xs, ys = run.series(key)
             if xs:
-                ax.plot(xs, ys, linestyle=style, color=_color(i), label=run.label + suffix)
+                ax.plot(xs, ys, linestyle=style, color=_color(i), label=run.legend + suffix)
     return _save(fig, ax, path, "round", "epsilon", "Privacy spent per round")
 
 
@@ -202,7 +214,7 @@ def plot_accuracy_vs_epsilon(runs: list[Run], path: Path) -> Path | None:
         pts = [p for p in pts if p[0] is not None and p[1] is not None]
         if pts:
             nominal = any(r.get("epsilon") is None and r.get("epsilon_nominal") is not None for r in run.rounds)
-            lines.append((i, run.label + (" (nominal)" if nominal else ""), pts))
+            lines.append((i, run.legend + (" (nominal)" if nominal else ""), pts))
     if not lines:
         return None
     fig, ax = _pyplot().subplots(figsize=(7, 4.5))

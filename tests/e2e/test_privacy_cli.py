@@ -101,6 +101,65 @@ def test_table_rich_output():
     assert "T=100" in res.stdout and "eps<=2" in res.stdout and "accountant=rdp" in res.stdout
 
 
+BAEK_DROPOUT = [*BAEK, "--accountant", "rdp-classic", "--dropout-rate", "0.3", "--json"]
+
+
+def _json(*args):
+    res = run("epsilon", *args)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_calibration_none_is_todays_dropout_epsilon():
+    data = _json(*BAEK_DROPOUT, "--calibration", "none")
+    default = _json(*BAEK_DROPOUT)  # --calibration none is the default
+    assert data == default
+    assert data["epsilon"] == pytest.approx(epsilon_for(1.0, 0.01, 100, 1e-5, "rdp-classic", 0.3), rel=1e-12)
+    assert round(data["epsilon"], 3) == 2.463  # Baek et al., Table 2, R = 0.3, T = 100
+    assert round(data["epsilon_claimed"], 4) == 1.6118
+    assert data["noise_multiplier_effective"] == pytest.approx(math.sqrt(0.7), rel=1e-12)
+    assert data["calibration"] == "none" and data["min_weight_fraction"] == 0.5
+    assert data["calibration_dropout_rate"] == 0.0 and data["dropout_rate"] == 0.3
+    assert data["noise_multiplier"] == 1.0 and data["neighboring_relation"] == "add_or_remove_one"
+
+
+def test_calibration_modes_claimed_and_effective():
+    no_dropout = _json(*BAEK, "--accountant", "rdp-classic", "--json")["epsilon"]
+    none = _json(*BAEK_DROPOUT)
+    baek = _json(*BAEK_DROPOUT, "--calibration", "baek")
+    assert baek["epsilon_claimed"] == pytest.approx(no_dropout, rel=1e-12)  # the paper's claim
+    assert round(baek["epsilon_claimed"], 4) == 1.6118
+    assert baek["noise_multiplier_effective"] == pytest.approx(math.sqrt(0.7 / 1.7), rel=1e-9)
+    assert baek["epsilon"] > none["epsilon"]  # two views of the round leak more than dropping alone
+
+    ext = _json(*BAEK_DROPOUT, "--calibration", "baek-extended", "--min-weight-fraction", "0.5")
+    z_ext = ext["noise_multiplier_effective"]
+    assert z_ext == pytest.approx(math.sqrt(0.7 / 1.2), abs=1e-9)
+    alone = _json("--noise-multiplier", repr(z_ext), "--sampling-rate", "0.01", "--rounds", "100",
+                  "--delta", "1e-5", "--accountant", "rdp-classic", "--dropout-rate", "0", "--json")
+    assert ext["epsilon"] == pytest.approx(alone["epsilon"], rel=1e-12)
+    assert ext["epsilon_claimed"] == pytest.approx(no_dropout, rel=1e-12)
+    assert none["epsilon"] < ext["epsilon"] < baek["epsilon"]
+
+    layered = _json(*BAEK_DROPOUT, "--calibration", "layered")
+    assert layered["epsilon"] == layered["epsilon_claimed"] == pytest.approx(no_dropout, rel=1e-12)
+    assert layered["noise_multiplier_effective"] == 1.0
+
+
+def test_calibration_text_line():
+    res = run("epsilon", *BAEK, "--accountant", "rdp-classic", "--dropout-rate", "0.3", "--calibration", "baek")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("epsilon = ") and "after 100 rounds (delta=1e-05, accountant=rdp-classic)" in res.stdout
+    assert "; calibration=baek, dropout rate 0.3: claimed epsilon 1.6118 (z=1), effective noise multiplier 0.6417 " \
+           "-> the epsilon above" in res.stdout
+    assert _epsilon(res.stdout) > 4
+    res = run("epsilon", *BAEK, "--accountant", "rdp-classic", "--dropout-rate", "0.3")  # none: today's line + claim
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == ("epsilon = 2.4633 after 100 rounds (delta=1e-05, accountant=rdp-classic); "
+                                  "noise multiplier 1 -> 0.8367 after dropout rate 0.3; "
+                                  "calibration=none: claimed epsilon 1.6118 (z=1)")
+
+
 @pytest.mark.parametrize(
     "args, field",
     [
@@ -124,6 +183,15 @@ def test_table_rich_output():
         (["table", "--dropout-rates", "0,abc", "--accountant", "rdp"], "dropout_rates"),
         (["table", "--budgets", "0", "--accountant", "rdp"], "budget"),
         (["table", "--dropout-rates", "1.2", "--accountant", "rdp"], "dropout_rate"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration", "magic"], "calibration"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--min-weight-fraction", "0"], "min_weight_fraction"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration", "baek-extended",
+          "--min-weight-fraction", "1.5"], "min_weight_fraction"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration", "baek",
+          "--calibration-dropout-rate", "1.2"], "calibration_dropout_rate"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration-dropout-rate", "-0.1"], "calibration_dropout_rate"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration", "layered",
+          "--dropout-rate", "0.3", "--min-weight-fraction", "0.8"], "dropout_rate"),
     ],
 )
 def test_bad_parameters_give_one_line_and_exit_2(args, field):

@@ -38,7 +38,7 @@ def runs(tmp_path):
     claimed = _write_run(tmp_path / "runs" / "claimed", {
         "name": "dp_secagg", "final_accuracy": 0.7, "rounds_completed": 2, "rounds_planned": 2,
         "stop_reason": "completed", "wall_seconds": 20.0, "seed": 2, "epsilon": 3.25, "delta": 1e-6,
-        "accountant": "rdp", "dp_covered": True, "noise_multiplier": 0.8,
+        "accountant": "rdp", "dp_covered": True, "noise_multiplier": 0.8, "calibration": "baek",
     }, [_round(1, 0.55, 6, epsilon=2.0, epsilon_claimed=1.1, dp_covered=True),
         _round(2, 0.7, 7, epsilon=3.25, epsilon_claimed=1.75, dp_covered=True)])
     return plain, dp, claimed
@@ -59,6 +59,8 @@ def test_report_table_plots_and_csv(runs, tmp_path):
     assert "dp_fedavg" in row["runs/dp"] and "0.6200" in row["runs/dp"] and "2.346" in row["runs/dp"]
     assert "2/4" in row["runs/dp"] and "budget" in row["runs/dp"] and "1e-05" in row["runs/dp"]
     assert "0.7000" in row["runs/claimed"] and "3.250" in row["runs/claimed"] and "1.750" in row["runs/claimed"]
+    assert "calibration" in res.stdout  # the header
+    assert "baek" in row["runs/claimed"] and "baek" not in row["runs/dp"] and "baek" not in row["runs/plain"]
 
     for name in ("accuracy.png", "epsilon.png", "accuracy_vs_epsilon.png"):
         path = out / name
@@ -77,6 +79,39 @@ def test_report_table_plots_and_csv(runs, tmp_path):
     assert dp["rounds_completed"] == "2" and dp["rounds_planned"] == "4" and dp["stop_reason"] == "budget"
     assert float(claimed["epsilon"]) == 3.25 and float(claimed["epsilon_claimed"]) == 1.75
     assert float(claimed["wall_seconds"]) == 20.0
+    assert claimed["calibration"] == "baek" and dp["calibration"] == "" and plain["calibration"] == ""
+
+
+def test_table_cells_match_headers_and_columns(runs):
+    from cli.report import HEADERS
+    from dpfl_ray.report import COLUMNS, cells, load_run, row
+
+    assert len(HEADERS) == len(COLUMNS)
+    assert HEADERS.index("calibration") == COLUMNS.index("calibration")
+    for path in runs:
+        r = row(load_run(path))
+        assert len(cells(r)) == len(COLUMNS)
+        assert cells(r)[COLUMNS.index("calibration")] == (r["calibration"] or "-")
+    assert row(load_run(runs[2]))["calibration"] == "baek"
+
+
+def test_plot_legend_names_the_calibration(runs, monkeypatch, tmp_path):
+    from dpfl_ray import report as rep
+
+    load = [rep.load_run(p) for p in runs]
+    assert load[2].legend == "runs/claimed (calibration=baek)" and load[1].legend == "runs/dp"
+    labels = []
+    real_save = rep._save
+
+    def spy(fig, ax, path, *args):
+        labels.extend(line.get_label() for line in ax.get_lines())
+        return real_save(fig, ax, path, *args)
+
+    monkeypatch.setattr(rep, "_save", spy)
+    rep.plot_epsilon(load, tmp_path / "epsilon.png")
+    assert "runs/claimed (calibration=baek) (effective)" in labels
+    assert "runs/claimed (calibration=baek) (claimed)" in labels
+    assert "runs/dp" in labels
 
 
 def test_non_private_runs_skip_the_epsilon_plots(runs, tmp_path, monkeypatch):
