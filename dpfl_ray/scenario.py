@@ -22,6 +22,8 @@ class PartitionConfig(_Section):
     kind: Literal["iid", "shards", "dirichlet", "unbalanced"] = "iid"
     shards_per_client: int = Field(2, ge=1, description="shards: label-sorted shards per client")
     alpha: float = Field(0.5, gt=0, description="dirichlet: concentration of the label mix")
+    sizes: Literal["equal", "unbalanced"] = Field(
+        "equal", description="dirichlet: 'unbalanced' draws client sizes like kind: unbalanced (FEMNIST-like writers)")
     size_distribution: Literal["lognormal", "uniform", "zipf"] = "lognormal"
     size_mean: float = Field(100.0, gt=0, description="unbalanced: mean client size")
     size_sigma: float = Field(1.0, ge=0, description="unbalanced lognormal: sigma of log-size")

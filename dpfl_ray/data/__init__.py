@@ -45,6 +45,11 @@ def make_partition(labels: np.ndarray, data_cfg, seed: int) -> list[np.ndarray]:
     if p.kind == "shards":
         return P.shards(labels, k, p.shards_per_client, g, epc, rep)
     if p.kind == "dirichlet":
+        if p.sizes == "unbalanced":
+            if epc is not None:
+                raise DPFLError("partition.sizes: unbalanced draws each client's size; remove examples_per_client",
+                                field="data.examples_per_client")
+            epc = P.unbalanced_sizes(k, p.size_distribution, p.size_mean, p.size_sigma, p.min_size, g)
         return P.dirichlet(labels, k, p.alpha, g, epc, rep, p.min_size)
     if p.kind == "unbalanced":
         if epc is not None:

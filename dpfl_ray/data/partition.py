@@ -75,13 +75,14 @@ def shards(labels: np.ndarray, num_clients: int, shards_per_client: int, rng: np
 
 
 def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
-              examples_per_client: int | None = None, repeat: bool = False,
+              examples_per_client: int | np.ndarray | None = None, repeat: bool = False,
               min_size: int = 1, max_tries: int = 100) -> list[np.ndarray]:
     """Label-skewed clients: class mixes drawn from Dir(alpha) (Hsu et al. 2019).
 
     Without ``examples_per_client`` each class is split over clients by Dir(alpha) proportions
-    (sizes vary, all data used once). With it, each client draws its own label mix and that many
-    examples from per-class pools, cycling the pools only when ``repeat`` allows.
+    (sizes vary, all data used once). With it (one size for all, or one per client), each client
+    draws its own label mix and that many examples from per-class pools, cycling the pools only
+    when ``repeat`` allows.
     """
     classes = np.unique(labels)
     by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
@@ -98,12 +99,14 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random
         raise DPFLError(f"after {max_tries} draws some client still had fewer than {min_size} examples; "
                         "raise alpha, lower num_clients, or set examples_per_client",
                         field="data.partition.alpha")
-    _check_total(examples_per_client * num_clients, len(labels), repeat,
-                 f"{num_clients} clients x {examples_per_client} examples")
+    sizes = np.broadcast_to(np.asarray(examples_per_client, dtype=np.int64), (num_clients,))
+    _check_total(int(sizes.sum()), len(labels), repeat,
+                 f"{num_clients} clients x {examples_per_client if np.ndim(examples_per_client) == 0 else 'their'} "
+                 "examples")
     cursor = np.zeros(len(classes), dtype=np.int64)
     result = []
-    for _ in range(num_clients):
-        counts = rng.multinomial(examples_per_client, rng.dirichlet(np.full(len(classes), alpha)))
+    for size in sizes:
+        counts = rng.multinomial(int(size), rng.dirichlet(np.full(len(classes), alpha)))
         chunks = []
         for c, k in enumerate(counts):
             pool = by_class[c]
