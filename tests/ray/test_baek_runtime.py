@@ -1,0 +1,116 @@
+"""Baek et al. 2021 on a real local Ray, over real SecAgg: every calibration mode releases, the
+ledger books the effective multiplier of each round, and it agrees with `dpfl privacy epsilon`."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from cli import privacy as privacy_cli
+from dpfl_ray.data import build_federation
+from dpfl_ray.models import build_model
+from dpfl_ray.privacy.dropouts import effective_noise_multipliers
+from dpfl_ray.results import RunRecord
+from dpfl_ray.runtime.driver import run_scenario
+from tests.helpers import tiny_scenario
+
+MODES = ["none", "baek", "baek-extended", "layered"]
+UPLOAD_30 = {"model": "tail", "rate": 0.3, "phase": "upload"}
+
+cli_root = typer.Typer()
+cli_root.add_typer(privacy_cli.app, name="privacy")
+
+
+@cli_root.callback()
+def _root() -> None:
+    """Stand-in for cli/main.py."""
+
+
+def _scenario(mode: str, dropout=UPLOAD_30, rounds: int = 3, **privacy):
+    # 40 clients with 15 examples each: every weight is 1; 10 sampled per round, 3 drop.
+    return tiny_scenario(
+        data={"num_clients": 40}, training={"algorithm": "baek", "rounds": rounds},
+        sampling={"mode": "fixed", "clients_per_round": 10},
+        privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp", "calibration": mode,
+                 **privacy},
+        secagg={"enabled": True, "threshold": "majority"}, faults={"dropout": dropout})
+
+
+def _run(sc, path):
+    summary = run_scenario(sc, build_federation(sc), RunRecord(path))
+    rounds = [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines()]
+    return summary, rounds
+
+
+def _cli_epsilon(mode: str, rounds: int) -> dict:
+    res = CliRunner().invoke(cli_root, [
+        "privacy", "epsilon", "--noise-multiplier", "1", "--clients-per-round", "10", "--num-clients", "40",
+        "--rounds", str(rounds), "--delta", "1e-5", "--accountant", "rdp", "--dropout-rate", "0.3",
+        "--calibration", mode, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_run_ledger_and_cli_agree_at_thirty_percent_dropout(ray_session, tmp_path, mode):
+    summary, rounds = _run(_scenario(mode), tmp_path / mode)
+    assert summary["stop_reason"] == "completed" and summary["calibration"] == mode
+    for r in rounds:  # SecAgg ran, 3 of 10 really dropped, and the survivors' sum was released
+        assert r["sampled"] == 10 and r["survived"] == 7 and r["dropped_by_phase"] == {"upload": 3}
+        assert r["secagg_protocol"] == "secagg" and "secagg_aborted" not in r and "round_aborted" not in r
+    cli = _cli_epsilon(mode, len(rounds))
+    assert rounds[-1]["noise_multiplier_effective"] == pytest.approx(cli["noise_multiplier_effective"], rel=1e-12)
+    assert summary["epsilon"] == pytest.approx(cli["epsilon"], rel=1e-6)
+    assert summary["epsilon_claimed"] == pytest.approx(cli["epsilon_claimed"], rel=1e-6)
+    ledger = json.loads((tmp_path / mode / "ledger.json").read_text())
+    assert [r["claimed_noise_multipliers"] for r in ledger["rounds"]] == [[1.0]] * 3
+    if mode == "layered":
+        assert summary["epsilon"] == pytest.approx(summary["epsilon_claimed"], rel=1e-12)
+        assert all(r["layers_removed"] == 7 * (5 - 3) for r in rounds)  # layers 4..5 of each survivor
+    else:
+        assert summary["epsilon"] > summary["epsilon_claimed"]
+    if mode in ("baek", "baek-extended"):
+        assert all(r["calibration_senders"] == 7 for r in rounds)
+
+
+def test_calibration_and_unmask_dropouts(ray_session, tmp_path):
+    """Two survivors vanish before their calibration term, one during unmasking: for baek all three
+    leave their first noise in; layered loses nothing (the others' shares remove the layers)."""
+    drops = [UPLOAD_30, {"model": "tail", "rate": 0.15, "phase": "unmask"},
+             {"model": "tail", "rate": 0.35, "phase": "calibration"}]
+    _, rounds = _run(_scenario("baek", dropout=drops, rounds=2), tmp_path / "baek")
+    for r in rounds:
+        assert r["dropped_by_phase"] == {"upload": 3, "unmask": 1, "calibration": 2} and r["survived"] == 7
+        assert r["calibration_senders"] == 4
+        _, z_eff = effective_noise_multipliers(1.0, "baek", 10.0, 7.0, 3.0)
+        assert r["noise_multiplier_effective"] == pytest.approx(z_eff, rel=1e-12)
+    _, rounds = _run(_scenario("layered", dropout=drops, rounds=2), tmp_path / "layered")
+    for r in rounds:
+        assert r["survived"] == 7 and r["noise_multiplier_effective"] == 1.0 and r["layers_removed"] == 14
+
+
+def test_layered_refuses_a_round_beyond_its_tolerance(ray_session, tmp_path):
+    """F = 0.9 tolerates one dropout of ten; with three nothing is released or booked."""
+    summary, rounds = _run(_scenario("layered", rounds=2, min_weight_fraction=0.9), tmp_path / "refused")
+    assert all("tolerate 1" in r["round_aborted"] and r["weight_sum"] == 0.0 for r in rounds)
+    assert summary["epsilon"] == 0.0
+    ledger = json.loads((tmp_path / "refused" / "ledger.json").read_text())
+    assert [r["released"] for r in ledger["rounds"]] == [False, False]
+    model = torch.load(tmp_path / "refused" / "model.pt")
+    sc = _scenario("layered")
+    fed = build_federation(sc)
+    init = build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed).state_dict()
+    assert all(torch.equal(model[k], init[k]) for k in init)  # the model never moved
+
+
+def test_same_model_for_any_pool_size(ray_session, tmp_path):
+    """Calibration terms are summed in client-id order, so the pool does not change the model."""
+    models = []
+    for workers in (1, 2):
+        sc = _scenario("baek", rounds=2).model_copy(deep=True)
+        sc.resources.workers = workers
+        _run(sc, tmp_path / f"w{workers}")
+        models.append(torch.load(tmp_path / f"w{workers}" / "model.pt"))
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
