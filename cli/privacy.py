@@ -100,7 +100,7 @@ def _calibration_note(calibration: str, min_weight_fraction: float, dropout_rate
         note += f" (F={min_weight_fraction:g})"
     if dropout_rate and calibration != "none":  # none: the dropout note already says it
         note += f", dropout rate {dropout_rate:g}"
-    if calibration_dropout_rate and calibration in ("baek", "baek-extended"):
+    if calibration_dropout_rate and (calibration == "baek-extended" or (calibration == "baek" and dropout_rate)):
         note += f", calibration dropout rate {calibration_dropout_rate:g}"
     return note
 

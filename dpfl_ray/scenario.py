@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import DPFLError
 
@@ -124,7 +124,7 @@ class SecAggConfig(_Section):
     scale: float | None = Field(
         None, gt=0, description="fixed-point scale; default 2^40 for 64-bit words, 2^16 for 32-bit")
     overflow: Literal["error", "clip"] = "error"
-    threshold: int | Literal["majority"] | None = Field(
+    threshold: int | str | None = Field(
         None, description="t; default floor(2n/3)+1 (secagg); 'majority': floor(n/2)+1 of this round's n")
     degree: int | None = Field(None, ge=2, description="secagg+ neighbours; default ceil(8 log2 n), even")
     @property
@@ -136,11 +136,12 @@ class SecAggConfig(_Section):
     phase_timeout_seconds: float | None = Field(
         None, gt=0, description="a worker that misses a phase's deadline drops its clients in that phase")
 
-    @model_validator(mode="after")
-    def _threshold_positive(self):
-        if isinstance(self.threshold, int) and self.threshold < 1:
-            raise ValueError("secagg.threshold must be >= 1, 'majority' or unset")
-        return self
+    @field_validator("threshold", mode="before")
+    @classmethod
+    def _threshold(cls, t):
+        if t is not None and t != "majority" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"must be an integer >= 1, 'majority' or unset (got {t!r})")
+        return t
 
 
 class DropoutConfig(_Section):
@@ -223,6 +224,9 @@ class Scenario(_Section):
                                  "leave it unset or set 'actual'")
             if p.geyer is not None:
                 raise ValueError("privacy.geyer: Geyer's stopping rule belongs to dp_fedavg")
+            if self.secagg.overflow == "clip":
+                raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
+                                 "relies on; use 'error' (the default) with baek")
         if algorithm != "baek" and any(d.phase == "calibration" and d.model != "none"
                                        for d in self.faults.dropouts):
             raise ValueError("faults.dropout.phase: only training.algorithm: baek has a calibration phase")
@@ -240,13 +244,14 @@ class Scenario(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+_UNION_TAGS = {"DropoutConfig", "int", "str", "float", "bool"}
 _TYPE_MISMATCH = ("model_type", "list_type", "dict_type", "model_attributes_type")
 
 
 def _is_tag(part) -> bool:
     """Location parts that are pydantic's, not the user's: validator and union-member tags."""
     text = str(part)
-    return isinstance(part, str) and (text.startswith("function-") or "[" in text or text[:1].isupper())
+    return isinstance(part, str) and (text.startswith("function-") or "[" in text or text in _UNION_TAGS)
 
 
 def _format_validation_error(err: ValidationError) -> str:

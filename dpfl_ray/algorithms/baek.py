@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import rng as rngmod
-from ..privacy.dropouts import calibrates, effective_noise_multipliers, layer_variances, tolerated_dropouts
+from ..privacy.dropouts import (
+    calibrates, effective_noise_multipliers, layer_variances, planned_noise_multipliers, tolerated_dropouts,
+)
 from .base import Aggregate
 from .dp_fedavg import make_sampling
 
@@ -115,8 +117,15 @@ class Baek:
     # what the ledger books
     @property
     def multipliers(self) -> list[float]:
-        """Planned (claimed) multipliers: the shadow ledger's budget check."""
-        return [self.z]
+        """The planned round without dropouts, as the server's view guarantees it (z, except for
+        baek-extended, which always hands the server two views): the shadow ledger's budget check."""
+        return [planned_noise_multipliers(self.z, self.mode, min_weight_fraction=self.min_fraction)[1]]
+
+    def upload_effective(self) -> float:
+        """This round's effective multiplier once U_A is known, if every survivor calibrates (the
+        worst case: a calibration dropout leaves its first noise in, which only adds noise)."""
+        plan = self.plan
+        return effective_noise_multipliers(self.z, self.mode, plan.n, plan.n_prime, 0.0, self.n0)[1]
 
     def round_mechanism(self) -> tuple[list[float], list[float] | None]:
         """(effective, claimed) multipliers of the round just released."""
@@ -125,7 +134,7 @@ class Baek:
     # phases of the round
     def begin_round(self, round_idx: int, sampled) -> str | None:
         """Alg. 2 line 12 / Alg. 3 line 17. Returns why the round is aborted, or None."""
-        sampled = [int(c) for c in sampled]
+        sampled = sorted(int(c) for c in sampled)
         n = float(self.weights[sampled].sum()) if sampled else 0.0
         noise = {"mode": self.mode, "seed": self.seed, "round": round_idx, "T": 2.0 * self.clip_norm * self.z,
                  "n": n, "n0": self.n0, "N": len(sampled)}

@@ -117,11 +117,11 @@ class Coordinator:
         if refused is None and hasattr(alg, "begin_round") and not active:
             refused = "every sampled client dropped before uploading"
         if refused:  # Baek et al. Alg. 3 line 17: the server stops before anyone trains
-            survivors, extra = [], {"round_aborted": refused}
+            survivors, extra, dropped = [], {"round_aborted": refused}, {}
             agg, released = Aggregate(np.zeros_like(self.theta), 0.0), False
         elif sc.secagg.enabled and active:
             out = secagg_round(self, t, theta_ref, active, faults, alg.client_spec(),
-                               getattr(alg, "after_upload", None))
+                               self._after_upload if hasattr(alg, "after_upload") else None)
             dropped.update(out["lost"])
             self._replace(out["dead"])
             survivors, extra = out["survivors"], out["record"]
@@ -132,6 +132,9 @@ class Coordinator:
             else:
                 agg, released = alg.from_sum(out["sum"], sum(float(self.weights[c]) for c in survivors),
                                              self.theta.size, t), True
+            if getattr(alg, "plan", None) is not None and "calibration" not in alg.plan.extras:
+                # no calibration ran this round: nobody could drop out of it
+                dropped = {c: p for c, p in dropped.items() if p != "calibration"}
         else:
             updates = self._plain_updates(t, theta_ref, active, faults, dropped)
             survivors, released = sorted(updates), True
@@ -149,6 +152,16 @@ class Coordinator:
         return {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(survivors),
                 "dropped_by_phase": by_phase, "weight_sum": agg.weight_sum, "test_accuracy": acc,
                 "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
+
+    def _after_upload(self, survivors: list[int]) -> dict | str:
+        """Baek et al.: what the unmask request carries, or why nothing is unmasked -- the
+        mechanism's own reasons, or a release that would take the effective epsilon past the budget."""
+        extras = self.algorithm.after_upload(survivors)
+        if isinstance(extras, str) or not self.privacy:
+            return extras
+        if not self.privacy.release_fits([self.algorithm.upload_effective()]):
+            return "releasing this round would take the effective epsilon past privacy.target_epsilon"
+        return extras
 
     def _plain_updates(self, t, theta_ref, active, faults, dropped) -> dict[int, np.ndarray]:
         """One message per worker; updates of clients whose upload the fault plan does not lose."""

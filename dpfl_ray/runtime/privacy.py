@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ..privacy import FixedSizeSampling, PoissonSampling, PrivacyLedger, calibrate_noise_multiplier
+from ..privacy.dropouts import planned_noise_multipliers
 
 
 class RunPrivacy:
@@ -18,6 +19,7 @@ class RunPrivacy:
         self.shadow = PrivacyLedger(accountant=p.accountant, delta=p.delta)
         self.noise_multiplier = p.noise_multiplier
         self.calibrated = False
+        self.exhausted = False  # a release was refused: it would have passed the target
         self.algorithm = None
         if self.noise_multiplier is None:
             s = scenario.sampling
@@ -25,6 +27,10 @@ class RunPrivacy:
                         else FixedSizeSampling(s.clients_per_round, len(weights)))
             self.noise_multiplier = calibrate_noise_multiplier(
                 p.target_epsilon, p.delta, sampling, scenario.training.rounds, p.accountant)
+            if scenario.training.algorithm == "baek":
+                # the target holds for the planned round's effective multiplier, not for z itself
+                self.noise_multiplier /= planned_noise_multipliers(
+                    1.0, p.calibration, min_weight_fraction=p.min_weight_fraction)[1]
             self.calibrated = True
 
     def bind(self, algorithm) -> None:
@@ -38,12 +44,27 @@ class RunPrivacy:
     def next_round_fits(self, t: int) -> bool:
         """Record round t's mechanism on the shadow ledger and check the budgets there."""
         a, p = self.algorithm, self.sc.privacy
+        if self.exhausted:
+            return False
         self.shadow.record_round(a.multipliers, a.sampling, reason=self._reason(), round=t + 1)
         if p.target_epsilon is not None and (self.shadow.epsilon() > p.target_epsilon
                                              or self.ledger.epsilon() > p.target_epsilon):
             # the shadow books the planned mechanism; the real ledger may already be past it
             return False
         return p.geyer is None or self.shadow.delta_for_epsilon(p.geyer.epsilon) <= p.geyer.delta_threshold
+
+    def release_fits(self, multipliers: list[float]) -> bool:
+        """Would releasing a round with these effective multipliers keep the real ledger within
+        privacy.target_epsilon? Asked after the uploads, before anything is unmasked."""
+        p = self.sc.privacy
+        if p.target_epsilon is None:
+            return True
+        trial = PrivacyLedger.from_dict(self.ledger.to_dict(include_epsilon=False))
+        trial.record_round(multipliers, self.algorithm.sampling, reason="trial")
+        if trial.epsilon() <= p.target_epsilon:
+            return True
+        self.exhausted = True
+        return False
 
     def account(self, t: int, released: bool, why: str = "secure aggregation aborted") -> dict:
         """Ledger event of round t; the figures that go into its rounds.jsonl row. The effective

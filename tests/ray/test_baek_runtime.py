@@ -1,6 +1,7 @@
 """Baek et al. 2021 on a real local Ray, over real SecAgg: every calibration mode releases, the
 ledger books the effective multiplier of each round, and it agrees with `dpfl privacy epsilon`."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 from cli import privacy as privacy_cli
 from dpfl_ray.data import build_federation
 from dpfl_ray.models import build_model
+from dpfl_ray.privacy import FixedSizeSampling, epsilon_for
 from dpfl_ray.privacy.dropouts import effective_noise_multipliers
 from dpfl_ray.results import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
@@ -114,3 +116,18 @@ def test_same_model_for_any_pool_size(ray_session, tmp_path):
         _run(sc, tmp_path / f"w{workers}")
         models.append(torch.load(tmp_path / f"w{workers}" / "model.pt"))
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+def test_budget_refuses_the_release_that_would_pass_it(ray_session, tmp_path):
+    """Without calibration the effective epsilon runs ahead of the planned one; the run unmasks a
+    round only if the effective epsilon stays within privacy.target_epsilon."""
+    samp = FixedSizeSampling(10, 40)
+    z_eff = math.sqrt(0.7)
+    eff1, eff2 = (epsilon_for(z_eff, samp, t, 1e-5, "rdp") for t in (1, 2))
+    claimed2 = epsilon_for(1.0, samp, 2, 1e-5, "rdp")
+    target = (max(eff1, claimed2) + eff2) / 2
+    assert eff1 < target < eff2 and claimed2 < target  # the planned check alone would release round 2
+    summary, rounds = _run(_scenario("none", rounds=5, target_epsilon=target), tmp_path / "budget")
+    assert summary["stop_reason"] == "privacy_budget_exhausted" and len(rounds) == 2
+    assert "round_aborted" not in rounds[0] and "target_epsilon" in rounds[1]["round_aborted"]
+    assert summary["epsilon"] == pytest.approx(eff1, rel=1e-6) and summary["epsilon"] <= target

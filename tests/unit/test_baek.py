@@ -215,9 +215,15 @@ def test_dropouts_in_several_phases_of_one_round():
       "faults": {"dropout": {"model": "tail", "rate": 0.1, "phase": "calibration"}}}, "faults.dropout.phase"),
     ({"training": {"algorithm": "baek"}, "secagg": {"enabled": True},
       "privacy": {"noise_multiplier": 1.0, "min_weight_fraction": 0}}, "privacy.min_weight_fraction"),
+    ({"training": {"algorithm": "baek"}, "secagg": {"enabled": True, "overflow": "clip"},
+      "privacy": {"noise_multiplier": 1.0}}, "secagg.overflow"),
+    ({"training": {"algorithm": "baek"}, "secagg": {"enabled": True, "threshold": "majorty"},
+      "privacy": {"noise_multiplier": 1.0}}, "secagg.threshold: must be an integer >= 1, 'majority'"),
+    ({"secagg": {"threshold": True}, "privacy": {}}, "secagg.threshold"),
 ])
 def test_bad_baek_settings_name_the_field(raw, field):
-    raw["privacy"]["accountant"] = "rdp"
+    if raw["privacy"]:
+        raw["privacy"]["accountant"] = "rdp"
     with pytest.raises(DPFLError) as err:
         scenario_from_dict(raw)
     assert str(err.value).startswith(field)
