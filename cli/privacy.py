@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.dropouts import CALIBRATIONS, planned_noise_multipliers
+from dpfl_ray.privacy.dropouts import planned_noise_multipliers
 from dpfl_ray.privacy.ledger import (
     DEFAULT_ACCOUNTANT,
     EpsilonCurve,
@@ -137,9 +137,6 @@ def epsilon(
     """
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
     _check_noise(noise_multiplier)
-    if calibration not in CALIBRATIONS:
-        raise DPFLError(f"unknown calibration {calibration!r}; choose one of {', '.join(CALIBRATIONS)}",
-                        field="calibration")
     z_claimed, z_eff = planned_noise_multipliers(noise_multiplier, calibration, dropout_rate,
                                                  calibration_dropout_rate, min_weight_fraction)
     curve = EpsilonCurve(z_eff, samp, delta, accountant)  # the dropout is already in z_eff

@@ -118,10 +118,9 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict
            "lost": phases.lost, "dead": phases.dead}
     if calibration is not None:
         terms = {c: v for r in replies for c, v in r["calibration"].items()}
-        total_terms = None
-        for c in sorted(terms):  # client-id order: the same float sum for any pool
-            total_terms = terms[c].copy() if total_terms is None else total_terms + terms[c]
-        out["calibration"] = {"sum": total_terms, "clients": sorted(terms)}
+        # client-id order: the same float sum for any pool
+        out["calibration"] = {"sum": sum(terms[c] for c in sorted(terms)) if terms else None,
+                              "clients": sorted(terms)}
     if "layers_from" in extras:
         out["layer_seeds"] = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
     return out
