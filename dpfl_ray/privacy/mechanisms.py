@@ -19,9 +19,12 @@ def gaussian_noise(shape: int | tuple[int, ...], std: float, generator: np.rando
     """I.i.d. N(0, std^2) noise of ``shape``, drawn in float64 and returned as ``dtype``.
 
     ``generator`` must be a ``numpy.random.Generator`` (see :mod:`dpfl_ray.rng` for the per-purpose
-    streams); the draws never touch numpy's global state.
+    streams) or the cryptographic :class:`~dpfl_ray.privacy.randomness.ChaChaNormal`; the draws never
+    touch numpy's global state.
     """
-    if not isinstance(generator, np.random.Generator):
+    from dpfl_ray.privacy.randomness import ChaChaNormal
+
+    if not isinstance(generator, (np.random.Generator, ChaChaNormal)):
         raise DPFLError(f"must be a numpy.random.Generator, got {type(generator).__name__}", field="generator")
     if isinstance(std, bool) or not isinstance(std, (int, float, np.floating, np.integer)) \
             or not math.isfinite(float(std)) or std < 0:

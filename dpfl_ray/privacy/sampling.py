@@ -25,7 +25,7 @@ from dp_accounting import dp_event as dpe
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.validation import _check_dropout, _check_int, _check_noise, _check_rate, _is_real
 
-__all__ = ["PoissonSampling", "FixedSizeSampling", "Sampling", "as_sampling",
+__all__ = ["PoissonSampling", "FixedSizeSampling", "Sampling", "as_sampling", "sampling_of",
            "effective_noise_multiplier", "event_to_dict"]
 
 
@@ -161,3 +161,12 @@ def event_to_dict(event: dpe.DpEvent) -> dict:
     for f in attr.fields(type(event)):
         out[f.name] = conv(getattr(event, f.name))
     return out
+
+
+def sampling_of(sampling_cfg, num_clients: int) -> tuple[Sampling, float]:
+    """The ledger's sampling for a scenario's ``sampling`` section, and the expected sampled
+    fraction of the population (q, or m / K)."""
+    if sampling_cfg.mode == "poisson":
+        return PoissonSampling(sampling_cfg.rate), float(sampling_cfg.rate)
+    fixed = FixedSizeSampling(sampling_cfg.clients_per_round, num_clients)
+    return fixed, fixed.rate

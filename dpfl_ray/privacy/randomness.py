@@ -1,0 +1,87 @@
+"""Where the randomness of every DP noise draw and every noise-layer seed comes from.
+
+``privacy.randomness: reproducible`` (the default, for simulation): every stream is derived from
+``(scenario seed, purpose, round, client)`` (:mod:`dpfl_ray.rng`), so a run repeats bit for bit --
+and anyone who knows the scenario seed knows the noise. ``os``: one 32-byte root secret is drawn
+from ``os.urandom`` when the run starts and never written anywhere; each stream's key is derived
+from it with HKDF-SHA256 bound to (purpose, round, client), and the stream itself is the ChaCha20
+keystream under that key (the ``cryptography`` package), turned into normal draws by the
+Box-Muller transform. Floating-point attacks on the transform (Mironov 2012) are out of scope.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from dpfl_ray import rng as rngmod
+
+MODES = ("reproducible", "os")
+_DOMAIN = b"dpfl-ray/dp-randomness/v1"
+
+
+def _derive(key: bytes, label: str) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=_DOMAIN + b"|" + label.encode()).derive(key)
+
+
+class ChaChaNormal:
+    """Standard normal draws from the ChaCha20 keystream under ``key`` (a cryptographic PRG).
+
+    Mirrors the part of ``numpy.random.Generator`` the DP code uses: ``standard_normal``.
+    """
+
+    def __init__(self, key: bytes):
+        self._stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+
+    def _uniform(self, n: int) -> np.ndarray:
+        words = np.frombuffer(self._stream.update(bytes(8 * n)), dtype="<u8")
+        # 53 random bits -> (0, 1]: log() below never sees 0
+        return ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+
+    def standard_normal(self, size=None, dtype=np.float64):
+        n = 1 if size is None else int(np.prod(size))
+        half = (n + 1) // 2
+        u1, u2 = self._uniform(half), self._uniform(half)
+        radius = np.sqrt(-2.0 * np.log(u1))
+        draws = np.concatenate([radius * np.cos(2 * math.pi * u2), radius * np.sin(2 * math.pi * u2)])[:n]
+        draws = draws.astype(dtype, copy=False)
+        return float(draws[0]) if size is None else draws.reshape(size)
+
+
+@dataclass(frozen=True)
+class DPRandomness:
+    """The source of DP randomness of one run; picklable, so workers draw client noise from it.
+
+    ``root`` (mode 'os') is the run's secret; ``repr`` hides it.
+    """
+
+    mode: Literal["reproducible", "os"]
+    seed: int
+    root: bytes | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, mode: str, seed: int) -> "DPRandomness":
+        if mode not in MODES:
+            raise ValueError(f"unknown randomness mode {mode!r}")
+        return cls(mode, int(seed), os.urandom(32) if mode == "os" else None)
+
+    def generator(self, purpose: str, round_idx: int = -1, client_id: int = -1):
+        """A stream with ``standard_normal``: numpy's seeded PCG64 (reproducible) or ChaCha20 (os)."""
+        if self.mode == "reproducible":
+            return rngmod.generator(self.seed, purpose, round_idx, client_id)
+        return ChaChaNormal(_derive(self.root, f"stream|{purpose}|{round_idx}|{client_id}"))
+
+    def secret(self, purpose: str, round_idx: int, client_id: int, index: int) -> bytes:
+        """A 32-byte secret, e.g. the PRG seed of one noise layer that SecAgg Shamir-shares."""
+        if self.mode == "reproducible":
+            # the message format predates this class; keep it so runs stay bit-identical
+            return hashlib.sha256(f"dpfl-{purpose}|{self.seed}|{round_idx}|{client_id}|{index}".encode()).digest()
+        return _derive(self.root, f"secret|{purpose}|{round_idx}|{client_id}|{index}")
