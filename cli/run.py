@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -35,8 +36,7 @@ def run(
     # Everything that can be wrong with the scenario is found before a file is written.
     fed = build_federation(sc)
     build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
-    if sc.privacy.noise_multiplier is not None:
-        make_algorithm(sc, fed.weights)  # catches impossible mechanism parameters
+    make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0)  # catches impossible mechanism parameters
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     RunRecord.check_new(run_dir)
 
@@ -45,47 +45,69 @@ def run(
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from dpfl_ray.runtime.driver import ensure_ray, run_scenario
+    from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
     from dpfl_ray.runtime.resources import plan_pool
+    from dpfl_ray.runtime.shutdown import Shutdown, keep_handlers
 
-    started = ensure_ray(address)
+    shutdown = Shutdown().install()
+    record, t0 = None, time.time()
     try:
+        with keep_handlers():
+            ensure_ray(address)
+        shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir)
         console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds, "
                       f"{plan.workers} workers -> {record.path}")
         with _progress() as progress:
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers")
-
-            def on_event(ev: dict) -> None:
-                if ev["event"] == "start":
-                    progress.update(task, status=f"{ev['workers']} workers")
-                elif ev["event"] == "round":
-                    acc = ev.get("test_accuracy")
-                    status = f"acc {acc:.4f} loss {ev['test_loss']:.4f}" if acc is not None else ""
-                    status += f" survived {ev['survived']}/{ev['sampled']}"
-                    if ev.get("epsilon") is not None or "epsilon_nominal" in ev:
-                        eps = ev.get("epsilon")
-                        status += f" eps {eps:.3f}" if eps is not None else f" eps n/a (nominal {ev['epsilon_nominal']:.3f})"
-                        if ev.get("epsilon_claimed") is not None and eps is not None:
-                            status += f" (claimed {ev['epsilon_claimed']:.3f})"
-                    progress.update(task, completed=ev["round"], status=status)
-
-            summary = run_scenario(sc, fed, record, on_event=on_event)
+            summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown)
+    except KeyboardInterrupt:
+        # interrupted while Ray or the run was starting: leave a consistent run of 0 rounds
+        with shutdown.protect():
+            record = record or RunRecord(run_dir)
+            summary = write_unstarted(sc, fed, record, time.time() - t0)
     finally:
-        if started:
-            ray.shutdown()
+        with shutdown.protect():
+            stop_ray()
+        shutdown.done()
+    _print_summary(summary, record)
+    if summary["stop_reason"] == "interrupted":
+        raise typer.Exit(shutdown.exit_code)
+
+
+def _on_event(progress, task):
+    def on_event(ev: dict) -> None:
+        if ev["event"] == "start":
+            progress.update(task, status=f"{ev['workers']} workers")
+        elif ev["event"] == "round":
+            acc = ev.get("test_accuracy")
+            status = f"acc {acc:.4f} loss {ev['test_loss']:.4f}" if acc is not None else ""
+            status += f" survived {ev['survived']}/{ev['sampled']}"
+            if ev.get("epsilon") is not None or "epsilon_nominal" in ev:
+                eps = ev.get("epsilon")
+                status += f" eps {eps:.3f}" if eps is not None else f" eps n/a (nominal {ev['epsilon_nominal']:.3f})"
+                if ev.get("epsilon_claimed") is not None and eps is not None:
+                    status += f" (claimed {ev['epsilon_claimed']:.3f})"
+            progress.update(task, completed=ev["round"], status=status)
+    return on_event
+
+
+def _print_summary(summary: dict, record) -> None:
     acc = summary["final_accuracy"]
     console.print(f"{summary['stop_reason']}: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f}s, "
                   f"final test accuracy {acc if acc is None else f'{acc:.4f}'}; files in {record.path}")
-    if "epsilon" in summary:
-        eps = summary["epsilon"]
-        console.print(f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'} at delta {summary['delta']:g} "
-                      f"({summary['accountant']}, z={summary['noise_multiplier']:.4f})"
-                      + ("" if summary.get("dp_covered", True) else
-                         f"; NOT covered by DP (median clipping), nominal {summary.get('epsilon_nominal', 0):.4f}")
-                      + (f"; claimed {summary['epsilon_claimed']:.4f} (calibration={summary['calibration']}), "
-                         "the epsilon above is what the server's view guarantees"
-                         if summary.get("epsilon_claimed") is not None and eps is not None else ""))
-    if summary["stop_reason"] == "interrupted":
-        raise typer.Exit(130)
+    if "epsilon" not in summary:
+        return
+    eps = summary["epsilon"]
+    line = (f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'} at delta {summary['delta']:g} "
+            f"({summary['accountant']}, z={summary['noise_multiplier']:.4f}, booked "
+            f"{', '.join(f'{z:.4f}' for z in summary.get('noise_multiplier_booked') or [])})")
+    if not summary.get("dp_covered", True):
+        line += f"; NOT covered by DP (see ledger.json), nominal {summary.get('epsilon_nominal', 0):.4f}"
+    if summary.get("epsilon_claimed") is not None and eps is not None:
+        line += f"; the paper claims {summary['epsilon_claimed']:.4f}, the epsilon above is what the server's view guarantees"
+    console.print(line)
+    vs = summary.get("epsilon_vs_server")
+    console.print(f"against the server itself (it knows the sample): epsilon "
+                  f"{'n/a' if vs is None else f'{vs:.4f}'} ({summary.get('epsilon_vs_server_note', '')})")

@@ -101,8 +101,9 @@ class PrivacyConfig(_Section):
     noise_multiplier: float | None = Field(
         None, gt=0, description="z: noise std = z * S on the sum (dp_fedavg), z * 2C (baek, replace-one)")
     clipping: ClippingConfig = ClippingConfig()
-    denominator: Literal["expected", "actual"] | None = Field(
-        None, description="dp_fedavg: divide by the expected cohort weight (default) or the actual one; "
+    denominator: Literal["expected", "bounded", "actual"] | None = Field(
+        None, description="dp_fedavg: divide by the expected cohort weight (default), by max(F qW, actual) "
+                          "(bounded, McMahan et al. 2018), or by the actual one (not covered by DP); "
                           "baek always divides by the survivors' weight")
     accountant: Literal["pld", "rdp", "rdp-classic"] = "pld"
     delta: float = Field(1e-5, gt=0, lt=1)
@@ -112,7 +113,11 @@ class PrivacyConfig(_Section):
         "none", description="baek: what happens to the distributed noise after dropouts (docs/baek2021.md)")
     min_weight_fraction: float = Field(
         0.5, gt=0, le=1, description="baek-extended: n_0 = F * expected sampled weight; layered: the round "
-                                     "tolerates up to N - ceil(F * N) of its N sampled clients dropping")
+                                     "tolerates up to N - ceil(F * N) of its N sampled clients dropping; "
+                                     "dp_fedavg denominator bounded: the floor F * expected weight")
+    randomness: Literal["reproducible", "os"] = Field(
+        "reproducible", description="DP noise and layer seeds from the scenario seed (repeatable), or from "
+                                    "os.urandom expanded by ChaCha20 (not repeatable)")
 
 
 class SecAggConfig(_Section):
@@ -192,44 +197,11 @@ class Scenario(_Section):
     output: OutputConfig = OutputConfig()
 
     @model_validator(mode="after")
-    def _privacy_checks(self):
-        p = self.privacy
-        algorithm = self.training.algorithm
-        if algorithm == "fedavg" and p != PrivacyConfig():
-            # A privacy section that nothing reads would look like protection that is not there.
-            raise ValueError("privacy: these settings need a private algorithm; set training.algorithm: "
-                             "dp_fedavg or baek")
-        if algorithm != "fedavg":
-            if p.noise_multiplier is None and p.target_epsilon is None:
-                raise ValueError(f"privacy.noise_multiplier: {algorithm} needs a noise multiplier "
-                                 "(or privacy.target_epsilon to calibrate one)")
-            if self.sampling.mode == "fixed" and p.accountant == "pld":
-                raise ValueError("privacy.accountant: pld cannot account fixed-size cohorts (sampling without "
-                                 "replacement); use rdp or rdp-classic, or sampling.mode: poisson")
-        if algorithm == "dp_fedavg":
-            if self.secagg.enabled and p.clipping.mode == "median":
-                raise ValueError("privacy.clipping.mode: median needs every client's update norm, which "
-                                 "secure aggregation hides")
-            if p.calibration != "none":
-                raise ValueError("privacy.calibration: dp_fedavg adds its noise centrally, after the dropouts; "
-                                 "calibration modes belong to training.algorithm: baek")
-        if algorithm == "baek":
-            if not self.secagg.enabled:
-                raise ValueError("secagg.enabled: baek sends noisy updates that only secure aggregation keeps "
-                                 "private; set secagg.enabled: true")
-            if p.clipping.mode != "fixed":
-                raise ValueError("privacy.clipping.mode: baek clips to a fixed bound C (privacy.clipping.norm)")
-            if p.denominator == "expected":
-                raise ValueError("privacy.denominator: baek divides by the survivors' weight n' (Alg. 2 line 24); "
-                                 "leave it unset or set 'actual'")
-            if p.geyer is not None:
-                raise ValueError("privacy.geyer: Geyer's stopping rule belongs to dp_fedavg")
-            if self.secagg.overflow == "clip":
-                raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
-                                 "relies on; use 'error' (the default) with baek")
-        if algorithm != "baek" and any(d.phase == "calibration" and d.model != "none"
-                                       for d in self.faults.dropouts):
-            raise ValueError("faults.dropout.phase: only training.algorithm: baek has a calibration phase")
+    def _algorithm_checks(self):
+        # Each algorithm states what it needs from a scenario (algorithms/<name>.py).
+        from .algorithms import REGISTRY
+
+        REGISTRY[self.training.algorithm].check_scenario(self)
         return self
 
     @model_validator(mode="after")

@@ -1,19 +1,21 @@
-"""Algorithms of the papers, each plugged into the coordinator's round."""
-from .base import Aggregate, client_vector, weighted_sum
+"""Algorithms of the papers, each one module implementing :class:`~.base.Algorithm`; the registry
+maps a scenario's ``training.algorithm`` to its class. Nothing outside this package asks which
+algorithm runs."""
+from .base import (
+    Abort, Aggregate, Algorithm, CalibrationSum, ClientNoise, ClientSpec, Mechanism, RoundOutcome, UnmaskPlan,
+    weighted_sum,
+)
 from .baek import Baek
 from .dp_fedavg import DPFedAvg
 from .fedavg import FedAvg
 
-
-def make_algorithm(scenario, weights, noise_multiplier: float | None = None):
-    name = scenario.training.algorithm
-    if name == "fedavg":
-        return FedAvg()
-    if name == "dp_fedavg":
-        return DPFedAvg(scenario, weights, noise_multiplier or scenario.privacy.noise_multiplier)
-    if name == "baek":
-        return Baek(scenario, weights, noise_multiplier or scenario.privacy.noise_multiplier)
-    raise ValueError(f"unknown algorithm {name!r}")
+REGISTRY: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "dp_fedavg": DPFedAvg, "baek": Baek}
 
 
-__all__ = ["Aggregate", "Baek", "DPFedAvg", "FedAvg", "client_vector", "make_algorithm", "weighted_sum"]
+def make_algorithm(scenario, weights, noise_multiplier: float | None = None) -> Algorithm:
+    cls = REGISTRY[scenario.training.algorithm]
+    return cls(scenario, weights, noise_multiplier or scenario.privacy.noise_multiplier)
+
+
+__all__ = ["REGISTRY", "Abort", "Aggregate", "Algorithm", "Baek", "CalibrationSum", "ClientNoise", "ClientSpec",
+           "DPFedAvg", "FedAvg", "Mechanism", "RoundOutcome", "UnmaskPlan", "make_algorithm", "weighted_sum"]

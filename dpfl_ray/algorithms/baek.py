@@ -19,68 +19,85 @@ have weight n'. What happens next is ``privacy.calibration``:
 The server's view decides the effective noise multiplier the ledger books
 (:mod:`dpfl_ray.privacy.dropouts`, docs/baek2021.md); the claimed one is z.
 
-The functions at module level are what a *client* computes (they run on the workers); the class
-is the server's side.
+:class:`BaekNoise` is what a *client* computes (it runs on the workers); :class:`Baek` is the
+server's side.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+from dp_accounting import NeighboringRelation
 
-from .. import rng as rngmod
 from ..privacy.dropouts import (
     calibrates, effective_noise_multipliers, layer_variances, planned_noise_multipliers, tolerated_dropouts,
 )
-from .base import Aggregate
-from .dp_fedavg import make_sampling
+from ..privacy.randomness import ChaChaNormal, DPRandomness
+from ..privacy.sampling import sampling_of
+from ..privacy.sensitivity import booked_noise_multiplier, l2_sensitivity
+from .base import (
+    Abort, Aggregate, Algorithm, ClientNoise, ClientSpec, Mechanism, RoundOutcome, UnmaskPlan,
+    require_public_weight_cap,
+)
+
+# The sampled weight n (and the survivors' n') are broadcast to the clients: the analysis treats
+# them as public (Prop. 2 conditions the sensitivity on them).
+PUBLIC = ("n", "n_prime")
 
 
-# -- the client's side ---------------------------------------------------------------------------
-def _normal(generator: np.random.Generator, std: float, dim: int) -> np.ndarray:
+def _normal(generator, std: float, dim: int) -> np.ndarray:
     return generator.standard_normal(dim, dtype=np.float64) * std
 
 
-def layer_seed(noise: dict, cid: int, layer: int) -> bytes:
-    """32-byte PRG seed of one noise layer. Derived from the scenario seed so runs repeat; a
-    deployment would draw it from os.urandom -- the server only ever uses reconstructed seeds."""
-    msg = f"dpfl-layer|{noise['seed']}|{noise['round']}|{cid}|{layer}".encode()
-    return hashlib.sha256(msg).digest()
+# -- the client's side ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BaekNoise(ClientNoise):
+    """The public parameters of one round's distributed noise (Alg. 2 lines 12-15), and the
+    randomness each client draws its share from."""
 
+    mode: str
+    randomness: DPRandomness
+    round: int
+    T: float  # 2Cz: the noise std the mechanism targets on the weighted sum
+    n: float  # the sampled weight, broadcast
+    n0: float | None = None  # baek-extended's floor
+    variances: tuple[float, ...] = ()  # layered: variances of layers 0..L, in units of T^2
 
-def layer_noise(seed: bytes, std: float, dim: int) -> np.ndarray:
-    """The layer's Gaussian vector, regenerated identically by anyone holding ``seed``."""
-    return _normal(np.random.default_rng(int.from_bytes(seed, "big")), std, dim)
+    def layer_seed(self, client_id: int, layer: int) -> bytes:
+        """32-byte PRG seed of one noise layer; the server only ever uses reconstructed seeds."""
+        return self.randomness.secret("layer", self.round, client_id, layer)
 
+    def layer_vector(self, seed: bytes, layer: int, dim: int) -> np.ndarray:
+        """The layer's Gaussian vector, regenerated identically by anyone holding ``seed``."""
+        std = self.T * np.sqrt(self.variances[layer])
+        if self.randomness.mode == "reproducible":
+            return _normal(np.random.default_rng(int.from_bytes(seed, "big")), std, dim)
+        return _normal(ChaChaNormal(seed), std, dim)
 
-def client_noise(noise: dict, cid: int, weight: float, dim: int) -> np.ndarray:
-    """e_i of Alg. 2 line 15 (or Alg. 3 line 26, or the layered sum), float64."""
-    mode, big_t = noise["mode"], noise["T"]
-    if mode == "layered":
-        stds = big_t * np.sqrt(np.asarray(noise["variances"]))
-        out = _normal(rngmod.generator(noise["seed"], "layers", noise["round"], cid), stds[0], dim)
-        for k in range(1, len(stds)):
-            out += layer_noise(layer_seed(noise, cid, k), stds[k], dim)
-        return out
-    first = noise["n0"] if mode == "baek-extended" else noise["n"]
-    # N(0, n w_i sigma^2) with sigma = 2Cz/n, i.e. std T sqrt(w_i / n)
-    return _normal(rngmod.generator(noise["seed"], "noise", noise["round"], cid), big_t * np.sqrt(weight / first), dim)
+    def sample(self, client_id: int, weight: float, dim: int) -> np.ndarray:
+        """e_i of Alg. 2 line 15 (or Alg. 3 line 26, or the layered sum), float64."""
+        if self.mode == "layered":
+            stds = self.T * np.sqrt(np.asarray(self.variances))
+            out = _normal(self.randomness.generator("layers", self.round, client_id), stds[0], dim)
+            for k in range(1, len(stds)):
+                out += self.layer_vector(self.layer_seed(client_id, k), k, dim)
+            return out
+        first = self.n0 if self.mode == "baek-extended" else self.n
+        # N(0, n w_i sigma^2) with sigma = 2Cz/n, i.e. std T sqrt(w_i / n)
+        return _normal(self.randomness.generator("noise", self.round, client_id), self.T * np.sqrt(weight / first), dim)
 
+    def calibration_term(self, client_id: int, weight: float, dim: int, n_prime: float) -> np.ndarray:
+        """-e_i + N(0, n' w_i sigma'^2 I), sigma' = 2Cz/n' (Alg. 2 line 22). The client redraws e_i
+        from its stream instead of keeping it."""
+        fresh = _normal(self.randomness.generator("calibration", self.round, client_id),
+                        self.T * np.sqrt(weight / n_prime), dim)
+        return fresh - self.sample(client_id, weight, dim)
 
-def calibration_term(noise: dict, cid: int, weight: float, dim: int, n_prime: float) -> np.ndarray:
-    """-e_i + N(0, n' w_i sigma'^2 I), sigma' = 2Cz/n' (Alg. 2 line 22). The client redraws e_i from
-    its stream instead of keeping it."""
-    fresh = _normal(rngmod.generator(noise["seed"], "calibration", noise["round"], cid),
-                    noise["T"] * np.sqrt(weight / n_prime), dim)
-    return fresh - client_noise(noise, cid, weight, dim)
-
-
-def client_layer_seeds(noise: dict, cid: int) -> list[bytes]:
-    """Seeds of layers 1..L, to be Shamir-shared in SecAgg (empty unless layered)."""
-    if noise.get("mode") != "layered":
-        return []
-    return [layer_seed(noise, cid, k) for k in range(1, len(noise["variances"]))]
+    def shared_seeds(self, client_id: int) -> list[bytes]:
+        """Seeds of layers 1..L, Shamir-shared in SecAgg (none unless layered)."""
+        if self.mode != "layered":
+            return []
+        return [self.layer_seed(client_id, k) for k in range(1, len(self.variances))]
 
 
 # -- the server's side ---------------------------------------------------------------------------
@@ -89,128 +106,155 @@ class RoundPlan:
     round: int
     sampled: list[int]
     n: float
-    noise: dict
+    noise: BaekNoise
     tolerated: int | None = None  # layered: L
     dropped: int = 0  # layered: d, sampled clients whose masked input did not arrive
     n_prime: float | None = None
-    extras: dict = field(default_factory=dict)
+    unmask: UnmaskPlan = UnmaskPlan()
 
 
-class Baek:
-    name = "baek"
-    covered = True
+class Baek(Algorithm):
+    reports_claimed_epsilon = True
+    has_calibration_phase = True
+
+    @classmethod
+    def check_scenario(cls, sc) -> None:
+        super().check_scenario(sc)
+        p = sc.privacy
+        if not sc.secagg.enabled:
+            raise ValueError("secagg.enabled: baek sends noisy updates that only secure aggregation keeps "
+                             "private; set secagg.enabled: true")
+        if p.clipping.mode != "fixed":
+            raise ValueError("privacy.clipping.mode: baek clips to a fixed bound C (privacy.clipping.norm)")
+        if p.denominator in ("expected", "bounded"):
+            raise ValueError("privacy.denominator: baek divides by the survivors' weight n' (Alg. 2 line 24); "
+                             "leave it unset or set 'actual'")
+        if p.geyer is not None:
+            raise ValueError("privacy.geyer: Geyer's stopping rule belongs to dp_fedavg")
+        if sc.secagg.overflow == "clip":
+            raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
+                             "relies on; use 'error' (the default) with baek")
 
     def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float):
+        require_public_weight_cap(scenario, weights)
         p = scenario.privacy
-        self.seed = scenario.seed
+        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
         self.mode = p.calibration
         self.min_fraction = p.min_weight_fraction
         self.clip_norm = float(p.clipping.norm)
         self.z = float(noise_multiplier)
         self.weights = np.asarray(weights, dtype=np.float64)
-        self.sampling, frac = make_sampling(scenario.sampling, len(weights))
+        self.sampling, frac = sampling_of(scenario.sampling, len(weights))
         self.expected_weight = frac * float(np.sum(self.weights))
         self.n0 = self.min_fraction * self.expected_weight if self.mode == "baek-extended" else None
         self.plan: RoundPlan | None = None
-        self.last_effective = self.z
+        self._current: Mechanism | None = None
 
-    # what the ledger books
-    @property
-    def multipliers(self) -> list[float]:
+    # -- what the ledger books -------------------------------------------------------------------
+    def _booked(self, z_view: float) -> float:
+        """The server's view carries noise std 2C z_view on the weighted sum. Baek et al. (Prop. 2)
+        state the replace-one sensitivity 2C with n public; under Poisson sampling's add/remove
+        relation the sensitivity is C, so booking 2C keeps an upper bound under both relations."""
+        return booked_noise_multiplier(2.0 * self.clip_norm * z_view,
+                                       l2_sensitivity(self.clip_norm, NeighboringRelation.REPLACE_ONE))
+
+    def _mechanism(self, z_effective: float) -> Mechanism:
+        booked = self._booked(z_effective)
+        # the server picks the sample, so against it the same multiplier holds unamplified
+        return Mechanism((booked,), self.sampling, f"baek, calibration={self.mode}",
+                         claimed_noise_multipliers=(self._booked(self.z),), server_noise_multipliers=(booked,),
+                         public=PUBLIC)
+
+    def planned_mechanism(self) -> Mechanism:
         """The planned round without dropouts, as the server's view guarantees it (z, except for
         baek-extended, which always hands the server two views): the shadow ledger's budget check."""
-        return [planned_noise_multipliers(self.z, self.mode, min_weight_fraction=self.min_fraction)[1]]
+        return self._mechanism(planned_noise_multipliers(self.z, self.mode, min_weight_fraction=self.min_fraction)[1])
 
-    def upload_effective(self) -> float:
-        """This round's effective multiplier once U_A is known, if every survivor calibrates (the
-        worst case: a calibration dropout leaves its first noise in, which only adds noise)."""
-        plan = self.plan
-        return effective_noise_multipliers(self.z, self.mode, plan.n, plan.n_prime, 0.0, self.n0)[1]
+    def mechanism(self) -> Mechanism:
+        return self._current or self.planned_mechanism()
 
-    def round_mechanism(self) -> tuple[list[float], list[float] | None]:
-        """(effective, claimed) multipliers of the round just released."""
-        return [self.last_effective], [self.z]
+    def summary_fields(self) -> dict:
+        return {"calibration": self.mode}
 
-    # phases of the round
-    def begin_round(self, round_idx: int, sampled) -> str | None:
-        """Alg. 2 line 12 / Alg. 3 line 17. Returns why the round is aborted, or None."""
+    # -- phases of the round ---------------------------------------------------------------------
+    def begin_round(self, round_idx: int, sampled) -> Abort | None:
+        """Alg. 2 line 12 / Alg. 3 line 17."""
         sampled = sorted(int(c) for c in sampled)
         n = float(self.weights[sampled].sum()) if sampled else 0.0
-        noise = {"mode": self.mode, "seed": self.seed, "round": round_idx, "T": 2.0 * self.clip_norm * self.z,
-                 "n": n, "n0": self.n0, "N": len(sampled)}
-        self.plan = RoundPlan(round_idx, sampled, n, noise)
+        self._current = None
+        tolerated, variances = None, ()
+        if self.mode == "layered" and sampled:
+            tolerated = tolerated_dropouts(len(sampled), self.min_fraction)
+            variances = tuple(layer_variances(len(sampled), tolerated).tolist())
+        noise = BaekNoise(self.mode, self.randomness, round_idx, 2.0 * self.clip_norm * self.z, n, self.n0, variances)
+        self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated)
         if not sampled:
-            return "no client sampled"
+            return Abort("no client sampled")
         if self.mode == "baek-extended" and n < self.n0:
-            return f"sampled weight {n:.4g} is below n_0 = {self.n0:.4g} (baek-extended, Alg. 3 line 17)"
-        if self.mode == "layered":
-            self.plan.tolerated = tolerated_dropouts(len(sampled), self.min_fraction)
-            noise["variances"] = layer_variances(len(sampled), self.plan.tolerated).tolist()
+            return Abort(f"sampled weight {n:.4g} is below n_0 = {self.n0:.4g} (baek-extended, Alg. 3 line 17)")
         return None
 
-    def client_spec(self) -> dict:
-        return {"clip_norm": self.clip_norm, "noise": self.plan.noise}
+    def client_spec(self) -> ClientSpec:
+        return ClientSpec(clip_norm=self.clip_norm, noise=self.plan.noise)
 
-    def after_upload(self, survivors: list[int]) -> dict | str:
-        """Once U_A is known (Alg. 2 line 18-20): what the unmask request carries -- the calibration
-        broadcast n', or the layers to reveal -- or why the round is aborted."""
+    def after_upload(self, survivors: list[int]) -> UnmaskPlan | Abort:
+        """Once U_A is known (Alg. 2 line 18-20): the calibration broadcast n', or the layers to
+        reveal -- or why the round is aborted. Also books what releasing would cost if every
+        survivor calibrates (a calibration dropout leaves its first noise in, which only adds)."""
         plan = self.plan
         plan.n_prime = float(self.weights[survivors].sum()) if survivors else 0.0
         if self.mode == "layered":
             dropped = len(plan.sampled) - len(survivors)
             if dropped > plan.tolerated:
-                return (f"{dropped} of {len(plan.sampled)} sampled clients dropped; the layers tolerate "
-                        f"{plan.tolerated} (privacy.min_weight_fraction={self.min_fraction:g})")
+                return Abort(f"{dropped} of {len(plan.sampled)} sampled clients dropped; the layers tolerate "
+                             f"{plan.tolerated} (privacy.min_weight_fraction={self.min_fraction:g})")
             plan.dropped = dropped
-            plan.extras = {"layers_from": dropped + 1} if dropped < plan.tolerated else {}
+            plan.unmask = UnmaskPlan(layers_from=dropped + 1) if dropped < plan.tolerated else UnmaskPlan()
         elif calibrates(self.mode, plan.n, plan.n_prime):
-            plan.extras = {"calibration": {"n_prime": plan.n_prime}}
+            plan.unmask = UnmaskPlan(calibration_n_prime=plan.n_prime)
         else:
-            plan.extras = {}
-        return plan.extras
+            plan.unmask = UnmaskPlan()
+        if plan.n_prime > 0:
+            self._current = self._mechanism(
+                effective_noise_multipliers(self.z, self.mode, plan.n, plan.n_prime, 0.0, self.n0)[1])
+        return plan.unmask
 
-    def release(self, total: np.ndarray, survivors: list[int], calibration: dict | None = None,
-                layer_seeds: dict | None = None) -> tuple[np.ndarray, dict]:
-        """The released sum (Alg. 2 line 24 times n') from the decoded SecAgg sum of M_i, the summed
-        calibration terms ``{"sum", "clients"}`` and the reconstructed layer seeds
-        ``{client: {layer: seed}}``; and the round's noise figures."""
+    def release(self, outcome: RoundOutcome) -> tuple[np.ndarray, dict]:
+        """The released sum (Alg. 2 line 24 times n') from the decoded SecAgg sum of M_i, the
+        survivors' calibration terms and the reconstructed layer seeds; and the round's figures."""
         plan = self.plan
+        total = outcome.total
         dim = total.shape[0]
         released = np.asarray(total, dtype=np.float64).copy()
-        n_prime = float(self.weights[survivors].sum())
+        n_prime = float(self.weights[list(outcome.survivors)].sum())
         w_cal_dropped, info = 0.0, {}
-        if "calibration" in plan.extras:
-            senders = sorted((calibration or {}).get("clients", []))
+        if plan.unmask.calibration_n_prime is not None:
+            senders = sorted(outcome.calibration.clients) if outcome.calibration else []
             if senders:
-                released += calibration["sum"]
+                released += outcome.calibration.total
             w_cal_dropped = n_prime - float(self.weights[senders].sum()) if senders else n_prime
             info["calibration_senders"] = len(senders)
         if self.mode == "layered":
-            stds = plan.noise["T"] * np.sqrt(np.asarray(plan.noise["variances"]))
             removed = 0
-            for cid, layers in sorted((layer_seeds or {}).items()):
+            for cid, layers in sorted((outcome.layer_seeds or {}).items()):
                 for k, seed in sorted(layers.items()):
-                    released -= layer_noise(seed, stds[k], dim)
+                    released -= plan.noise.layer_vector(seed, k, dim)
                     removed += 1
-            expected = len(survivors) * (plan.tolerated - plan.dropped)  # layers d+1..L of each survivor
+            expected = len(outcome.survivors) * (plan.tolerated - plan.dropped)  # layers d+1..L of each survivor
             if removed != expected:
                 raise RuntimeError(f"layered: {removed} layers reconstructed, {expected} needed")
             info["layers_removed"] = removed
             info["layers_tolerated"] = plan.tolerated
         claimed, effective = effective_noise_multipliers(
             self.z, self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)
-        self.last_effective = effective
+        self._current = self._mechanism(effective)
         info.update(calibration=self.mode, noise_multiplier=claimed, noise_multiplier_effective=effective,
                     weight_sampled=plan.n, weight_survived=n_prime, clip_norm=self.clip_norm)
         return released, info
 
-    def from_secagg(self, out: dict, dim: int) -> Aggregate:
+    def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         """Theta's step from the SecAgg round's output (theta^{t+1} - theta^t = released / n')."""
-        survivors = out["survivors"]
-        released, info = self.release(out["sum"], survivors, out.get("calibration"), out.get("layer_seeds"))
+        released, info = self.release(outcome)
         n_prime = info["weight_survived"]
         delta = released / n_prime if n_prime > 0 else np.zeros(dim)
         return Aggregate(delta.astype(np.float32), n_prime, info)
-
-    def aggregate(self, updates, weights, dim, round_idx):  # pragma: no cover - the scenario forbids it
-        raise RuntimeError("baek runs only with secure aggregation (secagg.enabled: true)")

@@ -1,13 +1,26 @@
-"""What an algorithm plugs into the round (ARCHITECTURE.md, principle 2).
+"""The Algorithm interface: what a paper's algorithm plugs into the coordinator's round
+(ARCHITECTURE.md, principle 2).
 
-The coordinator owns the loop; an algorithm only says how the survivors' updates become the
-server's step.
+The coordinator owns the loop and calls the same hooks, in phase order, for every algorithm:
+
+    begin_round(round, sampled)   -> None to go on, or an Abort (before anyone trains)
+    client_spec()                 -> ClientSpec: what a worker does to each client's update
+    after_upload(survivors)       -> UnmaskPlan (what SecAgg's unmask request carries), or an Abort
+    finish(outcome)               -> Aggregate: the server's step from the RoundOutcome
+    mechanism()                   -> Mechanism: what the ledger books for the round just finished
+
+Everything that crosses the Ray boundary is a frozen dataclass defined here; the runtime never
+asks an algorithm for its name or type.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar, Mapping
 
 import numpy as np
+
+from ..privacy.sampling import Sampling
 
 
 @dataclass
@@ -17,7 +30,173 @@ class Aggregate:
     info: dict = field(default_factory=dict)  # extra per-round figures for rounds.jsonl
 
 
-def weighted_sum(updates: dict[int, np.ndarray], weights) -> tuple[np.ndarray, float]:
+@dataclass(frozen=True)
+class Abort:
+    """The round releases nothing; the model stays. ``reason`` goes into the round's record."""
+
+    reason: str
+
+
+class ClientNoise(ABC):
+    """Noise a client adds to its own vector before it leaves (distributed DP). Runs on workers:
+    subclasses are frozen dataclasses holding only public round parameters and seeds."""
+
+    @abstractmethod
+    def sample(self, client_id: int, weight: float, dim: int) -> np.ndarray:
+        """The client's noise vector (float64)."""
+
+    def shared_seeds(self, client_id: int) -> list[bytes]:
+        """PRG seeds to Shamir-share in SecAgg next to b_u (none by default)."""
+        return []
+
+    def calibration_term(self, client_id: int, weight: float, dim: int, n_prime: float) -> np.ndarray:
+        """What a survivor sends when the server asks for calibration (see UnmaskPlan)."""
+        raise NotImplementedError(f"{type(self).__name__} has no calibration phase")
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    """What a worker does with a client's local update before it leaves, for one round.
+
+    ``clip_norm``: clip the update to this L2 norm (None: send it as it is). ``indicator``: append
+    the clipped-count bit b_i - 1/2 (Andrew et al. 2019). ``noise``: distributed noise added to
+    w_i * vector (Baek et al. 2021, Alg. 2 line 15).
+    """
+
+    clip_norm: float | None = None
+    indicator: bool = False
+    noise: ClientNoise | None = None
+
+    @property
+    def extra_dims(self) -> int:
+        return 1 if self.indicator else 0
+
+    def vector(self, update: np.ndarray) -> np.ndarray:
+        """The client's update clipped to ``clip_norm``, with the indicator appended if asked."""
+        if not self.clip_norm:
+            return update
+        from ..privacy import clip_by_l2
+
+        clipped, norm = clip_by_l2(update, self.clip_norm)
+        if self.indicator:
+            return np.append(clipped, np.float32(0.5 if norm <= self.clip_norm else -0.5))
+        return clipped
+
+
+@dataclass(frozen=True)
+class UnmaskPlan:
+    """What the SecAgg unmask request carries after the uploads (Baek et al. Alg. 2 lines 18-20):
+    a calibration broadcast of the survivors' weight n', and/or a request for noise layers
+    ``layers_from``..L of every survivor. The default asks for nothing beyond the unmasking."""
+
+    calibration_n_prime: float | None = None
+    layers_from: int | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationSum:
+    """The survivors' calibration terms, summed in client-id order, and who sent one."""
+
+    total: np.ndarray | None
+    clients: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What reached the server in one round, for every kind of round.
+
+    ``updates``: each survivor's raw update (rounds without SecAgg). ``total``: the decoded secure
+    sum of w_i * ClientSpec.vector(update) (+ noise) over the survivors (SecAgg rounds).
+    ``aborted``: why nothing was released (then the rest is empty).
+    """
+
+    round: int
+    survivors: tuple[int, ...] = ()
+    updates: Mapping[int, np.ndarray] | None = None
+    total: np.ndarray | None = None
+    calibration: CalibrationSum | None = None
+    layer_seeds: Mapping[int, Mapping[int, bytes]] | None = None
+    aborted: str | None = None
+
+    @property
+    def released(self) -> bool:
+        return self.aborted is None
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """What the ledger books for one round, in dp_accounting's shape.
+
+    ``noise_multipliers``: the booked multipliers (noise std / sensitivity under the sampling's
+    relation, :mod:`dpfl_ray.privacy.sensitivity`) that protect the release after the round's
+    dropouts. ``claimed_noise_multipliers``: what the paper claims (None: the same).
+    ``server_noise_multipliers``: what protects a participant against the server itself, which
+    knows the sample (None: the server sees un-noised client data, as in central DP).
+    ``public``: data-dependent quantities the analysis treats as public.
+    """
+
+    noise_multipliers: tuple[float, ...]
+    sampling: Sampling
+    description: str
+    claimed_noise_multipliers: tuple[float, ...] | None = None
+    covered: bool = True
+    server_noise_multipliers: tuple[float, ...] | None = None
+    public: tuple[str, ...] = ()
+
+
+class Algorithm(ABC):
+    """One paper's algorithm. Subclasses live in their own module under ``algorithms/`` and are
+    listed in ``algorithms.REGISTRY`` under the scenario's ``training.algorithm`` name."""
+
+    #: the ledger reports the paper's claim next to the effective epsilon on every round
+    reports_claimed_epsilon: ClassVar[bool] = False
+    #: the round has a calibration phase after unmasking (a dropout phase of the fault plan)
+    has_calibration_phase: ClassVar[bool] = False
+
+    @classmethod
+    def check_scenario(cls, sc) -> None:
+        """Raise ValueError (message starting with the field path) if ``sc`` cannot run this
+        algorithm. The default holds for every private algorithm."""
+        p, name = sc.privacy, sc.training.algorithm
+        if p.noise_multiplier is None and p.target_epsilon is None:
+            raise ValueError(f"privacy.noise_multiplier: {name} needs a noise multiplier "
+                             "(or privacy.target_epsilon to calibrate one)")
+        if sc.sampling.mode == "fixed" and p.accountant == "pld":
+            raise ValueError("privacy.accountant: pld cannot account fixed-size cohorts (sampling without "
+                             "replacement); use rdp or rdp-classic, or sampling.mode: poisson")
+        if not cls.has_calibration_phase and any(d.phase == "calibration" and d.model != "none"
+                                                 for d in sc.faults.dropouts):
+            raise ValueError(f"faults.dropout.phase: {name} has no calibration phase")
+
+    def begin_round(self, round_idx: int, sampled) -> Abort | None:
+        return None
+
+    def client_spec(self) -> ClientSpec:
+        return ClientSpec()
+
+    def after_upload(self, survivors: list[int]) -> UnmaskPlan | Abort:
+        return UnmaskPlan()
+
+    @abstractmethod
+    def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
+        """The server's step (theta^{t+1} - theta^t before server_lr) from what reached it."""
+
+    def planned_mechanism(self) -> Mechanism | None:
+        """The next round as planned (no dropouts yet): the budget checks book it ahead. None for
+        an algorithm without a privacy mechanism."""
+        return None
+
+    def mechanism(self) -> Mechanism | None:
+        """The round in progress as it stands (after ``after_upload``: what releasing it would
+        cost; after ``finish``: what it cost)."""
+        return self.planned_mechanism()
+
+    def summary_fields(self) -> dict:
+        """Scenario facts worth a column in summary.json and ``dpfl report``."""
+        return {}
+
+
+def weighted_sum(updates: Mapping[int, np.ndarray], weights) -> tuple[np.ndarray | None, float]:
     """sum_i w_i Delta_i over clients in id order, accumulated in float64.
 
     A fixed order makes the sum independent of which worker computed which client and of the
@@ -32,15 +211,14 @@ def weighted_sum(updates: dict[int, np.ndarray], weights) -> tuple[np.ndarray, f
     return total, wsum
 
 
-def client_vector(update: np.ndarray, spec: dict) -> np.ndarray:
-    """What a client sends for an algorithm's ``client_spec``: its update clipped to
-    ``clip_norm``, with the clipped-count indicator b_i - 1/2 appended when ``indicator`` is set
-    (Andrew et al. 2019). An empty spec sends the update as it is."""
-    if not spec.get("clip_norm"):
-        return update
-    from ..privacy import clip_by_l2
+def require_public_weight_cap(scenario, weights) -> None:
+    """Private algorithms bound one client's weight by w_i = min(n_i / n_max, 1) <= 1. With the
+    default n_max (the largest client's size) a new, larger client would rescale every weight, so
+    the sensitivity bound would depend on the data: ask for n_max explicitly."""
+    from ..errors import DPFLError
 
-    clipped, norm = clip_by_l2(update, spec["clip_norm"])
-    if spec.get("indicator"):
-        return np.append(clipped, np.float32(0.5 if norm <= spec["clip_norm"] else -0.5))
-    return clipped
+    w = np.asarray(weights, dtype=np.float64)
+    if scenario.data.n_max is None and w.size and not np.all(w == w[0]):
+        raise DPFLError("clients differ in size, so a private algorithm needs a public weight cap: set "
+                        "data.n_max (weights min(n_i / n_max, 1)); the default, the largest client's size, "
+                        "depends on the data and breaks the sensitivity bound", field="data.n_max")

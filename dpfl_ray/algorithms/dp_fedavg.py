@@ -1,11 +1,21 @@
 """Client-level DP federated averaging: McMahan et al. 2018 (DP-FedAvg), Geyer et al. 2017
 (median-norm clipping, Alg. 1 line 13-14), Andrew et al. 2019 (adaptive quantile clipping).
 
-Every client update is clipped to S, the weighted sum gets N(0, (z S)^2 I) once, centrally, and
-is divided by the expected cohort weight (McMahan et al.) or the actual one. With weights
-w_i <= 1 one client moves the sum by at most S, so each round is a sampled Gaussian mechanism
-with noise multiplier z on the sum (neighbouring relation: add/remove one client under Poisson
-sampling, replace one under fixed-size cohorts). The ledger is told which rounds that holds for.
+Every client update is clipped to S and weighted by w_i <= 1, so adding or removing one client
+moves the weighted sum by at most S. The server adds N(0, (z S)^2 I) once, centrally, and divides
+by a denominator (``privacy.denominator``):
+
+* ``expected`` (default): the expected cohort weight qW, public -- McMahan et al.'s f_f, whose
+  add/remove sensitivity is S / (qW);
+* ``bounded``: max(F qW, sum of the survivors' weights), F = ``privacy.min_weight_fraction`` --
+  McMahan et al.'s f_c with W_min = F W, add/remove sensitivity 2S / (F qW) (their Lemma 1); the
+  noise on the released average is z times that;
+* ``actual``: the survivors' weight W'. The noise's scale z S / W' then depends on who took part,
+  and with ~10^5 parameters the release's norm pins W' to a fraction of a percent, so these rounds
+  are booked as *not covered*, like median clipping.
+
+The ledger books each Gaussian with :mod:`dpfl_ray.privacy.sensitivity`'s rule: z under Poisson
+sampling (add/remove), z/2 under fixed-size cohorts (replace one: 2x the add/remove sensitivity).
 """
 from __future__ import annotations
 
@@ -13,10 +23,15 @@ import math
 
 import numpy as np
 
-from .. import rng as rngmod
 from ..errors import DPFLError
-from ..privacy import FixedSizeSampling, PoissonSampling, gaussian_noise
-from .base import Aggregate, client_vector, weighted_sum
+from ..privacy import gaussian_noise
+from ..privacy.randomness import DPRandomness
+from ..privacy.sampling import sampling_of
+from ..privacy.sensitivity import booked_noise_multiplier, l2_sensitivity
+from .base import Aggregate, Algorithm, ClientSpec, Mechanism, RoundOutcome, require_public_weight_cap, weighted_sum
+
+# The clipped-count indicator b_i - 1/2 of Andrew et al. 2019 moves the count by 1/2.
+COUNT_CONTRIBUTION = 0.5
 
 
 def split_noise_multiplier(z: float, count_noise_multiplier: float) -> float:
@@ -30,25 +45,29 @@ def split_noise_multiplier(z: float, count_noise_multiplier: float) -> float:
     return (z ** -2 - count_z ** -2) ** -0.5
 
 
-def make_sampling(s, num_clients: int):
-    """The ledger's sampling of ``sampling`` (a SamplingConfig) and the expected sampled fraction."""
-    if s.mode == "poisson":
-        return PoissonSampling(s.rate), s.rate
-    return FixedSizeSampling(s.clients_per_round, num_clients), s.clients_per_round / num_clients
-
-
-class DPFedAvg:
-    name = "dp_fedavg"
+class DPFedAvg(Algorithm):
+    @classmethod
+    def check_scenario(cls, sc) -> None:
+        super().check_scenario(sc)
+        p = sc.privacy
+        if sc.secagg.enabled and p.clipping.mode == "median":
+            raise ValueError("privacy.clipping.mode: median needs every client's update norm, which "
+                             "secure aggregation hides")
+        if p.calibration != "none":
+            raise ValueError("privacy.calibration: dp_fedavg adds its noise centrally, after the dropouts; "
+                             "calibration modes belong to training.algorithm: baek")
 
     def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float):
-        p, s = scenario.privacy, scenario.sampling
-        self.seed = scenario.seed
+        require_public_weight_cap(scenario, weights)
+        p = scenario.privacy
+        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
         self.clipping = p.clipping
         self.denominator = p.denominator or "expected"
         self.z = float(noise_multiplier)
         k = len(weights)
-        self.sampling, frac = make_sampling(s, k)
+        self.sampling, frac = sampling_of(scenario.sampling, k)
         self.expected_weight = frac * float(np.sum(weights))
+        self.floor = p.min_weight_fraction * self.expected_weight
         self.expected_count = frac * k
         self.clip_norm = float(p.clipping.norm)
         self.count_sigma = None
@@ -57,40 +76,56 @@ class DPFedAvg:
             # Andrew et al. suggest sigma_b = m/20; small cohorts need sigma_b >= z so that 2*sigma_b > z.
             self.count_sigma = p.clipping.count_noise_multiplier or max(self.expected_count / 20.0, self.z)
             self.update_z = split_noise_multiplier(self.z, self.count_sigma)
+        self.weights = weights
 
     # -- what each client does to its update before it leaves (also used for SecAgg on workers) --
-    def client_spec(self) -> dict:
+    def client_spec(self) -> ClientSpec:
         """Clip to this round's S; adaptive clipping appends the indicator b_i - 1/2 as one more
-        coordinate so the clipped count can be summed securely too."""
-        return {} if self.clipping.mode == "median" else self._spec()
+        coordinate so the clipped count can be summed securely too. Median clipping needs the
+        raw updates."""
+        return ClientSpec() if self.clipping.mode == "median" else self._spec()
 
-    def _spec(self) -> dict:
-        return {"clip_norm": self.clip_norm, "indicator": self.clipping.mode == "adaptive"}
+    def _spec(self) -> ClientSpec:
+        return ClientSpec(clip_norm=self.clip_norm, indicator=self.clipping.mode == "adaptive")
 
-    @property
-    def multipliers(self) -> list[float]:
-        """The Gaussian mechanisms of one round, for the ledger."""
-        return [self.update_z] if self.count_sigma is None else [self.update_z, 2.0 * self.count_sigma]
+    # -- what the ledger books -------------------------------------------------------------------
+    def _update_sensitivity_units(self) -> float:
+        """The released average's add/remove sensitivity, in units of S / (expected weight)."""
+        return 2.0 * self.expected_weight / self.floor if self.denominator == "bounded" else 1.0
 
-    def round_mechanism(self) -> tuple[list[float], list[float] | None]:
-        """(effective, claimed) multipliers of the round just released: central noise after the
-        dropouts, so both are the planned ones."""
-        return self.multipliers, None
+    def planned_mechanism(self) -> Mechanism:
+        """The update's Gaussian (and the clipped count's, with adaptive clipping), booked with the
+        sensitivity under the sampling's relation. Noise is central and added after the dropouts,
+        so the planned round is the round."""
+        rel = self.sampling.neighboring_relation
+        # In units of S: the noise std is update_z * (sensitivity units), the sensitivity is the
+        # add/remove one times the relation's factor.
+        units = self._update_sensitivity_units()
+        zs = [booked_noise_multiplier(self.update_z * units, l2_sensitivity(units, rel))]
+        if self.count_sigma is not None:
+            zs.append(booked_noise_multiplier(self.count_sigma, l2_sensitivity(COUNT_CONTRIBUTION, rel)))
+        covered = self.clipping.mode != "median" and self.denominator != "actual"
+        return Mechanism(tuple(zs), self.sampling, f"dp_fedavg, clipping={self.clipping.mode}, "
+                         f"denominator={self.denominator}", covered=covered)
 
-    @property
-    def covered(self) -> bool:
-        # Geyer et al. use the median of the unclipped norms, "strictly speaking, a violation of privacy".
-        return self.clipping.mode != "median"
+    def summary_fields(self) -> dict:
+        return {"denominator": self.denominator}
 
-    def aggregate(self, updates: dict[int, np.ndarray], weights: np.ndarray, dim: int, round_idx: int) -> Aggregate:
-        """Clip in the clear (the server sees each update, as in central DP), then add noise."""
-        if self.clipping.mode == "median" and updates:
-            self.clip_norm = float(np.median([np.linalg.norm(u.astype(np.float64)) for u in updates.values()]))
-        prepared = {c: client_vector(u, self._spec()) for c, u in updates.items()}
-        total, wsum = weighted_sum(prepared, weights) if prepared else (None, 0.0)
-        return self.from_sum(total, wsum, dim, round_idx)
+    # -- the server ------------------------------------------------------------------------------
+    def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
+        if outcome.updates is not None:
+            # Clip in the clear (the server sees each update, as in central DP), then add noise.
+            updates = outcome.updates
+            if self.clipping.mode == "median" and updates:
+                self.clip_norm = float(np.median([np.linalg.norm(u.astype(np.float64)) for u in updates.values()]))
+            spec = self._spec()
+            total, weight_sum = weighted_sum({c: spec.vector(u) for c, u in updates.items()}, self.weights) \
+                if updates else (None, 0.0)
+        else:
+            total, weight_sum = outcome.total, sum(float(self.weights[c]) for c in outcome.survivors)
+        return self._noised_step(total, weight_sum, dim, outcome.round)
 
-    def from_sum(self, total: np.ndarray | None, weight_sum: float, dim: int, round_idx: int) -> Aggregate:
+    def _noised_step(self, total: np.ndarray | None, weight_sum: float, dim: int, round_idx: int) -> Aggregate:
         """Noise the sum of client vectors (McMahan et al. 2018, Alg. 1 'server') and take a step."""
         indicator = self.clipping.mode == "adaptive"
         if total is None:
@@ -100,13 +135,20 @@ class DPFedAvg:
         if indicator:
             total, count = total[:-1], float(total[-1])
         s = self.clip_norm
-        noise = gaussian_noise(dim, self.update_z * s, rngmod.generator(self.seed, "noise", round_idx), np.float64)
-        denom = self.expected_weight if self.denominator == "expected" else weight_sum
-        delta = (total + noise) / denom if denom > 0 else np.zeros(dim)
-        info = {"clip_norm": s, "noise_std": self.update_z * s, "noise_multiplier": self.z}
+        noise_std = self.update_z * s * self._update_sensitivity_units()
+        noise = gaussian_noise(dim, noise_std, self.randomness.generator("noise", round_idx), np.float64)
+        if self.denominator == "bounded":
+            # f_c: the noise is calibrated to the released average, whose sensitivity 2S / (F qW)
+            # holds whatever the denominator turns out to be
+            denom = max(self.floor, weight_sum)
+            delta = total / denom + noise / self.expected_weight
+        else:
+            denom = self.expected_weight if self.denominator == "expected" else weight_sum
+            delta = (total + noise) / denom if denom > 0 else np.zeros(dim)
+        info = {"clip_norm": s, "noise_std": noise_std, "noise_multiplier": self.z}
         if indicator:
             # Andrew et al. 2019, Alg. 1: noised fraction of unclipped updates, geometric step towards gamma.
-            noisy = count + self.count_sigma * rngmod.generator(self.seed, "clip", round_idx).standard_normal()
+            noisy = count + self.count_sigma * self.randomness.generator("clip", round_idx).standard_normal()
             unclipped = noisy / self.expected_weight + 0.5  # weighted like the update sum
             self.clip_norm = s * math.exp(-self.clipping.learning_rate * (unclipped - self.clipping.target_quantile))
             info["unclipped_fraction"] = unclipped

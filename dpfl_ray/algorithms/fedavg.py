@@ -3,25 +3,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Aggregate, weighted_sum
+from .base import Aggregate, Algorithm, RoundOutcome, weighted_sum
 
 
-class FedAvg:
-    name = "fedavg"
+class FedAvg(Algorithm):
+    """No privacy mechanism: nothing for the ledger."""
 
-    multipliers = None  # no privacy mechanism: nothing for the ledger
+    @classmethod
+    def check_scenario(cls, sc) -> None:
+        if sc.privacy != type(sc.privacy)():
+            # A privacy section that nothing reads would look like protection that is not there.
+            raise ValueError("privacy: these settings need a private algorithm; set training.algorithm: "
+                             "dp_fedavg or baek")
+        if any(d.phase == "calibration" and d.model != "none" for d in sc.faults.dropouts):
+            raise ValueError("faults.dropout.phase: fedavg has no calibration phase")
 
-    def client_spec(self) -> dict:
-        return {}
+    def __init__(self, scenario=None, weights=None, noise_multiplier: float | None = None):
+        self.weights = weights
 
-    def aggregate(self, updates: dict[int, np.ndarray], weights: np.ndarray, dim: int, round_idx: int) -> Aggregate:
+    def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         """Delta = sum_i w_i Delta_i / sum_i w_i over the survivors; no survivors, no step."""
-        if not updates:
-            return self.from_sum(None, 0.0, dim, round_idx)
-        return self.from_sum(*weighted_sum(updates, weights), dim, round_idx)
-
-    def from_sum(self, total: np.ndarray | None, weight_sum: float, dim: int, round_idx: int) -> Aggregate:
-        """The step from sum_i w_i Delta_i (computed in the clear or by secure aggregation)."""
+        if outcome.updates is not None:
+            total, weight_sum = weighted_sum(outcome.updates, self.weights) if outcome.updates else (None, 0.0)
+        else:
+            total, weight_sum = outcome.total, sum(float(self.weights[c]) for c in outcome.survivors)
         if total is None or weight_sum <= 0:
             return Aggregate(np.zeros(dim, dtype=np.float32), 0.0)
         return Aggregate((np.asarray(total, dtype=np.float64) / weight_sum).astype(np.float32), weight_sum)

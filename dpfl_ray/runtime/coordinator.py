@@ -1,7 +1,9 @@
 """Coordinator: the actor that owns the round loop (ARCHITECTURE.md, 'One round, one story').
 
-sample -> plan faults -> broadcast (one ray.put) -> local updates (one message per worker)
--> aggregate survivors -> evaluate -> record. The driver only starts it and reads its events.
+sample -> plan faults -> begin_round -> broadcast (one ray.put) -> local updates (one message per
+worker; SecAgg rounds: advertise keys -> share keys -> masked input -> after_upload -> unmask) ->
+finish -> account -> evaluate -> commit. The algorithm plugs into these phases through its
+interface; the driver only starts the coordinator and reads its events and committed state.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from ..algorithms import Aggregate, make_algorithm
+from ..algorithms import Abort, Aggregate, RoundOutcome, make_algorithm
 from ..faults import plan_round
 from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
@@ -36,13 +38,18 @@ class Coordinator:
         self.weights = ray.get(data["weights"])
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
         self.theta = get_flat(self.model)
-        self.privacy = RunPrivacy(self.sc, self.weights) if self.sc.training.algorithm != "fedavg" else None
+        p = self.sc.privacy
+        # a scenario configures noise exactly when its algorithm is private (each algorithm checks)
+        self.privacy = RunPrivacy(self.sc, self.weights) if p.noise_multiplier or p.target_epsilon else None
         self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None)
         if self.privacy:
             self.privacy.bind(self.algorithm)
         self._events: list[dict] = []
+        # Guards what the driver may read while a round runs: a round's ledger entry, the model it
+        # produced and its event are committed together, so a reader never sees one without the others.
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.rounds_done = 0
         self.workers: list = []
 
     # -- the pool -------------------------------------------------------------------------------
@@ -66,7 +73,10 @@ class Coordinator:
     def worker_info(self) -> list[dict]:
         return ray.get([w.info.remote() for w in self.workers])
 
-    # -- events for the driver -------------------------------------------------------------------
+    def assign(self, client_ids) -> list[list[int]]:
+        return assign_clients(client_ids, self.sizes, len(self.workers))
+
+    # -- what the driver reads -------------------------------------------------------------------
     def _emit(self, event: dict) -> None:
         with self._lock:
             self._events.append(event)
@@ -78,11 +88,15 @@ class Coordinator:
     def stop(self) -> None:
         self._stop.set()
 
-    def final_model(self) -> np.ndarray:
-        return self.theta
-
-    def ledger(self) -> dict | None:
-        return self.privacy.to_dict() if self.privacy else None
+    def committed(self) -> dict:
+        """The state after the last committed round, read in one piece: the model, the ledger and
+        how many rounds they cover."""
+        with self._lock:
+            out = {"rounds": self.rounds_done, "theta": self.theta,
+                   "summary": self.algorithm.summary_fields()}
+            if self.privacy:
+                out["ledger"] = self.privacy.to_dict()
+            return out
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -100,73 +114,78 @@ class Coordinator:
                 break
             record = self._round(t, last_eval)
             last_eval = (record["test_accuracy"], record["test_loss"])
-            self._emit(record)
         return {"stop_reason": stop_reason}
 
     def _round(self, t: int, last_eval) -> dict:
         t0 = time.perf_counter()
-        sc = self.sc
+        sc, alg = self.sc, self.algorithm
         sampled = sample_clients(sc.sampling, len(self.sizes), sc.seed, t)
         faults = plan_round(sc.faults.dropouts, sampled, sc.seed, t)
         active = [int(c) for c in sampled if faults.dropped.get(int(c)) != "training"]
-        theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
         dropped = dict(faults.dropped)
         extra: dict = {}
-        alg = self.algorithm
-        refused = alg.begin_round(t, sampled) if hasattr(alg, "begin_round") else None
-        if refused is None and hasattr(alg, "begin_round") and not active:
-            refused = "every sampled client dropped before uploading"
-        if refused:  # Baek et al. Alg. 3 line 17: the server stops before anyone trains
-            survivors, extra, dropped = [], {"round_aborted": refused}, {}
-            agg, released = Aggregate(np.zeros_like(self.theta), 0.0), False
+        abort = alg.begin_round(t, sampled)
+        spec = alg.client_spec() if abort is None else None
+        if abort is None and not active and spec.noise is not None:
+            # the noise lives with the clients: with none of them left there is none to release
+            abort = Abort("every sampled client dropped before uploading")
+        if abort is not None:  # e.g. Baek et al. Alg. 3 line 17: the server stops before anyone trains
+            outcome, extra, dropped = RoundOutcome(t, aborted=abort.reason), {"round_aborted": abort.reason}, {}
         elif sc.secagg.enabled and active:
-            out = secagg_round(self, t, theta_ref, active, faults, alg.client_spec(),
-                               self._after_upload if hasattr(alg, "after_upload") else None)
-            dropped.update(out["lost"])
-            self._replace(out["dead"])
-            survivors, extra = out["survivors"], out["record"]
-            if out["sum"] is None:  # aborted: nothing was released, the model stays
-                agg, released = Aggregate(np.zeros_like(self.theta), 0.0), False
-            elif hasattr(alg, "from_secagg"):
-                agg, released = alg.from_secagg(out, self.theta.size), True
-            else:
-                agg, released = alg.from_sum(out["sum"], sum(float(self.weights[c]) for c in survivors),
-                                             self.theta.size, t), True
-            if getattr(alg, "plan", None) is not None and "calibration" not in alg.plan.extras:
-                # no calibration ran this round: nobody could drop out of it
+            theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
+            res = secagg_round(self, t, theta_ref, active, len(sampled) - len(active), faults, spec,
+                               self._after_upload)
+            dropped.update(res.lost)
+            self._replace(res.dead)
+            outcome, extra = res.outcome, res.record
+            if not res.calibrated:  # no calibration ran this round: nobody could drop out of it
                 dropped = {c: p for c, p in dropped.items() if p != "calibration"}
         else:
+            theta_ref = ray.put(self.theta)
             updates = self._plain_updates(t, theta_ref, active, faults, dropped)
-            survivors, released = sorted(updates), True
-            agg = self.algorithm.aggregate(updates, self.weights, self.theta.size, t)
-        why = extra.get("round_aborted") or extra.get("secagg_aborted") or "nothing released"
-        extra.update(self.privacy.account(t, released, why) if self.privacy else {})
-        self.theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
+            plan = self._after_upload(sorted(updates))
+            if isinstance(plan, Abort):
+                outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
+            else:
+                outcome = RoundOutcome(t, survivors=tuple(sorted(updates)), updates=updates)
+        if outcome.released:
+            agg = alg.finish(outcome, self.theta.size)
+        else:  # nothing was released: the model stays
+            agg = Aggregate(np.zeros_like(self.theta), 0.0)
+        theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         acc, loss = last_eval
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
-            set_flat(self.model, self.theta)
+            set_flat(self.model, theta)
             acc, loss = evaluate(self.model, self.x_test, self.y_test)
         by_phase: dict[str, int] = {}
         for p in dropped.values():
             by_phase[p] = by_phase.get(p, 0) + 1
-        return {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(survivors),
-                "dropped_by_phase": by_phase, "weight_sum": agg.weight_sum, "test_accuracy": acc,
-                "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
+        why = extra.get("round_aborted") or extra.get("secagg_aborted") or "nothing released"
+        with self._lock:  # commit: ledger, model and event together
+            if self.privacy:
+                extra.update(self.privacy.account(t, outcome.survivors, outcome.released, why))
+            record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
+                      "dropped_by_phase": by_phase, "weight_sum": agg.weight_sum, "test_accuracy": acc,
+                      "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
+            self.theta = theta
+            self.rounds_done = t + 1
+            self._events.append(record)
+        return record
 
-    def _after_upload(self, survivors: list[int]) -> dict | str:
-        """Baek et al.: what the unmask request carries, or why nothing is unmasked -- the
-        mechanism's own reasons, or a release that would take the effective epsilon past the budget."""
-        extras = self.algorithm.after_upload(survivors)
-        if isinstance(extras, str) or not self.privacy:
-            return extras
-        if not self.privacy.release_fits([self.algorithm.upload_effective()]):
-            return "releasing this round would take the effective epsilon past privacy.target_epsilon"
-        return extras
+    def _after_upload(self, survivors: list[int]):
+        """What the unmask request carries, or why nothing is released -- the mechanism's own
+        reasons, or a release that would take the effective epsilon past the budget."""
+        plan = self.algorithm.after_upload(survivors)
+        if isinstance(plan, Abort) or not self.privacy:
+            return plan
+        if not self.privacy.release_fits(self.algorithm.mechanism()):
+            return Abort("releasing this round would take the effective epsilon past privacy.target_epsilon")
+        return plan
 
     def _plain_updates(self, t, theta_ref, active, faults, dropped) -> dict[int, np.ndarray]:
         """One message per worker; updates of clients whose upload the fault plan does not lose."""
         calls = []
-        for w, ids in zip(self.workers, assign_clients(active, self.sizes, len(self.workers))):
+        for w, ids in zip(self.workers, self.assign(active)):
             if ids:
                 lost = [c for c in ids if not faults.delivers(c)]
                 calls.append((w, ids, w.run_clients.remote(t, theta_ref, ids, lost)))
@@ -179,7 +198,7 @@ class Coordinator:
                 dropped.update({c: "crash" for c in ids})
                 self._replace([w])
                 continue
-            updates.update({c: u for c, u in zip(reply["client_ids"], reply["updates"])})
+            updates.update({c: u for c, u in zip(reply.client_ids, reply.updates)})
         return updates
 
     def _replace(self, dead: list) -> None:

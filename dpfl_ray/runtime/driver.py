@@ -2,6 +2,7 @@
 a RunRecord. Everything that decides what happens lives in the coordinator and the pure core."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -14,9 +15,11 @@ import dpfl_ray
 from ..data import Federation
 from ..errors import DPFLError
 from ..models import build_model, set_flat
+from ..privacy import PrivacyLedger
 from ..results import RunRecord, versions
 from ..scenario import Scenario
 from .coordinator import make_coordinator
+from .shutdown import Shutdown, kill_descendants
 
 
 def ensure_ray(address: str | None = None) -> bool:
@@ -34,6 +37,15 @@ def ensure_ray(address: str | None = None) -> bool:
     return True
 
 
+def stop_ray() -> None:
+    """Disconnect, and stop every process this one spawned: a private Ray's GCS, raylet, agents
+    and workers (also after an interrupted start-up, which ray.shutdown does not know of)."""
+    if ray.is_initialized():
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    kill_descendants()
+
+
 def put_federation(fed: Federation) -> dict:
     ds = fed.dataset
     return {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train), "x_test": ray.put(ds.x_test),
@@ -41,42 +53,93 @@ def put_federation(fed: Federation) -> dict:
             "weights": ray.put(fed.weights), "input_shape": list(ds.input_shape), "num_classes": ds.num_classes}
 
 
+# How long a stopped run waits for the round in flight before it writes what was committed.
+STOP_GRACE_SECONDS = 2.0
+# Bound on every call to the coordinator while it is healthy.
+CALL_TIMEOUT_SECONDS = 60.0
+
+
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
-                 on_event: Callable[[dict], None] | None = None, poll_seconds: float = 0.2) -> dict:
+                 on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
+                 poll_seconds: float = 0.2) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
-    Every round reaches ``rounds.jsonl`` as soon as the coordinator reports it, and the summary
-    is written even when the run is interrupted or fails, so no finished round is lost.
+    Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
+    interrupted (any signal of ``shutdown``) or fails, the coordinator is stopped between rounds,
+    and ``rounds.jsonl``, ``ledger.json``, ``model.pt`` and ``summary.json`` are written for the
+    same last committed round.
     """
     t0 = time.time()
+    shutdown = shutdown or Shutdown()
     record.write_scenario(scenario.to_yaml())
-    coord = make_coordinator(scenario, put_federation(fed))
-    run_ref = coord.run.remote()
-    seen, stop_reason, error = 0, "completed", None
+    coord, seen, stop_reason, error = None, 0, "completed", None
     try:
+        coord = make_coordinator(scenario, put_federation(fed))
+        run_ref = coord.run.remote()
         while True:
             done, _ = ray.wait([run_ref], timeout=poll_seconds)
-            for ev in ray.get(coord.events.remote(seen)):
-                seen += 1
-                if ev.get("event") == "round":
-                    record.add_round({k: v for k, v in ev.items() if k != "event"})
-                if on_event:
-                    on_event(ev)
+            events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
+            with shutdown.defer():
+                seen = _write_events(events, seen, record, on_event)
             if done:
-                stop_reason = ray.get(run_ref)["stop_reason"]
+                stop_reason = ray.get(run_ref, timeout=CALL_TIMEOUT_SECONDS)["stop_reason"]
                 break
     except KeyboardInterrupt:
-        coord.stop.remote()
         stop_reason = "interrupted"
+        if coord is not None:
+            with contextlib.suppress(ray.exceptions.RayError), shutdown.protect():
+                coord.stop.remote()
+                ray.wait([run_ref], timeout=STOP_GRACE_SECONDS)
     except ray.exceptions.RayError as err:
         stop_reason, error = "error", _one_line(err)
-    summary = _finish(scenario, fed, record, coord, stop_reason, error, time.time() - t0)
+    with shutdown.protect():
+        if shutdown.requested:
+            stop_reason = "interrupted"
+        summary = _finish(scenario, fed, record, coord, seen, stop_reason, error, time.time() - t0)
     if error:
         raise DPFLError(f"run failed after {summary['rounds_completed']} rounds ({record.path}): {error}")
     return summary
 
 
-def _finish(scenario, fed, record, coord, stop_reason, error, wall) -> dict:
+def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up_to: int | None = None) -> int:
+    """Write the round events to rounds.jsonl (up to round ``up_to``); returns how many events have
+    been read in all."""
+    for ev in events:
+        if ev.get("event") == "round":
+            if up_to is not None and ev["round"] > up_to:
+                break
+            record.add_round({k: v for k, v in ev.items() if k != "event"})
+        seen += 1
+        if on_event:
+            on_event(ev)
+    return seen
+
+
+def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | None:
+    """The coordinator's committed state, with every row it covers written; None if it is gone."""
+    if coord is None:
+        return None
+    try:
+        state = ray.get(coord.committed.remote(), timeout=CALL_TIMEOUT_SECONDS)
+        events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
+        _write_events(events, seen, record, None, up_to=state["rounds"])
+    except ray.exceptions.RayError:
+        return None
+    return state
+
+
+def _initial_state(scenario) -> dict:
+    """What a run that never got a coordinator leaves: the initial model and an empty ledger."""
+    p = scenario.privacy
+    state = {"rounds": 0, "theta": None, "summary": {}}
+    if p.noise_multiplier is not None or p.target_epsilon is not None:
+        state["ledger"] = {**PrivacyLedger(p.accountant, p.delta).to_dict(), "noise_multiplier": p.noise_multiplier,
+                           "randomness": p.randomness}
+    return state
+
+
+def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall) -> dict:
+    state = _committed(coord, scenario, fed, seen, record) if coord is not None else _initial_state(scenario)
     rounds = record.rounds
     last_acc = next((r["test_accuracy"] for r in reversed(rounds) if r.get("test_accuracy") is not None), None)
     summary = {"name": scenario.name, "final_accuracy": last_acc,
@@ -86,33 +149,40 @@ def _finish(scenario, fed, record, coord, stop_reason, error, wall) -> dict:
                "versions": versions()}
     if error:
         summary["error"] = error
-    try:
-        ledger = ray.get(coord.ledger.remote(), timeout=60)
-    except ray.exceptions.RayError:
-        ledger = None
+    ledger = state.get("ledger") if state else None
     if ledger is not None:
         record.write_json("ledger.json", ledger)
         last = rounds[-1] if rounds else {}
         summary.update(epsilon=last.get("epsilon"), delta=scenario.privacy.delta,
                        accountant=scenario.privacy.accountant, dp_covered=ledger.get("fully_covered"),
-                       noise_multiplier=ledger.get("noise_multiplier"))
+                       noise_multiplier=ledger.get("noise_multiplier"),
+                       noise_multiplier_booked=ledger.get("noise_multiplier_booked"),
+                       epsilon_vs_server=ledger.get("epsilon_vs_server"),
+                       epsilon_vs_server_note=ledger.get("epsilon_vs_server_note"),
+                       randomness=ledger.get("randomness"))
         for key in ("epsilon_nominal", "epsilon_claimed"):
             if key in last:
                 summary[key] = last[key]
-        if scenario.training.algorithm == "baek":
-            summary["calibration"] = scenario.privacy.calibration
-        record.plot_privacy()
-    try:
-        theta = ray.get(coord.final_model.remote(), timeout=60)
+    if state is not None:
+        summary.update(state["summary"])
         model = build_model(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed)
-        set_flat(model, theta)
+        if state["theta"] is not None:
+            set_flat(model, state["theta"])
         record.write_model(model.state_dict())
-    except ray.exceptions.RayError:
+    else:
         summary["model"] = "unavailable: the coordinator died before handing it back"
     record.write_json("summary.json", summary)
-    record.plot_accuracy()
     record.close()
+    record.plot_accuracy()
+    if ledger is not None:
+        record.plot_privacy()
     return summary
+
+
+def write_unstarted(scenario: Scenario, fed: Federation, record: RunRecord, wall: float) -> dict:
+    """The files of a run interrupted before its coordinator existed: 0 rounds, the initial model."""
+    record.write_scenario(scenario.to_yaml())
+    return _finish(scenario, fed, record, None, 0, "interrupted", None, wall)
 
 
 def _one_line(err: Exception) -> str:

@@ -1,11 +1,27 @@
-"""The run's privacy bookkeeping: one PrivacyLedger fed by the algorithm's actual mechanism each
-round, and the budget rules that stop a run *before* a round that would break them."""
+"""The run's privacy bookkeeping: one PrivacyLedger fed by the algorithm's actual Mechanism each
+round, the budget rules that stop a run *before* a round that would break them, and the epsilon
+against the server itself."""
 from __future__ import annotations
 
 import math
 
-from ..privacy import FixedSizeSampling, PoissonSampling, PrivacyLedger, calibrate_noise_multiplier
-from ..privacy.dropouts import planned_noise_multipliers
+import dp_accounting
+import numpy as np
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from ..algorithms import Mechanism, make_algorithm
+from ..privacy import PoissonSampling, PrivacyLedger, calibrate_noise_multiplier
+
+SERVER_SEES_UPDATES = "central DP: the server sees each client's update before it adds the noise"
+
+
+def equivalent_multiplier(zs) -> float:
+    """The single Gaussian that several Gaussians on the same sample compose to (dp_accounting's
+    helper, the one its RDP accountant uses)."""
+    if len(zs) == 1:
+        return float(zs[0])
+    composed = dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(float(z)) for z in zs])
+    return float(rdp_privacy_accountant._effective_gaussian_noise_multiplier(composed))
 
 
 class RunPrivacy:
@@ -21,65 +37,66 @@ class RunPrivacy:
         self.calibrated = False
         self.exhausted = False  # a release was refused: it would have passed the target
         self.algorithm = None
+        # epsilon against the server: per client, the precision sum z^-2 of the unamplified
+        # Gaussians of the rounds it took part in (Gaussians compose exactly: precisions add)
+        self.server_precision = np.zeros(len(weights))
+        self.server_blind = True  # every release so far carried noise the server cannot remove
         if self.noise_multiplier is None:
-            s = scenario.sampling
-            sampling = (PoissonSampling(s.rate) if s.mode == "poisson"
-                        else FixedSizeSampling(s.clients_per_round, len(weights)))
-            self.noise_multiplier = calibrate_noise_multiplier(
-                p.target_epsilon, p.delta, sampling, scenario.training.rounds, p.accountant)
-            if scenario.training.algorithm == "baek":
-                # the target holds for the planned round's effective multiplier, not for z itself
-                self.noise_multiplier /= planned_noise_multipliers(
-                    1.0, p.calibration, min_weight_fraction=p.min_weight_fraction)[1]
+            unit = make_algorithm(scenario, weights, 1.0).planned_mechanism()
+            booked = calibrate_noise_multiplier(p.target_epsilon, p.delta, unit.sampling,
+                                                scenario.training.rounds, p.accountant)
+            # every mechanism's booked multiplier is linear in z: scale the unit mechanism's
+            self.noise_multiplier = booked / equivalent_multiplier(unit.noise_multipliers)
             self.calibrated = True
 
     def bind(self, algorithm) -> None:
         self.algorithm = algorithm
 
-    def _reason(self) -> str:
-        if self.algorithm.name == "baek":
-            return f"baek, calibration={self.sc.privacy.calibration}"
-        return f"{self.algorithm.name}, clipping={self.sc.privacy.clipping.mode}"
-
     def next_round_fits(self, t: int) -> bool:
-        """Record round t's mechanism on the shadow ledger and check the budgets there."""
-        a, p = self.algorithm, self.sc.privacy
+        """Record round t's planned mechanism on the shadow ledger and check the budgets there."""
+        p = self.sc.privacy
         if self.exhausted:
             return False
-        self.shadow.record_round(a.multipliers, a.sampling, reason=self._reason(), round=t + 1)
+        mech = self.algorithm.planned_mechanism()
+        self.shadow.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description, round=t + 1)
         if p.target_epsilon is not None and (self.shadow.epsilon() > p.target_epsilon
                                              or self.ledger.epsilon() > p.target_epsilon):
             # the shadow books the planned mechanism; the real ledger may already be past it
             return False
         return p.geyer is None or self.shadow.delta_for_epsilon(p.geyer.epsilon) <= p.geyer.delta_threshold
 
-    def release_fits(self, multipliers: list[float]) -> bool:
-        """Would releasing a round with these effective multipliers keep the real ledger within
+    def release_fits(self, mech: Mechanism) -> bool:
+        """Would releasing the round as it stands keep the real ledger within
         privacy.target_epsilon? Asked after the uploads, before anything is unmasked."""
         p = self.sc.privacy
         if p.target_epsilon is None:
             return True
         trial = PrivacyLedger.from_dict(self.ledger.to_dict(include_epsilon=False))
-        trial.record_round(multipliers, self.algorithm.sampling, reason="trial")
+        trial.record_round(mech.noise_multipliers, mech.sampling, reason="trial")
         if trial.epsilon() <= p.target_epsilon:
             return True
         self.exhausted = True
         return False
 
-    def account(self, t: int, released: bool, why: str = "secure aggregation aborted") -> dict:
+    def account(self, t: int, survivors, released: bool, why: str) -> dict:
         """Ledger event of round t; the figures that go into its rounds.jsonl row. The effective
         multipliers are what protects the release after this round's dropouts; the claimed ones
         what the mechanism's paper states."""
-        a, p = self.algorithm, self.sc.privacy
+        p = self.sc.privacy
         if released:
-            effective, claimed = a.round_mechanism()
-            self.ledger.record_round(effective, a.sampling, reason=self._reason(), covered=a.covered,
-                                     claimed_noise_multiplier=claimed, round=t + 1)
+            mech = self.algorithm.mechanism()
+            self.ledger.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description,
+                                     covered=mech.covered, claimed_noise_multiplier=mech.claimed_noise_multipliers,
+                                     round=t + 1)
+            if mech.server_noise_multipliers is None:
+                self.server_blind = False
+            else:
+                self.server_precision[list(survivors)] += sum(z ** -2 for z in mech.server_noise_multipliers)
         else:
             self.ledger.record_no_release(why, round=t + 1)
         eps = self.ledger.epsilon()
         row = {"epsilon": None if math.isinf(eps) else eps, "dp_covered": self.ledger.fully_covered}
-        if a.name == "baek":
+        if self.algorithm.reports_claimed_epsilon:
             claimed_eps = self.ledger.claimed_epsilon()
             row["epsilon_claimed"] = None if math.isinf(claimed_eps) else claimed_eps
         if not self.ledger.fully_covered:
@@ -89,8 +106,27 @@ class RunPrivacy:
             row["delta_at_epsilon"] = self.shadow.delta_for_epsilon(p.geyer.epsilon)
         return row
 
+    def epsilon_vs_server(self) -> tuple[float | None, str]:
+        """Epsilon against the server, which picks the sample, so sampling amplifies nothing: the
+        unamplified Gaussians of the rounds the worst-off client took part in, composed."""
+        if not self.server_blind:
+            return None, SERVER_SEES_UPDATES
+        worst = int(np.argmax(self.server_precision)) if self.server_precision.size else 0
+        precision = float(self.server_precision[worst]) if self.server_precision.size else 0.0
+        if precision == 0.0:
+            return 0.0, "no client's data was released"
+        single = PrivacyLedger(accountant=self.ledger.accountant, delta=self.ledger.delta)
+        single.record_round(precision ** -0.5, PoissonSampling(1.0), reason="unamplified, worst-off client")
+        eps = single.epsilon()
+        return (None if math.isinf(eps) else eps), f"client {worst}: noise multiplier {precision ** -0.5:.4g} " \
+                                                    "over the rounds it took part in, no sampling amplification"
+
     def to_dict(self) -> dict:
         out = self.ledger.to_dict()
         out["noise_multiplier"] = self.noise_multiplier
         out["noise_multiplier_calibrated"] = self.calibrated
+        booked = self.algorithm.planned_mechanism().noise_multipliers
+        out["noise_multiplier_booked"] = list(booked)
+        out["randomness"] = self.sc.privacy.randomness
+        out["epsilon_vs_server"], out["epsilon_vs_server_note"] = self.epsilon_vs_server()
         return out

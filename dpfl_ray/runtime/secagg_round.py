@@ -1,4 +1,4 @@
-"""The SecAgg phases of a round, run by the coordinator over its workers (Bonawitz et al. 2017
+"""One secure aggregation of a round, run by the coordinator over its workers (Bonawitz et al. 2017
 Rounds 0-2 and 4; SecAgg+ of Bell et al. 2020).
 
 Workers host the client state machines and pre-sum their clients' masked inputs; the coordinator
@@ -8,17 +8,30 @@ phase on, and the protocol's recovery (Shamir shares held by the others) takes o
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
+from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
 from ..faults import SECAGG_PHASE
 from ..secagg import SecAggAbort, SecAggConfig, SecAggServer, decode, rounding_error_bound
-from .resources import assign_clients
+from .messages import Encoding, PhaseReply
 
-# fault-plan phase names for the protocol phases, for the round's record
-_FAULT_NAME = {v: k for k, v in SECAGG_PHASE.items()}
+
+@dataclass
+class SecAggRound:
+    """What one secure aggregation produced: the outcome for the algorithm, the round's record,
+    and who was lost how (client id -> 'crash@phase' / 'deadline@phase'), dead workers, and
+    whether a calibration phase ran."""
+
+    outcome: RoundOutcome
+    record: dict
+    lost: dict[int, str] = field(default_factory=dict)
+    dead: list = field(default_factory=list)
+    calibrated: bool = False
 
 
 class _Phases:
@@ -27,10 +40,10 @@ class _Phases:
     def __init__(self, assignment: dict, timeout: float | None):
         self.live = dict(assignment)  # worker handle -> its client ids this round
         self.timeout = timeout
-        self.lost: dict[int, str] = {}  # client id -> "crash@phase" / "deadline@phase"
+        self.lost: dict[int, str] = {}
         self.dead: list = []
 
-    def call(self, phase: str, make_call) -> list[dict]:
+    def call(self, phase: str, make_call) -> list[PhaseReply]:
         refs = {make_call(w, ids): w for w, ids in self.live.items()}
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout) if refs else ([], [])
         replies = []
@@ -42,6 +55,9 @@ class _Phases:
                 self.dead.append(refs[ref])
         for ref in late:
             self._drop(refs[ref], f"deadline@{phase}")
+        aborted = [r.aborted for r in replies if r.aborted]
+        if aborted:
+            raise SecAggAbort(f"abort in phase {phase!r}: {aborted[0]}", phase=phase)
         return replies
 
     def _drop(self, worker, why: str) -> None:
@@ -49,14 +65,15 @@ class _Phases:
             self.lost[cid] = why
 
 
-def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict, after_upload=None) -> dict:
-    """Securely sum w_i * Delta_i (+ noise) over ``active`` clients (those that trained). Returns the
-    decoded sum, the survivors (whose masked input reached the server), and the round's SecAgg record.
+def _messages(replies: list[PhaseReply]):
+    return (m for r in replies for m in r.messages)
 
-    ``after_upload(survivors)`` (Baek et al.) sees who uploaded before unmasking and returns what
-    the unmask request carries -- ``{"calibration": {"n_prime"}}`` or ``{"layers_from": k}`` -- or a
-    reason to abort the round without unmasking anything. The output then also holds the
-    survivors' calibration terms and the reconstructed noise-layer seeds."""
+
+def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, faults, spec: ClientSpec,
+                 after_upload: Callable[[list[int]], UnmaskPlan | Abort]) -> SecAggRound:
+    """Securely sum w_i * spec.vector(Delta_i) (+ the client's noise) over ``active`` clients (those
+    that trained; ``absent`` more were sampled). ``after_upload(survivors)`` sees who uploaded
+    before unmasking and returns what the unmask request carries, or an Abort."""
     sc, sa = coord.sc, coord.sc.secagg
     index = {cid: i for i, cid in enumerate(active)}
     n = len(active)
@@ -66,13 +83,12 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict
         threshold = min(sa.threshold, n) if sa.threshold else None
     config = SecAggConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold, round_id=t,
                           graph_seed=sc.seed, degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
-                          dim=int(coord.theta.size) + (1 if spec.get("indicator") else 0))
+                          dim=int(coord.theta.size) + spec.extra_dims)
     server = SecAggServer(config)
     leave = {c: SECAGG_PHASE[p] for c, p in faults.dropped.items() if p in SECAGG_PHASE and c in index}
-    assignment = {w: ids for w, ids in zip(coord.workers, assign_clients(active, coord.sizes, len(coord.workers)))
-                  if ids}
+    assignment = {w: ids for w, ids in zip(coord.workers, coord.assign(active)) if ids}
     phases = _Phases(assignment, sa.phase_timeout_seconds)
-    encoding = {"scale": sa.resolved_scale, "overflow": sa.overflow, "n_summands": n}
+    encoding = Encoding(sa.resolved_scale, sa.overflow, n)
     seconds, record = {}, {"secagg_protocol": sa.protocol, "secagg_threshold": server_threshold(config)}
 
     def timed(phase, fn):
@@ -81,49 +97,54 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], faults, spec: dict
         seconds[phase] = round(time.perf_counter() - start, 4)
         return out
 
+    plan = UnmaskPlan()
+
+    def stopped(reason_key: str, reason: str) -> SecAggRound:
+        record.update({reason_key: reason, "secagg_seconds": seconds})
+        return SecAggRound(RoundOutcome(t, aborted=reason), record, phases.lost, phases.dead,
+                           calibrated=plan.calibration_n_prime is not None)
+
     weights = {c: float(coord.weights[c]) for c in active}
     try:
         replies = timed("advertise", lambda: phases.call("advertise", lambda w, ids: w.secagg_start.remote(
             t, theta_ref, {c: index[c] for c in ids}, {c: leave[c] for c in ids if c in leave}, config,
             {c: weights[c] for c in ids}, encoding, spec)))
-        record["secagg_clipped"] = sum(e["clipped"] for r in replies for e in r["clip_events"])
-        keys = timed("advertise_server", lambda: server.receive_keys(m for r in replies for m in r["messages"]))
-        replies = timed("share", lambda: phases.call("share", lambda w, ids: w.secagg_share.remote(keys)))
-        forwarded = timed("share_server", lambda: server.receive_shares(m for r in replies for m in r["messages"]))
+        record["secagg_clipped"] = sum(r.clipped for r in replies)
+        keys = timed("advertise_server", lambda: server.receive_keys(_messages(replies)))
+        replies = timed("share", lambda: phases.call("share", lambda w, ids: w.secagg_share.remote(keys, absent)))
+        forwarded = timed("share_server", lambda: server.receive_shares(_messages(replies)))
         replies = timed("masked_input", lambda: phases.call("masked_input", lambda w, ids: w.secagg_masked.remote(
             {index[c]: forwarded[index[c]] for c in ids if index[c] in forwarded})))
-        request = timed("masked_input_server", lambda: server.receive_masked(
-            m for r in replies for m in r["messages"]))
-        extras = after_upload(sorted(active[u] for u in server.u3)) if after_upload else {}
-        if isinstance(extras, str):  # the mechanism refuses to release this round
-            record.update(round_aborted=extras, secagg_seconds=seconds)
-            return {"sum": None, "survivors": [], "record": record, "lost": phases.lost, "dead": phases.dead}
-        if "layers_from" in extras:
-            request = server.request_layers(request, extras["layers_from"])
-        calibration = extras.get("calibration")
+        request = timed("masked_input_server", lambda: server.receive_masked(_messages(replies)))
+        plan = after_upload(sorted(active[u] for u in server.u3))
+        if isinstance(plan, Abort):  # the mechanism refuses to release this round
+            reason, plan = plan.reason, UnmaskPlan()
+            return stopped("round_aborted", reason)
+        if plan.layers_from is not None:
+            request = server.request_layers(request, plan.layers_from)
         replies = timed("unmask", lambda: phases.call("unmask", lambda w, ids: w.secagg_unmask.remote(
-            request, calibration)))
-        total = timed("reconstruct", lambda: server.receive_unmask(m for r in replies for m in r["messages"]))
+            request, plan.calibration_n_prime)))
+        total = timed("reconstruct", lambda: server.receive_unmask(_messages(replies)))
     except SecAggAbort as err:
-        record.update(secagg_aborted=str(err), secagg_seconds=seconds)
-        return {"sum": None, "survivors": [], "record": record, "lost": phases.lost, "dead": phases.dead}
-    survivors = sorted(active[u] for u in server.u3)
-    client_bytes = [b for r in replies for b in r["bytes_sent"].values()]
+        return stopped("secagg_aborted", str(err))
+    survivors = tuple(sorted(active[u] for u in server.u3))
+    client_bytes = [b for r in replies for b in r.bytes_sent.values()]
     record.update(
         secagg_seconds=seconds,
         secagg_bytes_per_client=round(float(np.mean(client_bytes)), 1) if client_bytes else 0.0,
         secagg_server_bytes_received=int(server.bytes_received),
         secagg_rounding_bound=rounding_error_bound(n, sa.resolved_scale))
-    out = {"sum": decode(total, bits=sa.bits, scale=sa.resolved_scale), "survivors": survivors, "record": record,
-           "lost": phases.lost, "dead": phases.dead}
-    if calibration is not None:
-        terms = {c: v for r in replies for c, v in r["calibration"].items()}
+    calibration = None
+    if plan.calibration_n_prime is not None:
+        terms = {c: v for r in replies for c, v in r.calibration.items()}
         # client-id order: the same float sum for any pool
-        out["calibration"] = {"sum": sum(terms[c] for c in sorted(terms)) if terms else None,
-                              "clients": sorted(terms)}
-    if "layers_from" in extras:
-        out["layer_seeds"] = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
-    return out
+        calibration = CalibrationSum(sum(terms[c] for c in sorted(terms)) if terms else None, tuple(sorted(terms)))
+    layer_seeds = None
+    if plan.layers_from is not None:
+        layer_seeds = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
+    outcome = RoundOutcome(t, survivors=survivors, total=decode(total, bits=sa.bits, scale=sa.resolved_scale),
+                           calibration=calibration, layer_seeds=layer_seeds)
+    return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None)
 
 
 def server_threshold(config: SecAggConfig) -> int:

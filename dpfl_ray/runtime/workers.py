@@ -2,7 +2,9 @@
 
 It keeps the training data and one model copy for its whole life; per round it receives one
 message (the model's object-store reference and its list of clients) and returns one reply
-carrying the updates of all its clients. No task, no model pickling per client.
+carrying the updates of all its clients. No task, no model pickling per client. What a client does
+to its update before it leaves is the algorithm's ClientSpec; the worker never asks which
+algorithm runs.
 """
 from __future__ import annotations
 
@@ -14,15 +16,16 @@ import ray
 import torch
 
 from .. import rng as rngmod
-from ..algorithms.baek import calibration_term, client_layer_seeds, client_noise
-from ..algorithms.base import client_vector
+from ..algorithms import ClientSpec
 from ..local import local_update
-from ..secagg import PHASES as PROTOCOL_PHASES
-from ..secagg import SecAggClient, encode, presum_masked
 from ..models import build_model
 from ..scenario import Scenario
+from ..secagg import PHASES as PROTOCOL_PHASES
+from ..secagg import EncodingError, SecAggClient, encode, presum_masked
+from .messages import Encoding, LocalReply, PhaseReply
 
-# The worker's phases: the protocol's, then Baek et al.'s calibration (Alg. 2 line 22).
+# The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
+# Alg. 2 line 22), for algorithms whose ClientNoise has one.
 WORKER_PHASES = PROTOCOL_PHASES + ("calibration",)
 
 
@@ -51,7 +54,7 @@ class ClientWorker:
             torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid))
 
     def run_clients(self, round_idx: int, theta: np.ndarray, client_ids: list[int],
-                    undelivered: list[int]) -> dict:
+                    undelivered: list[int]) -> LocalReply:
         """Local updates of ``client_ids`` from ``theta``. Clients in ``undelivered`` train but
         their upload never arrives (the fault plan), so nothing of theirs returns."""
         t0 = time.perf_counter()
@@ -63,34 +66,35 @@ class ClientWorker:
                 ids.append(cid)
                 updates.append(delta)
         stacked = np.stack(updates) if updates else np.zeros((0, len(theta)), np.float32)
-        return {"client_ids": ids, "updates": stacked, "seconds": time.perf_counter() - t0}
+        return LocalReply(ids, stacked, time.perf_counter() - t0)
 
     # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
-    def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict,
-                     config, weights: dict, encoding: dict, spec: dict) -> dict:
-        """Train, encode w_i * Delta_i (+ e_i, Baek et al.) into Z_2^b, and advertise keys
+    def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict, config,
+                     weights: dict, encoding: Encoding, spec: ClientSpec) -> PhaseReply:
+        """Train, encode w_i * vector (+ the client's noise) into Z_2^b, and advertise keys
         (Bonawitz et al. Round 0).
 
         ``clients`` maps client id -> protocol index; ``leave`` maps client id -> the worker phase
         (WORKER_PHASES) from which that client sends nothing (the fault plan)."""
-        t0 = time.perf_counter()
-        noise = spec.get("noise")
-        self._sa = {"clients": {}, "inputs": {}, "clip_events": [], "cids": {}, "weights": {}, "noise": noise,
+        self._sa = {"clients": {}, "inputs": {}, "cids": {}, "weights": {}, "spec": spec,
                     "leave": {clients[c]: WORKER_PHASES.index(p) for c, p in leave.items() if c in clients}}
+        clipped = 0
         for cid, idx in clients.items():
-            value = client_vector(self._local(round_idx, theta, cid), spec) * np.float32(weights[cid])
-            if noise is not None:
-                value = value.astype(np.float64) + client_noise(noise, cid, weights[cid], value.size)
-            enc = encode(value, bits=config.bits, scale=encoding["scale"], n_summands=encoding["n_summands"],
-                         rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
-                         overflow="clip" if encoding["overflow"] == "clip" else "raise")
+            value = spec.vector(self._local(round_idx, theta, cid)) * np.float32(weights[cid])
+            if spec.noise is not None:
+                value = value.astype(np.float64) + spec.noise.sample(cid, weights[cid], value.size)
+            try:
+                enc = encode(value, bits=config.bits, scale=encoding.scale, n_summands=encoding.n_summands,
+                             rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
+                             overflow="clip" if encoding.overflow == "clip" else "raise")
+            except EncodingError as err:  # the round cannot go on; say why instead of crashing the run
+                return PhaseReply(aborted=f"client {cid}: {err}")
             if enc.clip is not None:
-                self._sa["clip_events"].append({"client": cid, "clipped": enc.clip.n_clipped})
+                clipped += enc.clip.n_clipped
             self._sa["inputs"][idx] = enc.data
             self._sa["clients"][idx] = SecAggClient(idx, config)
             self._sa["cids"][idx], self._sa["weights"][idx] = cid, float(weights[cid])
-        msgs = self._phase("advertise", lambda c: c.advertise_keys())
-        return {"messages": msgs, "clip_events": self._sa["clip_events"], "seconds": time.perf_counter() - t0}
+        return PhaseReply(self._phase("advertise", lambda c: c.advertise_keys()), clipped=clipped)
 
     def _phase(self, phase: str, call, only=None) -> list:
         """Call ``call`` for each client still online in ``phase`` (and in ``only``, if given)."""
@@ -98,35 +102,35 @@ class ClientWorker:
         return [call(client) for idx, client in self._sa["clients"].items()
                 if leave.get(idx, len(WORKER_PHASES)) > order and (only is None or idx in only)]
 
-    def secagg_share(self, keys: dict) -> dict:
-        noise = self._sa["noise"]
-        if noise is None or noise.get("mode") != "layered":
-            return {"messages": self._phase("share", lambda c: c.share_keys(keys))}
-        # layered calibration: the seeds of noise layers 1..L are Shamir-shared with b_u and s_u^SK
-        absent = noise["N"] - next(iter(self._sa["clients"].values())).config.n_clients
-        return {"messages": self._phase("share", lambda c: c.share_keys(
-            keys, layer_seeds=client_layer_seeds(noise, self._sa["cids"][c.id]), absent=absent))}
+    def secagg_share(self, keys: dict, absent: int) -> PhaseReply:
+        """Round 1. Noise seeds the ClientNoise wants shared (Baek's layered calibration) are
+        Shamir-shared with b_u and s_u^SK; ``absent`` sampled clients never joined the protocol."""
+        noise = self._sa["spec"].noise
+        if noise is None:
+            return PhaseReply(self._phase("share", lambda c: c.share_keys(keys)))
+        return PhaseReply(self._phase("share", lambda c: c.share_keys(
+            keys, layer_seeds=noise.shared_seeds(self._sa["cids"][c.id]), absent=absent)))
 
-    def secagg_masked(self, forwarded: dict) -> dict:
+    def secagg_masked(self, forwarded: dict) -> PhaseReply:
         """Masked inputs of this worker's clients, pre-summed mod 2^b into one message."""
         msgs = self._phase("masked_input", lambda c: c.masked_input(forwarded[c.id], self._sa["inputs"][c.id]),
                            only=set(forwarded))
         bits = msgs[0]["masked"].dtype.itemsize * 8 if msgs else 0
-        return {"messages": [presum_masked(msgs, bits)] if msgs else []}
+        return PhaseReply([presum_masked(msgs, bits)] if msgs else [])
 
-    def secagg_unmask(self, request: dict, calibration: dict | None = None) -> dict:
-        """Unmask shares; with ``calibration`` ({"n_prime"}) also each survivor's calibration term
+    def secagg_unmask(self, request: dict, calibration_n_prime: float | None = None) -> PhaseReply:
+        """Unmask shares; with ``calibration_n_prime`` also each survivor's calibration term
         (Baek et al. Alg. 2 line 22 / Alg. 3 line 34), per client so the server sums in id order."""
         survivors = set(request["survivors"])
         msgs = self._phase("unmask", lambda c: c.unmask(request), only=survivors)
         terms, sent = {}, {c.id: c.bytes_sent for c in self._sa["clients"].values()}
-        if calibration is not None:
+        if calibration_n_prime is not None:
+            noise = self._sa["spec"].noise
             for idx in self._phase("calibration", lambda c: c.id, only=survivors):
                 cid, dim = self._sa["cids"][idx], int(self._sa["inputs"][idx].size)
-                terms[cid] = calibration_term(self._sa["noise"], cid, self._sa["weights"][idx], dim,
-                                              calibration["n_prime"])
+                terms[cid] = noise.calibration_term(cid, self._sa["weights"][idx], dim, calibration_n_prime)
                 sent[idx] += terms[cid].nbytes
-        return {"messages": msgs, "calibration": terms, "bytes_sent": sent}
+        return PhaseReply(msgs, calibration=terms, bytes_sent=sent)
 
 
 def make_worker_class(num_cpus: float, num_gpus: float):

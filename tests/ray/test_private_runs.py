@@ -45,8 +45,9 @@ def test_budget_stops_before_the_round_that_would_exceed_it(ray_session, tmp_pat
 
 
 def test_geyer_rule_with_median_clipping(ray_session, tmp_path):
+    # fixed-size cohorts are replace-one: sensitivity 2S, so z = 2 is booked as 1.0
     sc = tiny_scenario(training={**DP, "rounds": 40}, sampling={"mode": "fixed", "clients_per_round": 10},
-                       privacy={"noise_multiplier": 1.0, "clipping": {"mode": "median"}, "accountant": "rdp",
+                       privacy={"noise_multiplier": 2.0, "clipping": {"mode": "median"}, "accountant": "rdp",
                                 "denominator": "actual", "geyer": {"epsilon": 4.0, "delta_threshold": 1e-3}})
     summary, rounds = _run(sc, tmp_path / "geyer")
     sampling = FixedSizeSampling(10, 20)

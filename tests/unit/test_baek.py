@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpfl_ray.algorithms.baek import Baek, calibration_term, client_layer_seeds, client_noise, layer_seed
+from dpfl_ray.algorithms import Abort, CalibrationSum, RoundOutcome, UnmaskPlan
+from dpfl_ray.algorithms.baek import Baek
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.faults import plan_round
 from dpfl_ray.privacy.dropouts import (
@@ -24,7 +25,7 @@ T = 2 * C * Z
 
 def _scenario(mode: str, **privacy):
     return scenario_from_dict({
-        "data": {"source": "synthetic", "num_clients": 40},
+        "data": {"source": "synthetic", "num_clients": 40, "n_max": 100},  # the tests pass weights directly
         "training": {"algorithm": "baek"},
         "sampling": {"mode": "poisson", "rate": 0.5},
         "privacy": {"noise_multiplier": Z, "clipping": {"norm": C}, "calibration": mode, "accountant": "rdp",
@@ -59,18 +60,20 @@ def _released_noise(mode: str, rounds: int, dim: int, n_sampled: int, n_drop: in
     out = []
     for t in range(rounds):
         assert alg.begin_round(t, sampled) is None
-        noise = alg.client_spec()["noise"]
-        total = sum(weights[c] * updates[c] + client_noise(noise, c, weights[c], dim) for c in survivors)
+        noise = alg.client_spec().noise
+        total = sum(weights[c] * updates[c] + noise.sample(c, weights[c], dim) for c in survivors)
         extras = alg.after_upload(survivors)
         calibration = layers = None
-        if "calibration" in extras:
-            n_prime = extras["calibration"]["n_prime"]
+        if extras.calibration_n_prime is not None:
+            n_prime = extras.calibration_n_prime
             calibration = {"clients": senders,
-                           "sum": sum(calibration_term(noise, c, weights[c], dim, n_prime) for c in senders)}
-        if "layers_from" in extras:  # what SecAgg reconstructs: layers d+1..L of each survivor
-            layers = {c: {k: layer_seed(noise, c, k) for k in range(extras["layers_from"], len(noise["variances"]))}
+                           "sum": sum(noise.calibration_term(c, weights[c], dim, n_prime) for c in senders)}
+            calibration = CalibrationSum(calibration["sum"], tuple(calibration["clients"]))
+        if extras.layers_from is not None:  # what SecAgg reconstructs: layers d+1..L of each survivor
+            layers = {c: {k: noise.layer_seed(c, k) for k in range(extras.layers_from, len(noise.variances))}
                       for c in survivors}
-        released, info = alg.release(total, survivors, calibration, layers)
+        released, info = alg.release(RoundOutcome(t, tuple(survivors), total=total, calibration=calibration,
+                                                  layer_seeds=layers))
         n_prime = info["weight_survived"]
         clean = sum(weights[c] * updates[c] for c in survivors)
         out.append((released - clean) / n_prime)
@@ -100,9 +103,10 @@ def test_calibration_dropouts_leave_their_first_noise_in():
 
 def test_no_dropout_baek_skips_the_calibration_and_keeps_sigma():
     noise, n, _, _, alg = _released_noise("baek", rounds=10, dim=4000, n_sampled=20, n_drop=0)
-    assert alg.plan.extras == {}
+    assert alg.plan.unmask == UnmaskPlan()
     _check_noise(noise, (T / n) ** 2)
-    assert alg.round_mechanism() == ([Z], [Z])
+    mech = alg.mechanism()
+    assert (mech.noise_multipliers, mech.claimed_noise_multipliers) == ((Z,), (Z,))
 
 
 @pytest.mark.parametrize("mode,n_cal_drop", [("baek", 0), ("baek", 3), ("baek-extended", 0), ("baek-extended", 3)])
@@ -123,10 +127,10 @@ def test_best_estimate_from_the_servers_view_has_the_predicted_variance(mode, n_
     errors_best, errors_released = [], []
     for t in range(rounds):
         alg.begin_round(t, sampled)
-        noise = alg.client_spec()["noise"]
+        noise = alg.client_spec().noise
         data = g.normal(size=dim)  # the weighted sum S; any value: the estimate is unbiased
-        first = data + sum(client_noise(noise, c, weights[c], dim) for c in survivors)
-        released = first + sum(calibration_term(noise, c, weights[c], dim, n_prime) for c in senders)
+        first = data + sum(noise.sample(c, weights[c], dim) for c in survivors)
+        released = first + sum(noise.calibration_term(c, weights[c], dim, n_prime) for c in senders)
         estimate = (solve[0] * first + solve[1] * released) / solve.sum()
         errors_best.append(estimate - data)
         errors_released.append(released - data)
@@ -170,23 +174,23 @@ def test_kept_layers_add_up_to_the_target(n_sampled, fraction):
 def test_layer_seeds_and_noise_repeat_and_differ():
     alg = Baek(_scenario("layered"), np.ones(40), Z)
     alg.begin_round(3, list(range(10)))
-    noise = alg.client_spec()["noise"]
-    seeds = client_layer_seeds(noise, 4)
-    assert len(seeds) == len(noise["variances"]) - 1 == tolerated_dropouts(10, 0.5)
-    assert len(set(seeds)) == len(seeds) and seeds != client_layer_seeds(noise, 5)
-    assert np.array_equal(client_noise(noise, 4, 1.0, 50), client_noise(noise, 4, 1.0, 50))
+    noise = alg.client_spec().noise
+    seeds = noise.shared_seeds(4)
+    assert len(seeds) == len(noise.variances) - 1 == tolerated_dropouts(10, 0.5)
+    assert len(set(seeds)) == len(seeds) and seeds != noise.shared_seeds(5)
+    assert np.array_equal(noise.sample(4, 1.0, 50), noise.sample(4, 1.0, 50))
 
 
 def test_layered_aborts_beyond_its_tolerance_and_extended_below_n0():
     alg = Baek(_scenario("layered", min_weight_fraction=0.8), np.ones(40), Z)
     assert alg.begin_round(0, list(range(10))) is None
-    assert "tolerate 2" in alg.after_upload(list(range(7)))
-    assert alg.after_upload(list(range(8))) == {}  # d = L: every layer stays
-    assert alg.after_upload(list(range(9))) == {"layers_from": 2}
-    assert alg.after_upload(list(range(10))) == {"layers_from": 1}
+    assert "tolerate 2" in alg.after_upload(list(range(7))).reason
+    assert alg.after_upload(list(range(8))) == UnmaskPlan()  # d = L: every layer stays
+    assert alg.after_upload(list(range(9))) == UnmaskPlan(layers_from=2)
+    assert alg.after_upload(list(range(10))) == UnmaskPlan(layers_from=1)
     ext = Baek(_scenario("baek-extended", min_weight_fraction=0.5), np.ones(40), Z)
     assert ext.n0 == pytest.approx(10.0)  # F * q * sum w = 0.5 * 0.5 * 40
-    assert "below n_0" in ext.begin_round(0, list(range(9)))
+    assert "below n_0" in ext.begin_round(0, list(range(9))).reason
     assert ext.begin_round(0, list(range(10))) is None
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dpfl_ray import rng as R
-from dpfl_ray.algorithms import FedAvg, weighted_sum
+from dpfl_ray.algorithms import FedAvg, RoundOutcome, weighted_sum
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.faults import num_tail_drops, plan_round
 from dpfl_ray.local import local_update
@@ -17,13 +17,13 @@ from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, Sampl
 def test_fedavg_is_the_weighted_mean():
     ups = {3: np.array([1.0, 0.0], np.float32), 1: np.array([0.0, 4.0], np.float32)}
     w = np.array([0, 0.5, 0, 1.0])
-    agg = FedAvg().aggregate(ups, w, 2, 0)
+    agg = FedAvg(weights=w).finish(RoundOutcome(0, tuple(ups), updates=ups), 2)
     np.testing.assert_allclose(agg.delta, [1.0 / 1.5, 2.0 / 1.5], rtol=1e-6)
     assert agg.weight_sum == 1.5
 
 
 def test_fedavg_without_survivors_does_not_move():
-    agg = FedAvg().aggregate({}, np.ones(3), 5, 0)
+    agg = FedAvg(weights=np.ones(3)).finish(RoundOutcome(0, (), updates={}), 5)
     assert agg.weight_sum == 0 and not agg.delta.any()
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpfl_ray.algorithms import DPFedAvg, client_vector
+from dpfl_ray.algorithms import ClientSpec, DPFedAvg, RoundOutcome
 from dpfl_ray.algorithms.dp_fedavg import split_noise_multiplier
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.scenario import scenario_from_dict
@@ -21,7 +21,7 @@ def scenario(**privacy):
 def test_clipping_and_expected_denominator_without_noise_effect():
     algo = DPFedAvg(scenario(), np.ones(100), noise_multiplier=1.0)
     ups = {0: np.full(4, 10.0, np.float32), 1: np.array([0.1, 0, 0, 0], np.float32)}
-    agg = algo.aggregate(ups, np.ones(100), 4, round_idx=0)
+    agg = algo.finish(RoundOutcome(0, tuple(ups), updates=ups), 4)
     noise = agg.delta * 10.0 - (ups[0] / 20.0 + ups[1])  # expected weight q*W = 10
     assert np.linalg.norm(ups[0] / 20.0) == pytest.approx(1.0)
     assert agg.info["noise_std"] == 1.0 and agg.info["clip_norm"] == 1.0
@@ -33,43 +33,43 @@ def test_noise_on_the_sum_has_the_configured_std_and_zero_mean():
     z, s, dim = 1.3, 0.5, 1_000_000
     sc = scenario(noise_multiplier=z, clipping={"mode": "fixed", "norm": s}, denominator="actual")
     algo = DPFedAvg(sc, np.ones(100), noise_multiplier=z)
-    agg = algo.from_sum(np.zeros(dim), 1.0, dim, round_idx=3)  # actual weight 1: delta is the noise
+    agg = algo._noised_step(np.zeros(dim), 1.0, dim, round_idx=3)  # actual weight 1: delta is the noise
     x = agg.delta.astype(np.float64)
     n, sigma = len(x), z * s
     chi2 = (n - 1) * x.var(ddof=1) / sigma ** 2
     assert stats.chi2.sf(chi2, n - 1) > 1e-9 and stats.chi2.cdf(chi2, n - 1) > 1e-9
     assert abs(x.mean()) / (sigma / np.sqrt(n)) < 6.1  # two-sided z-test at ~1e-9
-    again = DPFedAvg(sc, np.ones(100), noise_multiplier=z).from_sum(np.zeros(dim), 1.0, dim, round_idx=3)
+    again = DPFedAvg(sc, np.ones(100), noise_multiplier=z)._noised_step(np.zeros(dim), 1.0, dim, round_idx=3)
     assert np.array_equal(again.delta, agg.delta)  # seeded per round
 
 
 def test_median_clipping_is_not_covered():
     algo = DPFedAvg(scenario(clipping={"mode": "median"}), np.ones(100), 1.0)
     ups = {i: np.full(2, float(i + 1), np.float32) for i in range(5)}
-    agg = algo.aggregate(ups, np.ones(100), 2, 0)
+    agg = algo.finish(RoundOutcome(0, tuple(ups), updates=ups), 2)
     assert agg.info["clip_norm"] == pytest.approx(np.linalg.norm([3.0, 3.0]))
-    assert algo.covered is False and algo.client_spec() == {}
+    assert algo.planned_mechanism().covered is False and algo.client_spec() == ClientSpec()
 
 
 def test_adaptive_clipping_splits_the_budget_and_tracks_the_quantile():
     sc = scenario(clipping={"mode": "adaptive", "norm": 0.1, "target_quantile": 0.5, "learning_rate": 0.5,
                             "count_noise_multiplier": 5.0})
     algo = DPFedAvg(sc, np.ones(100), noise_multiplier=1.0)
-    assert algo.multipliers[1] == 10.0
-    assert 1 / algo.multipliers[0] ** 2 + 1 / algo.multipliers[1] ** 2 == pytest.approx(1.0)
+    assert algo.planned_mechanism().noise_multipliers[1] == 10.0
+    assert 1 / algo.planned_mechanism().noise_multipliers[0] ** 2 + 1 / algo.planned_mechanism().noise_multipliers[1] ** 2 == pytest.approx(1.0)
     rng = np.random.default_rng(0)
     for t in range(60):  # norms ~ 2: S must climb from 0.1 towards the median
         ups = {i: rng.normal(size=4).astype(np.float32) for i in range(10)}
-        algo.aggregate(ups, np.ones(100), 4, t)
+        algo.finish(RoundOutcome(t, tuple(ups), updates=ups), 4)
     assert 1.0 < algo.clip_norm < 3.0
     with pytest.raises(DPFLError, match="count_noise_multiplier"):
         split_noise_multiplier(1.0, 0.4)
 
 
 def test_client_vector_appends_the_indicator():
-    v = client_vector(np.array([3.0, 4.0], np.float32), {"clip_norm": 1.0, "indicator": True})
+    v = ClientSpec(clip_norm=1.0, indicator=True).vector(np.array([3.0, 4.0], np.float32))
     np.testing.assert_allclose(v, [0.6, 0.8, -0.5], rtol=1e-6)
-    v = client_vector(np.array([0.3, 0.4], np.float32), {"clip_norm": 1.0, "indicator": True})
+    v = ClientSpec(clip_norm=1.0, indicator=True).vector(np.array([0.3, 0.4], np.float32))
     np.testing.assert_allclose(v, [0.3, 0.4, 0.5], rtol=1e-6)
 
 

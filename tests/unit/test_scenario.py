@@ -15,11 +15,6 @@ def test_quickstart_matches_the_issue():
     assert (sc.training.local_epochs, sc.training.batch_size, sc.training.lr) == (1, 10, 0.15)
 
 
-def test_every_shipped_scenario_validates():
-    for path in (ROOT / "scenarios").glob("*.yaml"):
-        load_scenario(path)
-
-
 @pytest.mark.parametrize("raw, field", [
     ({"data": {"sorce": "mnist5k"}}, "data.sorce: unknown key"),
     ({"training": {"rounds": "many"}}, "training.rounds"),

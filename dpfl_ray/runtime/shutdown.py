@@ -1,0 +1,102 @@
+"""One shutdown path for every long command (SIGINT, SIGTERM and SIGHUP alike).
+
+The first signal raises KeyboardInterrupt in the main thread wherever it waits -- connecting,
+starting Ray or the workers, or between polls of a running round -- so the command can stop the
+coordinator between rounds and write its files. While those files are written (``protect()``) a
+further signal is only remembered: the write finishes first. Ray replaces the SIGTERM handler when
+it connects, so ``install()`` is called again after ``ray.init``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+class Shutdown:
+    def __init__(self):
+        self.received: list[int] = []
+        self._protected = False
+
+    def install(self) -> "Shutdown":
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        if not self._protected and len(self.received) == 1:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def done(self) -> None:
+        """Everything is written and stopped: a late signal must not kill the exiting process
+        (Python restores the default handlers while it finalises)."""
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.received)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the first signal's number, as a shell reports a process ended by it."""
+        return 128 + (self.received[0] if self.received else signal.SIGINT)
+
+    @contextlib.contextmanager
+    def protect(self):
+        """Signals arriving inside only get recorded (the final write of a run's files)."""
+        self._protected = True
+        try:
+            yield
+        finally:
+            self._protected = False
+
+    @contextlib.contextmanager
+    def defer(self):
+        """A first signal arriving inside is raised when the block ends, not in its middle (a row
+        half-written to rounds.jsonl)."""
+        before = len(self.received)
+        with self.protect():
+            yield
+        if before == 0 and self.received:
+            raise KeyboardInterrupt(signal.Signals(self.received[0]).name)
+
+
+@contextlib.contextmanager
+def keep_handlers():
+    """While Ray connects or starts, keep our handlers: ray.init installs SIGTERM handlers that
+    exit the process (or kill the node) on the spot, which would skip writing the run's files."""
+    import ray._private.utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:  # a Ray without the hook: its handler is replaced right after init anyway
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
+def kill_descendants(grace: float = 2.0) -> int:
+    """Stop every process this one started (a private Ray's GCS, raylet, agents and workers):
+    SIGTERM, then SIGKILL for those still alive after ``grace`` seconds. Returns how many there were."""
+    import psutil
+
+    try:
+        children = psutil.Process(os.getpid()).children(recursive=True)
+    except psutil.Error:
+        return 0
+    for p in children:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+    return len(children)

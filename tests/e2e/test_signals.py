@@ -1,0 +1,126 @@
+"""SIGINT (once and twice), SIGTERM and SIGHUP at three moments of a private run -- Ray start-up,
+worker start-up, mid-round -- through the real CLI. Afterwards the run directory agrees with
+itself and every process the run started is gone."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import yaml
+
+from dpfl_ray.data import build_federation
+from dpfl_ray.models import build_model, evaluate, get_flat
+from dpfl_ray.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PRIVATE = {
+    "name": "signals", "seed": 2,
+    "data": {"source": "synthetic", "num_clients": 40, "synthetic_examples": 800, "synthetic_features": 6},
+    "model": {"name": "logistic"},
+    "training": {"algorithm": "dp_fedavg", "rounds": 400, "batch_size": 8, "lr": 0.3},
+    "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+    "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp"},
+    "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+}
+
+
+def _descendants(proc: psutil.Process) -> set[int]:
+    try:
+        return {p.pid for p in proc.children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _wait_for(condition, proc, timeout=120.0) -> set[int]:
+    """Poll until ``condition()``; returns every descendant pid seen meanwhile."""
+    seen, end = set(), time.monotonic() + timeout
+    ps = psutil.Process(proc.pid)
+    while not condition():
+        assert proc.poll() is None, f"dpfl ended early: {proc.communicate()}"
+        assert time.monotonic() < end, "the moment never came"
+        seen |= _descendants(ps)
+        time.sleep(0.05)
+    return seen | _descendants(ps)
+
+
+def _alive(pids: set[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+MOMENTS = ("ray_startup", "worker_start", "mid_round")
+SIGNALS = {"sigint": [signal.SIGINT], "double_sigint": [signal.SIGINT, signal.SIGINT],
+           "sigterm": [signal.SIGTERM], "sighup": [signal.SIGHUP]}
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+@pytest.mark.parametrize("kind", list(SIGNALS))
+def test_a_signal_leaves_a_consistent_run_and_no_process(tmp_path, kind, moment):
+    path = tmp_path / "private.yaml"
+    path.write_text(yaml.safe_dump(PRIVATE))
+    out = tmp_path / "run"
+    env = dict(os.environ, COLUMNS="200")
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(path), "--out", str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ps = psutil.Process(proc.pid)
+        if moment == "ray_startup":  # Ray's first process exists, the run has not begun
+            seen = _wait_for(lambda: any("gcs_server" in p.name() for p in ps.children(recursive=True)), proc)
+        elif moment == "worker_start":  # the run directory is made right before the workers start
+            seen = _wait_for(lambda: (out / "rounds.jsonl").exists(), proc)
+        else:
+            seen = _wait_for(lambda: (out / "rounds.jsonl").exists()
+                             and len((out / "rounds.jsonl").read_text().splitlines()) >= 2, proc)
+        sent = time.monotonic()
+        for i, sig in enumerate(SIGNALS[kind]):
+            if i:
+                time.sleep(0.3)
+            proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + SIGNALS[kind][0], (proc.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr[-2000:]
+    assert took < 10, f"stopping took {took:.1f}s"
+
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert summary["stop_reason"] == "interrupted"
+    assert summary["rounds_completed"] == len(rows) == ledger["num_rounds"]
+    assert [r["round"] for r in ledger["rounds"]] == [r["round"] for r in rows]
+    assert summary["epsilon"] == (rows[-1]["epsilon"] if rows else None)
+    if rows:
+        assert ledger["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)
+
+    sc = load_scenario(out / "scenario.yaml")
+    fed = build_federation(sc)
+    model = build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    initial = get_flat(model)
+    model.load_state_dict(torch.load(out / "model.pt"))
+    if rows:
+        acc, _ = evaluate(model, fed.dataset.x_test, fed.dataset.y_test)
+        assert acc == rows[-1]["test_accuracy"]
+    else:
+        assert np.array_equal(get_flat(model), initial)
+
+    end = time.monotonic() + 10
+    while _alive(seen) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not _alive(seen), f"processes of the run still alive: {_alive(seen)}"
