@@ -14,6 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from dpfl_ray.algorithms.baek import booked_multiplier as baek_booked
+from dpfl_ray.algorithms.dp_fedavg import booked_multipliers as dp_fedavg_booked
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.dropouts import planned_noise_multipliers
 from dpfl_ray.privacy.ledger import (
@@ -41,6 +43,31 @@ SamplingRateOpt = Annotated[Optional[float], typer.Option(help="Poisson sampling
 ClientsPerRoundOpt = Annotated[Optional[int], typer.Option(help="Fixed-size cohorts: clients per round m (with --num-clients; replace-one relation).")]
 NumClientsOpt = Annotated[Optional[int], typer.Option(help="Fixed-size cohorts: population size K.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a sentence.")]
+MechanismOpt = Annotated[str, typer.Option(
+    help="dp_fedavg: central noise of std z*S on the sum of S-clipped updates (z = std / clip norm; booked z "
+         "under Poisson sampling, z/2 under fixed-size cohorts, whose replace-one sensitivity is 2S). baek: "
+         "distributed noise of std 2Cz (Baek et al.'s z = std / 2C; booked z under both). auto: baek when a "
+         "dropout or calibration option is given, dp_fedavg otherwise.")]
+MECHANISMS = ("auto", "dp_fedavg", "baek")
+
+
+def _mechanism(mechanism: str, distributed_options: bool) -> str:
+    if mechanism not in MECHANISMS:
+        raise DPFLError(f"unknown mechanism {mechanism!r}; choose one of {', '.join(MECHANISMS)}", field="mechanism")
+    if mechanism == "auto":
+        return "baek" if distributed_options else "dp_fedavg"
+    if mechanism == "dp_fedavg" and distributed_options:
+        raise DPFLError("dp_fedavg adds its noise centrally, after the dropouts: dropout and calibration options "
+                        "describe distributed noise (--mechanism baek)", field="mechanism")
+    return mechanism
+
+
+def _booked(mechanism: str, z: float, samp: Sampling) -> float:
+    """The multiplier the ledger books for a round whose noise is z (std / clip norm for dp_fedavg,
+    std / 2C for baek): the algorithms' own rule (dpfl_ray.privacy.sensitivity)."""
+    if mechanism == "baek":
+        return baek_booked(z)
+    return dp_fedavg_booked(z, None, samp.neighboring_relation)[0]
 
 
 def _sampling(sampling_rate: float | None, clients_per_round: int | None, num_clients: int | None,
@@ -119,6 +146,7 @@ def epsilon(
     calibration: Annotated[str, typer.Option(help="Noise after dropouts: none, baek, baek-extended or layered (see above).")] = "none",
     min_weight_fraction: Annotated[float, typer.Option(help="F in (0, 1]: baek-extended draws the first noise for n_0 = F*n; layered tolerates dropout up to 1-F.")] = 0.5,
     calibration_dropout_rate: Annotated[float, typer.Option(help="Fraction in [0, 1] of the survivors that vanish before sending their calibration term (baek, baek-extended).")] = 0.0,
+    mechanism: MechanismOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Epsilon after T identical rounds, as the server's real view of each round guarantees it.
@@ -137,17 +165,19 @@ def epsilon(
     """
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
     _check_noise(noise_multiplier)
+    mechanism = _mechanism(mechanism, bool(dropout_rate or calibration_dropout_rate or calibration != "none"))
     z_claimed, z_eff = planned_noise_multipliers(noise_multiplier, calibration, dropout_rate,
                                                  calibration_dropout_rate, min_weight_fraction)
-    curve = EpsilonCurve(z_eff, samp, delta, accountant)  # the dropout is already in z_eff
+    booked, booked_claimed = _booked(mechanism, z_eff, samp), _booked(mechanism, z_claimed, samp)
+    curve = EpsilonCurve(booked, samp, delta, accountant)  # the dropout is already in z_eff
     eps = curve.epsilon(rounds)
-    eps_claimed = eps if z_claimed == z_eff else EpsilonCurve(z_claimed, samp, delta, accountant).epsilon(rounds)
+    eps_claimed = eps if booked_claimed == booked else EpsilonCurve(booked_claimed, samp, delta, accountant).epsilon(rounds)
     if as_json:
         out = {"epsilon": _finite(eps), "epsilon_claimed": _finite(eps_claimed), "delta": delta, "rounds": rounds,
-               "accountant": accountant, "noise_multiplier": noise_multiplier, "dropout_rate": dropout_rate,
-               "noise_multiplier_effective": z_eff, "calibration": calibration,
-               "min_weight_fraction": min_weight_fraction, "calibration_dropout_rate": calibration_dropout_rate,
-               **_sampling_fields(samp)}
+               "accountant": accountant, "mechanism": mechanism, "noise_multiplier": noise_multiplier,
+               "dropout_rate": dropout_rate, "noise_multiplier_effective": z_eff, "noise_multiplier_booked": booked,
+               "calibration": calibration, "min_weight_fraction": min_weight_fraction,
+               "calibration_dropout_rate": calibration_dropout_rate, **_sampling_fields(samp)}
         typer.echo(json.dumps(out))
         return
     line = f"epsilon = {eps:.4f} after {rounds} rounds (delta={delta:g}, accountant={accountant})"
@@ -160,6 +190,8 @@ def epsilon(
             line += f", effective noise multiplier {z_eff:.4f} -> the epsilon above"
     if isinstance(samp, FixedSizeSampling):
         line += f"; {samp.describe()}, replace-one relation"
+    if booked != z_eff:
+        line += f"; booked noise multiplier {booked:.4g} ({mechanism}: the sensitivity is 2S under replace-one)"
     typer.echo(line)
 
 
@@ -173,19 +205,24 @@ def noise(
     clients_per_round: ClientsPerRoundOpt = None,
     num_clients: NumClientsOpt = None,
     accountant: AccountantOpt = DEFAULT_ACCOUNTANT,
+    mechanism: MechanismOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """The smallest noise multiplier whose epsilon after T rounds is <= the target."""
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
-    z = calibrate_noise_multiplier(epsilon, delta, samp, rounds, accountant)
-    achieved = epsilon_for(z, samp, rounds, delta, accountant)
+    mechanism = _mechanism(mechanism, False)
+    booked = calibrate_noise_multiplier(epsilon, delta, samp, rounds, accountant)
+    achieved = epsilon_for(booked, samp, rounds, delta, accountant)
+    z = booked / _booked(mechanism, 1.0, samp)  # the booked multiplier is linear in z
     if as_json:
-        out = {"noise_multiplier": z, "epsilon": achieved, "epsilon_target": epsilon, "delta": delta,
-               "rounds": rounds, "accountant": accountant, **_sampling_fields(samp)}
+        out = {"noise_multiplier": z, "noise_multiplier_booked": booked, "mechanism": mechanism, "epsilon": achieved,
+               "epsilon_target": epsilon, "delta": delta, "rounds": rounds, "accountant": accountant,
+               **_sampling_fields(samp)}
         typer.echo(json.dumps(out))
         return
     typer.echo(f"noise multiplier = {z:.4f} (epsilon = {achieved:.4f} <= {epsilon:g} after {rounds} rounds, "
-               f"delta={delta:g}, accountant={accountant})")
+               f"delta={delta:g}, accountant={accountant}"
+               + (f"; booked {booked:.4f}, {mechanism} under replace-one)" if booked != z else ")"))
 
 
 @app.command()
@@ -200,6 +237,7 @@ def table(
     budgets: Annotated[str, typer.Option(help="Comma-separated epsilon budgets: most rounds within each.")] = "2,4,8",
     rounds: Annotated[str, typer.Option(help="Comma-separated round counts for the epsilon columns.")] = DEFAULT_TABLE_ROUNDS,
     accountant: AccountantOpt = DEFAULT_ACCOUNTANT,
+    mechanism: MechanismOpt = "auto",
     as_csv: Annotated[bool, typer.Option("--csv", help="Write CSV to stdout instead of a table.")] = False,
 ) -> None:
     """Epsilon after 1..10^5 rounds and the most rounds within each budget, per dropout rate.
@@ -212,7 +250,10 @@ def table(
     rates = _floats(dropout_rates, "dropout_rates")
     budget_list = _floats(budgets, "budgets")
     round_list = _ints(rounds, "rounds")
-    curves = [EpsilonCurve(noise_multiplier, samp, delta, accountant, r) for r in rates]
+    mechanism = _mechanism(mechanism, any(rates))
+    _check_noise(noise_multiplier)
+    booked = _booked(mechanism, noise_multiplier, samp)
+    curves = [EpsilonCurve(booked, samp, delta, accountant, r) for r in rates]
     rows = []
     for r, curve in zip(rates, curves):
         eps = [curve.epsilon(t) for t in round_list]

@@ -49,6 +49,13 @@ def _normal(generator, std: float, dim: int) -> np.ndarray:
     return generator.standard_normal(dim, dtype=np.float64) * std
 
 
+def booked_multiplier(z_view: float, clip_norm: float = 1.0) -> float:
+    """What the ledger books for a view carrying noise std 2C z_view on the weighted sum. Baek et
+    al. (Prop. 2) state the replace-one sensitivity 2C with n public; under Poisson sampling's
+    add/remove relation the sensitivity is C, so booking 2C keeps an upper bound under both."""
+    return booked_noise_multiplier(2.0 * clip_norm * z_view, l2_sensitivity(clip_norm, NeighboringRelation.REPLACE_ONE))
+
+
 # -- the client's side ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BaekNoise(ClientNoise):
@@ -151,19 +158,12 @@ class Baek(Algorithm):
         self._current: Mechanism | None = None
 
     # -- what the ledger books -------------------------------------------------------------------
-    def _booked(self, z_view: float) -> float:
-        """The server's view carries noise std 2C z_view on the weighted sum. Baek et al. (Prop. 2)
-        state the replace-one sensitivity 2C with n public; under Poisson sampling's add/remove
-        relation the sensitivity is C, so booking 2C keeps an upper bound under both relations."""
-        return booked_noise_multiplier(2.0 * self.clip_norm * z_view,
-                                       l2_sensitivity(self.clip_norm, NeighboringRelation.REPLACE_ONE))
-
     def _mechanism(self, z_effective: float) -> Mechanism:
-        booked = self._booked(z_effective)
+        booked = booked_multiplier(z_effective, self.clip_norm)
         # the server picks the sample, so against it the same multiplier holds unamplified
         return Mechanism((booked,), self.sampling, f"baek, calibration={self.mode}",
-                         claimed_noise_multipliers=(self._booked(self.z),), server_noise_multipliers=(booked,),
-                         public=PUBLIC)
+                         claimed_noise_multipliers=(booked_multiplier(self.z, self.clip_norm),),
+                         server_noise_multipliers=(booked,), public=PUBLIC)
 
     def planned_mechanism(self) -> Mechanism:
         """The planned round without dropouts, as the server's view guarantees it (z, except for

@@ -45,6 +45,17 @@ def split_noise_multiplier(z: float, count_noise_multiplier: float) -> float:
     return (z ** -2 - count_z ** -2) ** -0.5
 
 
+def booked_multipliers(update_z: float, count_sigma: float | None, relation, units: float = 1.0) -> tuple[float, ...]:
+    """What the ledger books for one round: the update's Gaussian -- noise std update_z * units
+    against the add/remove sensitivity units (units of S; 1 for the expected denominator,
+    2 / F for the bounded one) -- and, with adaptive clipping, the clipped count's (std sigma_b,
+    contribution 1/2), both through the sensitivity rule of the sampling's relation."""
+    zs = [booked_noise_multiplier(update_z * units, l2_sensitivity(units, relation))]
+    if count_sigma is not None:
+        zs.append(booked_noise_multiplier(count_sigma, l2_sensitivity(COUNT_CONTRIBUTION, relation)))
+    return tuple(zs)
+
+
 class DPFedAvg(Algorithm):
     @classmethod
     def check_scenario(cls, sc) -> None:
@@ -97,15 +108,10 @@ class DPFedAvg(Algorithm):
         """The update's Gaussian (and the clipped count's, with adaptive clipping), booked with the
         sensitivity under the sampling's relation. Noise is central and added after the dropouts,
         so the planned round is the round."""
-        rel = self.sampling.neighboring_relation
-        # In units of S: the noise std is update_z * (sensitivity units), the sensitivity is the
-        # add/remove one times the relation's factor.
-        units = self._update_sensitivity_units()
-        zs = [booked_noise_multiplier(self.update_z * units, l2_sensitivity(units, rel))]
-        if self.count_sigma is not None:
-            zs.append(booked_noise_multiplier(self.count_sigma, l2_sensitivity(COUNT_CONTRIBUTION, rel)))
+        zs = booked_multipliers(self.update_z, self.count_sigma, self.sampling.neighboring_relation,
+                                self._update_sensitivity_units())
         covered = self.clipping.mode != "median" and self.denominator != "actual"
-        return Mechanism(tuple(zs), self.sampling, f"dp_fedavg, clipping={self.clipping.mode}, "
+        return Mechanism(zs, self.sampling, f"dp_fedavg, clipping={self.clipping.mode}, "
                          f"denominator={self.denominator}", covered=covered)
 
     def summary_fields(self) -> dict:

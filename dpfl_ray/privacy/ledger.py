@@ -97,6 +97,7 @@ class RoundRecord:
     accounted_event: dpe.DpEvent
     claimed_event: dpe.DpEvent
     claimed_accounted_event: dpe.DpEvent
+    public: tuple[str, ...] = ()
 
     @property
     def released(self) -> bool:
@@ -115,6 +116,7 @@ class RoundRecord:
             "event": event_to_dict(self.event),
             "accounted_event": event_to_dict(self.accounted_event),
             "claimed_event": event_to_dict(self.claimed_event),
+            "public": list(self.public),
         }
 
 
@@ -184,6 +186,7 @@ class PrivacyLedger:
         claimed_noise_multiplier: float | Sequence[float] | None = None,
         covered: bool = True,
         round: int | None = None,
+        public: Sequence[str] = (),
     ) -> RoundRecord:
         """Record one round with the parameters that actually applied.
 
@@ -197,6 +200,8 @@ class PrivacyLedger:
         ``covered=False``: the release is not DP as implemented (see module docstring); ignored
         for a round that released nothing.
         ``round``: the caller's round number; default: one more than the previous.
+        ``public``: data-dependent quantities the round's analysis treats as public (e.g. Baek et
+        al.'s sampled weight n and surviving weight n'), recorded for the reader.
         """
         if not isinstance(reason, str):
             raise DPFLError(f"must be a string, got {reason!r}", field="reason")
@@ -239,7 +244,7 @@ class PrivacyLedger:
         record = RoundRecord(round=round, reason=reason, sampling=samp, noise_multipliers=zs,
                              claimed_noise_multipliers=claimed, covered=covered, event=event,
                              accounted_event=accounted, claimed_event=claimed_event,
-                             claimed_accounted_event=claimed_accounted)
+                             claimed_accounted_event=claimed_accounted, public=tuple(str(x) for x in public))
         self._records.append(record)
         return record
 
@@ -370,5 +375,6 @@ class PrivacyLedger:
                                 None if r.get("sampling") is None else as_sampling(r["sampling"]),
                                 reason=r.get("reason", ""),
                                 claimed_noise_multiplier=r.get("claimed_noise_multipliers"),
-                                covered=r.get("covered", True), round=r.get("round"))
+                                covered=r.get("covered", True), round=r.get("round"),
+                                public=r.get("public", ()))
         return ledger

@@ -87,7 +87,7 @@ class RunPrivacy:
             mech = self.algorithm.mechanism()
             self.ledger.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description,
                                      covered=mech.covered, claimed_noise_multiplier=mech.claimed_noise_multipliers,
-                                     round=t + 1)
+                                     round=t + 1, public=mech.public)
             if mech.server_noise_multipliers is None:
                 self.server_blind = False
             else:

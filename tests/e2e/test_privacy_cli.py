@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from cli import privacy
-from dpfl_ray.privacy import epsilon_for, rounds_within_budget
+from dpfl_ray.privacy import FixedSizeSampling, epsilon_for, rounds_within_budget
 
 root = typer.Typer()
 root.add_typer(privacy.app, name="privacy")
@@ -208,3 +208,24 @@ def test_bad_parameters_give_one_line_and_exit_2(args, field):
 def test_typer_usage_errors_do_not_traceback():
     res = run("epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5")
     assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_fixed_size_cohorts_book_half_of_z():
+    """Issue #9: replace-one adjacency means sensitivity 2S, so z (std / clip norm) is booked as z/2."""
+    data = json.loads(run("epsilon", "--noise-multiplier", "1", "--clients-per-round", "10", "--num-clients", "100",
+                          "--rounds", "100", "--delta", "1e-5", "--accountant", "rdp", "--json").stdout)
+    assert data["noise_multiplier_booked"] == 0.5 and data["mechanism"] == "dp_fedavg"
+    assert data["epsilon"] == pytest.approx(83.94, abs=0.01)
+    # Baek's z is std / 2C: booked as z under either relation
+    baek = json.loads(run("epsilon", "--noise-multiplier", "1", "--clients-per-round", "10", "--num-clients", "100",
+                          "--rounds", "100", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "baek",
+                          "--json").stdout)
+    assert baek["noise_multiplier_booked"] == 1.0 and baek["epsilon"] == pytest.approx(14.05, abs=0.01)
+    noise = json.loads(run("noise", "--epsilon", "8", "--clients-per-round", "10", "--num-clients", "100",
+                           "--rounds", "100", "--delta", "1e-5", "--accountant", "rdp", "--json").stdout)
+    assert noise["noise_multiplier"] == pytest.approx(2 * noise["noise_multiplier_booked"], rel=1e-12)
+    fixed = FixedSizeSampling(10, 100)
+    assert epsilon_for(noise["noise_multiplier_booked"], fixed, 100, 1e-5, "rdp") <= 8.0
+    res = run("epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5",
+              "--mechanism", "dp_fedavg", "--dropout-rate", "0.3")
+    assert res.exit_code == 2 and "mechanism" in res.output

@@ -131,3 +131,30 @@ def test_budget_refuses_the_release_that_would_pass_it(ray_session, tmp_path):
     assert summary["stop_reason"] == "privacy_budget_exhausted" and len(rounds) == 2
     assert "round_aborted" not in rounds[0] and "target_epsilon" in rounds[1]["round_aborted"]
     assert summary["epsilon"] == pytest.approx(eff1, rel=1e-6) and summary["epsilon"] <= target
+
+
+def test_epsilon_against_the_server_is_unamplified(ray_session, tmp_path):
+    """The server picks the sample: against it, the rounds a client took part in compose without
+    sampling amplification (Gaussians: their precisions add)."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    summary, rounds = _run(_scenario("layered", rounds=3), tmp_path / "server")
+    ledger = json.loads((tmp_path / "server" / "ledger.json").read_text())
+    # layered keeps z in every released round; the worst-off client took part in at most 3 of them
+    worst = summary["epsilon_vs_server"]
+    candidates = [RdpAccountant().compose(dp_accounting.GaussianDpEvent(1.0), k).get_epsilon(1e-5) for k in (1, 2, 3)]
+    assert any(worst == pytest.approx(c, rel=1e-9) for c in candidates), (worst, candidates)
+    assert worst > summary["epsilon"]  # no amplification against the server
+    assert ledger["epsilon_vs_server"] == worst and "client" in summary["epsilon_vs_server_note"]
+    assert all(r["public"] == ["n", "n_prime"] for r in ledger["rounds"] if r["released"])
+
+
+def test_an_input_that_overflows_the_ring_aborts_the_round_not_the_run(ray_session, tmp_path):
+    """Issue #9: an EncodingOverflow in a worker used to crash the run."""
+    sc = tiny_scenario(training={"rounds": 2, "lr": 1e12}, sampling={"mode": "fixed", "clients_per_round": 6},
+                       secagg={"enabled": True, "bits": 32, "scale": 2.0 ** 20})
+    summary, rounds = _run(sc, tmp_path / "overflow")
+    assert summary["stop_reason"] == "completed" and len(rounds) == 2
+    assert all("overflow" in r["secagg_aborted"].lower() or "exceed" in r["secagg_aborted"] for r in rounds), rounds
+    assert all(r["survived"] == 0 for r in rounds)

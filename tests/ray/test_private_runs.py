@@ -3,6 +3,7 @@ run before the round that would break them, and SecAgg does not change DP-FedAvg
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from dpfl_ray.data import build_federation
@@ -80,3 +81,36 @@ def test_dp_fedavg_same_model_with_and_without_secagg(ray_session, tmp_path):
     diff = max(float((m1[k] - m2[k]).abs().max()) for k in m1)
     assert diff < 1e-5
     assert np.isclose(plain[-1]["test_accuracy"], secure[-1]["test_accuracy"])
+
+
+def test_fixed_size_run_is_booked_at_half_of_z(ray_session, tmp_path):
+    """Issue #9: fixed-size cohorts are replace-one, so the run books z/2 -- checked against a
+    direct dp_accounting computation, not against the ledger's own helpers."""
+    import dp_accounting
+    from dp_accounting import NeighboringRelation
+    from dp_accounting.rdp import RdpAccountant
+
+    sc = tiny_scenario(training={**DP, "rounds": 4}, sampling={"mode": "fixed", "clients_per_round": 5},
+                       privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp"})
+    summary, rounds = _run(sc, tmp_path / "fixed")
+    event = dp_accounting.SampledWithoutReplacementDpEvent(20, 5, dp_accounting.GaussianDpEvent(0.5))
+    for r in rounds:
+        direct = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE).compose(event, r["round"])
+        assert r["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    ledger = json.loads((tmp_path / "fixed" / "ledger.json").read_text())
+    assert summary["noise_multiplier"] == 1.0 and summary["noise_multiplier_booked"] == [0.5]
+    assert all(r["noise_multipliers"] == [0.5] for r in ledger["rounds"])
+    # central DP: the server sees every clipped update before it adds the noise
+    assert summary["epsilon_vs_server"] is None and "central" in summary["epsilon_vs_server_note"]
+    assert summary["randomness"] == "reproducible"
+
+
+def test_os_randomness_is_recorded_and_not_repeatable(ray_session, tmp_path):
+    common = dict(training={**DP, "rounds": 2}, sampling=POISSON,
+                  privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp",
+                           "randomness": "os"})
+    first, _ = _run(tiny_scenario(**common), tmp_path / "a")
+    _run(tiny_scenario(**common), tmp_path / "b")
+    assert first["randomness"] == "os"
+    a, b = (torch.load(tmp_path / d / "model.pt") for d in ("a", "b"))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
