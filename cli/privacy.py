@@ -12,6 +12,7 @@ import json
 import math
 from typing import Annotated, Optional
 
+import numpy as np
 import typer
 
 from dpfl_ray.algorithms.baek import booked_multiplier as baek_booked
@@ -27,7 +28,7 @@ from dpfl_ray.privacy.ledger import (
     calibrate_noise_multiplier,
     epsilon_for,
 )
-from dpfl_ray.privacy.validation import _check_noise
+from dpfl_ray.privacy.validation import _check_delta, _check_epsilon, _check_noise, _check_rounds
 
 from .common import user_errors
 
@@ -46,9 +47,11 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object ins
 MechanismOpt = Annotated[str, typer.Option(
     help="dp_fedavg: central noise of std z*S on the sum of S-clipped updates (z = std / clip norm; booked z "
          "under Poisson sampling, z/2 under fixed-size cohorts, whose replace-one sensitivity is 2S). baek: "
-         "distributed noise of std 2Cz (Baek et al.'s z = std / 2C; booked z under both). auto: baek when a "
-         "dropout or calibration option is given, dp_fedavg otherwise.")]
-MECHANISMS = ("auto", "dp_fedavg", "baek")
+         "distributed noise of std 2Cz (Baek et al.'s z = std / 2C; booked z under both). nbafl: Wei et al. "
+         "2020, noise from the paper's epsilon (--nbafl-epsilon, --clip-norm, --min-size, --exposures, "
+         "--clients, --rounds, --delta). auto: baek when a dropout or calibration option is given, dp_fedavg "
+         "otherwise.")]
+MECHANISMS = ("auto", "dp_fedavg", "baek", "nbafl")
 
 
 def _mechanism(mechanism: str, distributed_options: bool) -> str:
@@ -56,6 +59,8 @@ def _mechanism(mechanism: str, distributed_options: bool) -> str:
         raise DPFLError(f"unknown mechanism {mechanism!r}; choose one of {', '.join(MECHANISMS)}", field="mechanism")
     if mechanism == "auto":
         return "baek" if distributed_options else "dp_fedavg"
+    if mechanism == "nbafl" and distributed_options:
+        raise DPFLError("nbafl's noise does not depend on dropouts or calibration options", field="mechanism")
     if mechanism == "dp_fedavg" and distributed_options:
         raise DPFLError("dp_fedavg adds its noise centrally, after the dropouts: dropout and calibration options "
                         "describe distributed noise (--mechanism baek)", field="mechanism")
@@ -135,9 +140,9 @@ def _calibration_note(calibration: str, min_weight_fraction: float, dropout_rate
 @app.command()
 @user_errors
 def epsilon(
-    noise_multiplier: Annotated[float, typer.Option(help="Noise multiplier z (noise std / clip norm) as planned.")],
     rounds: Annotated[int, typer.Option(help="Number of rounds T.")],
     delta: Annotated[float, typer.Option(help="Target delta in (0, 1).")],
+    noise_multiplier: Annotated[Optional[float], typer.Option(help="Noise multiplier z (noise std / clip norm) as planned (not for nbafl).")] = None,
     sampling_rate: SamplingRateOpt = None,
     clients_per_round: ClientsPerRoundOpt = None,
     num_clients: NumClientsOpt = None,
@@ -147,6 +152,13 @@ def epsilon(
     min_weight_fraction: Annotated[float, typer.Option(help="F in (0, 1]: baek-extended draws the first noise for n_0 = F*n; layered tolerates dropout up to 1-F.")] = 0.5,
     calibration_dropout_rate: Annotated[float, typer.Option(help="Fraction in [0, 1] of the survivors that vanish before sending their calibration term (baek, baek-extended).")] = 0.0,
     mechanism: MechanismOpt = "auto",
+    nbafl_epsilon: Annotated[Optional[float], typer.Option(help="nbafl: the paper's epsilon for the whole training.")] = None,
+    clip_norm: Annotated[float, typer.Option(help="nbafl: C, the clipping bound of the parameters.")] = 1.0,
+    min_size: Annotated[int, typer.Option(help="nbafl: m, the smallest local dataset.")] = 1,
+    exposures: Annotated[Optional[int], typer.Option(help="nbafl: L, uploads per client (default T).")] = None,
+    clients: Annotated[int, typer.Option(help="nbafl: N, the clients aggregated per round.")] = 1,
+    threat_model: Annotated[str, typer.Option(help="nbafl: server (sees each upload, or their sum with --secagg) or broadcast.")] = "server",
+    secagg: Annotated[bool, typer.Option("--secagg", help="nbafl: the server sees only the sum of the uploads.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Epsilon after T identical rounds, as the server's real view of each round guarantees it.
@@ -163,9 +175,15 @@ def epsilon(
 
     "epsilon" is always the effective value; "epsilon_claimed" is what the planned z would give.
     """
-    samp = _sampling(sampling_rate, clients_per_round, num_clients)
-    _check_noise(noise_multiplier)
     mechanism = _mechanism(mechanism, bool(dropout_rate or calibration_dropout_rate or calibration != "none"))
+    if mechanism == "nbafl":
+        return _nbafl_epsilon(rounds, delta, accountant, nbafl_epsilon, clip_norm, min_size, exposures, clients,
+                              threat_model, secagg, as_json)
+    samp = _sampling(sampling_rate, clients_per_round, num_clients)
+    if noise_multiplier is None:
+        raise DPFLError("required: give --noise-multiplier (or --mechanism nbafl with its parameters)",
+                        field="noise_multiplier")
+    _check_noise(noise_multiplier)
     z_claimed, z_eff = planned_noise_multipliers(noise_multiplier, calibration, dropout_rate,
                                                  calibration_dropout_rate, min_weight_fraction)
     booked, booked_claimed = _booked(mechanism, z_eff, samp), _booked(mechanism, z_claimed, samp)
@@ -193,6 +211,51 @@ def epsilon(
     if booked != z_eff:
         line += f"; booked noise multiplier {booked:.4g} ({mechanism}: the sensitivity is 2S under replace-one)"
     typer.echo(line)
+
+
+def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exposures, clients, threat_model,
+                   secure, as_json) -> None:
+    """NbAFL's noise from the paper's parameters, its claim, and what dp_accounting gives for the
+    same noise (record level, replace one, unsampled Gaussians over the T rounds)."""
+    from dpfl_ray.algorithms.nbafl import claim_note, downlink_std, round_multipliers, uplink_std
+    from dpfl_ray.privacy import NoSampling, PrivacyLedger
+
+    if paper_epsilon is None:
+        raise DPFLError("required with --mechanism nbafl: the paper's epsilon", field="nbafl_epsilon")
+    _check_epsilon(paper_epsilon, "nbafl_epsilon")
+    _check_delta(delta)
+    rounds = _check_rounds(rounds)
+    exposures = rounds if exposures is None else exposures
+    for value, field in ((min_size, "min_size"), (exposures, "exposures"), (clients, "clients")):
+        if value < 1:
+            raise DPFLError(f"must be >= 1, got {value}", field=field)
+    if not clip > 0 or not math.isfinite(clip):
+        raise DPFLError(f"must be a finite number > 0, got {clip}", field="clip_norm")
+    if threat_model not in ("server", "broadcast"):
+        raise DPFLError(f"must be server or broadcast, got {threat_model!r}", field="threat_model")
+    sigma_u = uplink_std(paper_epsilon, delta, clip, min_size, exposures)
+    sigma_d = downlink_std(paper_epsilon, delta, clip, min_size, exposures, clients, rounds)
+    z, _ = round_multipliers(sigma_u, sigma_d, clip, min_size, np.full(clients, 1.0 / clients), secure, threat_model)
+    ledger, per_client = PrivacyLedger(accountant, delta), PrivacyLedger(accountant, delta)
+    for t in range(rounds):
+        ledger.record_round(z, NoSampling(), reason="nbafl", paper_epsilon=paper_epsilon / rounds)
+    for t in range(min(exposures, rounds)):  # a record is only in its own client's L uploads
+        per_client.record_round(z, NoSampling(), reason="nbafl")
+    accounted, claimed, note = ledger.epsilon(), ledger.claimed_epsilon(), claim_note(paper_epsilon, exposures)
+    if as_json:
+        typer.echo(json.dumps({"mechanism": "nbafl", "sigma_uplink": sigma_u, "sigma_downlink": sigma_d,
+                               "noise_multiplier_booked": z, "epsilon": _finite(accounted), "epsilon_claimed": claimed,
+                               "epsilon_per_client": _finite(per_client.epsilon()),
+                               "claim_note": note, "delta": delta, "rounds": rounds, "exposures": exposures,
+                               "clients": clients, "min_size": min_size, "clip_norm": clip,
+                               "threat_model": threat_model, "secagg": secure, "accountant": accountant,
+                               "neighboring_relation": "replace_one"}))
+        return
+    typer.echo(f"nbafl: sigma_U = {sigma_u:.6g}, sigma_D = {sigma_d:.6g}; claimed epsilon {claimed:.4f} (the paper), "
+               f"accounted epsilon {accounted:.4f} after {rounds} rounds (delta={delta:g}, accountant={accountant}, "
+               f"threat model {threat_model}{', secagg' if secure else ''}, booked noise multiplier {z:.4g}); "
+               f"over one client's {exposures} uploads alone: {per_client.epsilon():.4f}"
+               + (f"; {note}" if note else ""))
 
 
 @app.command()

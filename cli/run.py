@@ -36,7 +36,7 @@ def run(
     # Everything that can be wrong with the scenario is found before a file is written.
     fed = build_federation(sc)
     build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
-    make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0)  # catches impossible mechanism parameters
+    make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)  # impossible mechanisms
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     RunRecord.check_new(run_dir)
 
@@ -100,9 +100,10 @@ def _print_summary(summary: dict, record) -> None:
     if "epsilon" not in summary:
         return
     eps = summary["epsilon"]
+    z = summary.get("noise_multiplier")
+    booked = ", ".join(f"{b:.4f}" for b in summary.get("noise_multiplier_booked") or [])
     line = (f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'} at delta {summary['delta']:g} "
-            f"({summary['accountant']}, z={summary['noise_multiplier']:.4f}, booked "
-            f"{', '.join(f'{z:.4f}' for z in summary.get('noise_multiplier_booked') or [])})")
+            f"({summary['accountant']}{'' if z is None else f', z={z:.4f}'}, booked multiplier {booked})")
     if not summary.get("dp_covered", True):
         line += f"; NOT covered by DP (see ledger.json), nominal {summary.get('epsilon_nominal', 0):.4f}"
     if summary.get("epsilon_claimed") is not None and eps is not None:

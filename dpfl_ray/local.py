@@ -17,9 +17,10 @@ def clip_factor(norm: float, clip_norm: float | None) -> float:
 
 def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarray, *,
                  epochs: int, batch_size: int, lr: float, clip_norm: float | None,
-                 rng: np.random.Generator, torch_seed: int) -> np.ndarray:
+                 rng: np.random.Generator, torch_seed: int, prox_mu: float = 0.0) -> np.ndarray:
     """Baek et al. 2021, Algorithm 1: E epochs of minibatch SGD from theta, the update clipped to C
-    after every step (line 11); returns Delta = w - theta as float32.
+    after every step (line 11); returns Delta = w - theta as float32. ``prox_mu`` > 0 adds the
+    proximal term mu/2 ||w - theta||^2 to the loss (Wei et al. 2020, Alg. 1 line 6; FedProx).
 
     ``rng`` shuffles the batches and ``torch_seed`` drives any stochastic layer, both derived
     from (seed, round, client) so the result does not depend on which worker runs it.
@@ -39,6 +40,9 @@ def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
             model.zero_grad(set_to_none=True)
             loss_fn(model(xt[batch]), yt[batch]).backward()
             with torch.no_grad():
+                if prox_mu:  # gradient of mu/2 ||w - theta||^2
+                    for p, t in zip(params, theta_t):
+                        p.grad.add_(p - t, alpha=prox_mu)
                 for p in params:
                     p.add_(p.grad, alpha=-lr)
                 if clip_norm is not None:

@@ -56,13 +56,15 @@ class ModelConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    algorithm: Literal["fedavg", "dp_fedavg", "baek"] = "fedavg"
+    algorithm: Literal["fedavg", "dp_fedavg", "baek", "nbafl"] = "fedavg"
     rounds: int = Field(50, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
     lr: float = Field(0.15, gt=0)
     clip_norm: float | None = Field(None, gt=0, description="Baek et al. Alg. 1 update clipping C")
     server_lr: float = Field(1.0, gt=0)
+    prox_mu: float = Field(0.0, ge=0, description="proximal term mu/2 ||w - theta||^2 of local training "
+                                                   "(Wei et al. 2020 Alg. 1 line 6; FedProx)")
 
 
 class SamplingConfig(_Section):
@@ -95,6 +97,17 @@ class GeyerRuleConfig(_Section):
     delta_threshold: float = Field(..., gt=0, lt=1)
 
 
+class NbaflConfig(_Section):
+    """Wei et al. 2020 (NbAFL): the paper's own privacy level and who the ledger protects against."""
+
+    epsilon: float = Field(..., gt=0, description="the paper's epsilon for the whole training")
+    exposures: int | None = Field(None, ge=1, description="L: uploads per client; default "
+                                                          "ceil(rounds * clients per round / clients)")
+    threat_model: Literal["server", "broadcast"] = Field(
+        "server", description="server: the server sees each upload (or, with SecAgg, their sum); broadcast: "
+                              "an observer of the broadcast models (uplink noise in the average + downlink noise)")
+
+
 class PrivacyConfig(_Section):
     """Client-level DP (training.algorithm: dp_fedavg or baek). Every epsilon comes from the ledger."""
 
@@ -109,6 +122,7 @@ class PrivacyConfig(_Section):
     delta: float = Field(1e-5, gt=0, lt=1)
     target_epsilon: float | None = Field(None, gt=0, description="budget: stop before exceeding it")
     geyer: GeyerRuleConfig | None = None
+    nbafl: NbaflConfig | None = None
     calibration: Literal["none", "baek", "baek-extended", "layered"] = Field(
         "none", description="baek: what happens to the distributed noise after dropouts (docs/baek2021.md)")
     min_weight_fraction: float = Field(

@@ -8,14 +8,21 @@ from .base import (
 from .baek import Baek
 from .dp_fedavg import DPFedAvg
 from .fedavg import FedAvg
+from .nbafl import NbAFL
 
-REGISTRY: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "dp_fedavg": DPFedAvg, "baek": Baek}
-
-
-def make_algorithm(scenario, weights, noise_multiplier: float | None = None) -> Algorithm:
-    cls = REGISTRY[scenario.training.algorithm]
-    return cls(scenario, weights, noise_multiplier or scenario.privacy.noise_multiplier)
+REGISTRY: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "dp_fedavg": DPFedAvg, "baek": Baek, "nbafl": NbAFL}
 
 
-__all__ = ["REGISTRY", "Abort", "Aggregate", "Algorithm", "Baek", "CalibrationSum", "ClientNoise", "ClientSpec",
+def algorithm_class(scenario) -> type[Algorithm]:
+    return REGISTRY[scenario.training.algorithm]
+
+
+def make_algorithm(scenario, weights, noise_multiplier: float | None = None, sizes=None) -> Algorithm:
+    """The scenario's algorithm over clients of these weights (and data sizes, for algorithms whose
+    noise depends on them)."""
+    return algorithm_class(scenario)(scenario, weights, noise_multiplier or scenario.privacy.noise_multiplier,
+                                     sizes=sizes)
+
+
+__all__ = ["REGISTRY", "NbAFL", "algorithm_class", "Abort", "Aggregate", "Algorithm", "Baek", "CalibrationSum", "ClientNoise", "ClientSpec",
            "DPFedAvg", "FedAvg", "Mechanism", "RoundOutcome", "UnmaskPlan", "make_algorithm", "weighted_sum"]

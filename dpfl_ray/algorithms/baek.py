@@ -142,7 +142,7 @@ class Baek(Algorithm):
             raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
                              "relies on; use 'error' (the default) with baek")
 
-    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float):
+    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None):
         require_public_weight_cap(scenario, weights)
         p = scenario.privacy
         self.randomness = DPRandomness.create(p.randomness, scenario.seed)

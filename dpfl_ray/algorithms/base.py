@@ -38,8 +38,13 @@ class Abort:
 
 
 class ClientNoise(ABC):
-    """Noise a client adds to its own vector before it leaves (distributed DP). Runs on workers:
-    subclasses are frozen dataclasses holding only public round parameters and seeds."""
+    """Noise a client adds to its own vector before it leaves (distributed or local DP). Runs on
+    workers: subclasses are frozen dataclasses holding only public round parameters and seeds."""
+
+    #: True: the noise is one share of noise on the weighted sum and is added to w_i * vector
+    #: (Baek et al.: it needs secure aggregation). False: it is the client's own vector's noise,
+    #: added before weighting (NbAFL's uplink noise).
+    on_weighted_sum: ClassVar[bool] = True
 
     @abstractmethod
     def sample(self, client_id: int, weight: float, dim: int) -> np.ndarray:
@@ -58,21 +63,47 @@ class ClientNoise(ABC):
 class ClientSpec:
     """What a worker does with a client's local update before it leaves, for one round.
 
-    ``clip_norm``: clip the update to this L2 norm (None: send it as it is). ``indicator``: append
-    the clipped-count bit b_i - 1/2 (Andrew et al. 2019). ``noise``: distributed noise added to
-    w_i * vector (Baek et al. 2021, Alg. 2 line 15).
+    ``clip_norm``: clip what is sent to this L2 norm (None: send it as it is). ``indicator``:
+    append the clipped-count bit b_i - 1/2 (Andrew et al. 2019). ``noise``: noise the client adds
+    (Baek et al. 2021, Alg. 2 line 15; NbAFL's uplink noise). ``send_parameters``: send the local
+    parameters theta + Delta instead of the update (NbAFL, Wei et al. 2020 Alg. 1 lines 8-9).
+    ``prox_mu``: local training minimises F_i(w) + mu/2 ||w - theta||^2 (Alg. 1 line 6).
     """
 
     clip_norm: float | None = None
     indicator: bool = False
     noise: ClientNoise | None = None
+    send_parameters: bool = False
+    prox_mu: float = 0.0
 
     @property
     def extra_dims(self) -> int:
         return 1 if self.indicator else 0
 
+    def prepare(self, update: np.ndarray, theta: np.ndarray) -> np.ndarray:
+        """What leaves the client, before weighting: the (clipped) update or parameters."""
+        return self.vector(theta + update if self.send_parameters else update)
+
+    def plain_value(self, update: np.ndarray, theta: np.ndarray, client_id: int) -> np.ndarray:
+        """The client's upload when the server sees it alone (no secure aggregation)."""
+        value = self.prepare(update, theta)
+        if self.noise is None:
+            return value
+        if self.noise.on_weighted_sum:
+            raise ValueError("noise shared over the weighted sum needs secure aggregation")
+        return (value.astype(np.float64) + self.noise.sample(client_id, 1.0, value.size)).astype(np.float32)
+
+    def weighted_value(self, update: np.ndarray, theta: np.ndarray, client_id: int, weight: float) -> np.ndarray:
+        """w_i times the client's upload, with its noise: its summand in secure aggregation."""
+        value = self.prepare(update, theta) * np.float32(weight)
+        if self.noise is None:
+            return value
+        if self.noise.on_weighted_sum:
+            return value.astype(np.float64) + self.noise.sample(client_id, weight, value.size)
+        return value.astype(np.float64) + weight * self.noise.sample(client_id, 1.0, value.size)
+
     def vector(self, update: np.ndarray) -> np.ndarray:
-        """The client's update clipped to ``clip_norm``, with the indicator appended if asked."""
+        """``update`` clipped to ``clip_norm``, with the indicator appended if asked."""
         if not self.clip_norm:
             return update
         from ..privacy import clip_by_l2
@@ -107,7 +138,8 @@ class RoundOutcome:
 
     ``updates``: each survivor's raw update (rounds without SecAgg). ``total``: the decoded secure
     sum of w_i * ClientSpec.vector(update) (+ noise) over the survivors (SecAgg rounds).
-    ``aborted``: why nothing was released (then the rest is empty).
+    ``aborted``: why nothing was released (then the rest is empty). ``theta``: the model the
+    round broadcast (the step of an algorithm whose clients send parameters is relative to it).
     """
 
     round: int
@@ -117,6 +149,7 @@ class RoundOutcome:
     calibration: CalibrationSum | None = None
     layer_seeds: Mapping[int, Mapping[int, bytes]] | None = None
     aborted: str | None = None
+    theta: np.ndarray | None = None
 
     @property
     def released(self) -> bool:
@@ -132,7 +165,9 @@ class Mechanism:
     dropouts. ``claimed_noise_multipliers``: what the paper claims (None: the same).
     ``server_noise_multipliers``: what protects a participant against the server itself, which
     knows the sample (None: the server sees un-noised client data, as in central DP).
-    ``public``: data-dependent quantities the analysis treats as public.
+    ``public``: data-dependent quantities the analysis treats as public. ``paper_epsilon``: the
+    epsilon the paper claims for the round by its own analysis, where that is no multiplier
+    (``claim_note``: where the claim is outside its validity range).
     """
 
     noise_multipliers: tuple[float, ...]
@@ -142,12 +177,16 @@ class Mechanism:
     covered: bool = True
     server_noise_multipliers: tuple[float, ...] | None = None
     public: tuple[str, ...] = ()
+    paper_epsilon: float | None = None
+    claim_note: str = ""
 
 
 class Algorithm(ABC):
     """One paper's algorithm. Subclasses live in their own module under ``algorithms/`` and are
     listed in ``algorithms.REGISTRY`` under the scenario's ``training.algorithm`` name."""
 
+    #: the algorithm has a privacy mechanism: the run keeps a ledger
+    private: ClassVar[bool] = True
     #: the ledger reports the paper's claim next to the effective epsilon on every round
     reports_claimed_epsilon: ClassVar[bool] = False
     #: the round has a calibration phase after unmasking (a dropout phase of the fault plan)

@@ -68,7 +68,7 @@ class DPFedAvg(Algorithm):
             raise ValueError("privacy.calibration: dp_fedavg adds its noise centrally, after the dropouts; "
                              "calibration modes belong to training.algorithm: baek")
 
-    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float):
+    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None):
         require_public_weight_cap(scenario, weights)
         p = scenario.privacy
         self.randomness = DPRandomness.create(p.randomness, scenario.seed)
@@ -120,13 +120,13 @@ class DPFedAvg(Algorithm):
     # -- the server ------------------------------------------------------------------------------
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         if outcome.updates is not None:
-            # Clip in the clear (the server sees each update, as in central DP), then add noise.
+            # The clients clipped as client_spec said; median clipping needs their raw norms,
+            # which the server sees (central DP), so it clips here.
             updates = outcome.updates
             if self.clipping.mode == "median" and updates:
                 self.clip_norm = float(np.median([np.linalg.norm(u.astype(np.float64)) for u in updates.values()]))
-            spec = self._spec()
-            total, weight_sum = weighted_sum({c: spec.vector(u) for c, u in updates.items()}, self.weights) \
-                if updates else (None, 0.0)
+                updates = {c: self._spec().vector(u) for c, u in updates.items()}
+            total, weight_sum = weighted_sum(updates, self.weights) if updates else (None, 0.0)
         else:
             total, weight_sum = outcome.total, sum(float(self.weights[c]) for c in outcome.survivors)
         return self._noised_step(total, weight_sum, dim, outcome.round)

@@ -9,6 +9,8 @@ from .base import Aggregate, Algorithm, RoundOutcome, weighted_sum
 class FedAvg(Algorithm):
     """No privacy mechanism: nothing for the ledger."""
 
+    private = False
+
     @classmethod
     def check_scenario(cls, sc) -> None:
         if sc.privacy != type(sc.privacy)():
@@ -18,7 +20,7 @@ class FedAvg(Algorithm):
         if any(d.phase == "calibration" and d.model != "none" for d in sc.faults.dropouts):
             raise ValueError("faults.dropout.phase: fedavg has no calibration phase")
 
-    def __init__(self, scenario=None, weights=None, noise_multiplier: float | None = None):
+    def __init__(self, scenario=None, weights=None, noise_multiplier: float | None = None, sizes=None):
         self.weights = weights
 
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:

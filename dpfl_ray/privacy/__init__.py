@@ -16,6 +16,7 @@ from dpfl_ray.privacy.ledger import PrivacyLedger, RoundRecord
 from dpfl_ray.privacy.mechanisms import clip_by_l2, gaussian_noise
 from dpfl_ray.privacy.sampling import (
     FixedSizeSampling,
+    NoSampling,
     PoissonSampling,
     Sampling,
     as_sampling,
@@ -25,7 +26,7 @@ from dpfl_ray.privacy.sampling import (
 
 __all__ = [
     "ACCOUNTANTS", "CLASSIC_RDP_ORDERS", "DEFAULT_ACCOUNTANT", "PLD_VALUE_DISCRETIZATION_INTERVAL",
-    "EpsilonCurve", "FixedSizeSampling", "PoissonSampling", "PrivacyLedger", "RoundRecord", "Sampling",
+    "EpsilonCurve", "FixedSizeSampling", "NoSampling", "PoissonSampling", "PrivacyLedger", "RoundRecord", "Sampling",
     "as_sampling", "calibrate_noise_multiplier", "delta_for", "effective_noise_multiplier", "epsilon_for",
     "event_to_dict", "rounds_within_budget", "clip_by_l2", "gaussian_noise",
 ]

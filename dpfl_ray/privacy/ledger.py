@@ -98,6 +98,8 @@ class RoundRecord:
     claimed_event: dpe.DpEvent
     claimed_accounted_event: dpe.DpEvent
     public: tuple[str, ...] = ()
+    paper_epsilon: float | None = None
+    claim_note: str = ""
 
     @property
     def released(self) -> bool:
@@ -117,6 +119,8 @@ class RoundRecord:
             "accounted_event": event_to_dict(self.accounted_event),
             "claimed_event": event_to_dict(self.claimed_event),
             "public": list(self.public),
+            "paper_epsilon": self.paper_epsilon,
+            "claim_note": self.claim_note,
         }
 
 
@@ -187,6 +191,8 @@ class PrivacyLedger:
         covered: bool = True,
         round: int | None = None,
         public: Sequence[str] = (),
+        paper_epsilon: float | None = None,
+        claim_note: str = "",
     ) -> RoundRecord:
         """Record one round with the parameters that actually applied.
 
@@ -202,6 +208,9 @@ class PrivacyLedger:
         ``round``: the caller's round number; default: one more than the previous.
         ``public``: data-dependent quantities the round's analysis treats as public (e.g. Baek et
         al.'s sampled weight n and surviving weight n'), recorded for the reader.
+        ``paper_epsilon``: the epsilon the mechanism's paper claims for this round by its own
+        analysis, when that is not a multiplier dp_accounting can compose (NbAFL's classic Gaussian
+        bound); ``claim_note`` says where that claim stands outside its own validity range.
         """
         if not isinstance(reason, str):
             raise DPFLError(f"must be a string, got {reason!r}", field="reason")
@@ -244,7 +253,9 @@ class PrivacyLedger:
         record = RoundRecord(round=round, reason=reason, sampling=samp, noise_multipliers=zs,
                              claimed_noise_multipliers=claimed, covered=covered, event=event,
                              accounted_event=accounted, claimed_event=claimed_event,
-                             claimed_accounted_event=claimed_accounted, public=tuple(str(x) for x in public))
+                             claimed_accounted_event=claimed_accounted, public=tuple(str(x) for x in public),
+                             paper_epsilon=None if paper_epsilon is None else float(paper_epsilon),
+                             claim_note=str(claim_note))
         self._records.append(record)
         return record
 
@@ -302,7 +313,12 @@ class PrivacyLedger:
         return float(self._state("covered" if covered_only else "effective").get_epsilon(delta))
 
     def claimed_epsilon(self, delta: float | None = None) -> float:
-        """What the mechanisms' papers would claim: claimed multipliers, every round covered."""
+        """What the mechanisms' papers would claim: claimed multipliers, every round covered. Rounds
+        that carry a ``paper_epsilon`` are the paper's own analysis, which composes by adding the
+        epsilons up (basic composition); the claim is then that sum, as the paper states it."""
+        paper = [r.paper_epsilon for r in self._records if r.paper_epsilon is not None]
+        if paper:
+            return float(math.fsum(paper))
         delta = self.delta if delta is None else _check_delta(delta)
         return float(self._state("claimed").get_epsilon(delta))
 
@@ -376,5 +392,6 @@ class PrivacyLedger:
                                 reason=r.get("reason", ""),
                                 claimed_noise_multiplier=r.get("claimed_noise_multipliers"),
                                 covered=r.get("covered", True), round=r.get("round"),
-                                public=r.get("public", ()))
+                                public=r.get("public", ()), paper_epsilon=r.get("paper_epsilon"),
+                                claim_note=r.get("claim_note", ""))
         return ledger

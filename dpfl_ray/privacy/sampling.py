@@ -25,7 +25,7 @@ from dp_accounting import dp_event as dpe
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.validation import _check_dropout, _check_int, _check_noise, _check_rate, _is_real
 
-__all__ = ["PoissonSampling", "FixedSizeSampling", "Sampling", "as_sampling", "sampling_of",
+__all__ = ["PoissonSampling", "FixedSizeSampling", "NoSampling", "Sampling", "as_sampling", "sampling_of",
            "effective_noise_multiplier", "event_to_dict"]
 
 
@@ -93,12 +93,31 @@ class FixedSizeSampling:
         return f"fixed-size cohorts of {self.clients_per_round} out of {self.num_clients}"
 
 
-Sampling = Union[PoissonSampling, FixedSizeSampling]
+@dataclass(frozen=True)
+class NoSampling:
+    """No sampling of the protected unit: every record of a client is in each of its uploads
+    (record-level DP of one client's release, as NbAFL). Accounted as the bare mechanism under the
+    replace-one-record relation; nothing is amplified."""
+
+    neighboring_relation = NeighboringRelation.REPLACE_ONE
+    rate = 1.0
+
+    def wrap(self, inner: dpe.DpEvent) -> dpe.DpEvent:
+        return inner
+
+    def to_dict(self) -> dict:
+        return {"kind": "none", "neighboring_relation": "replace_one"}
+
+    def describe(self) -> str:
+        return "no sampling (every record in every release)"
+
+
+Sampling = Union[PoissonSampling, FixedSizeSampling, NoSampling]
 
 
 def as_sampling(sampling: Sampling | float | dict, field: str = "sampling_rate") -> Sampling:
     """A float is a Poisson rate; a dict is the output of ``Sampling.to_dict()``."""
-    if isinstance(sampling, (PoissonSampling, FixedSizeSampling)):
+    if isinstance(sampling, (PoissonSampling, FixedSizeSampling, NoSampling)):
         return sampling
     if isinstance(sampling, dict):
         kind = sampling.get("kind")
@@ -106,6 +125,8 @@ def as_sampling(sampling: Sampling | float | dict, field: str = "sampling_rate")
             return PoissonSampling(sampling["rate"])
         if kind == "fixed_size":
             return FixedSizeSampling(sampling["clients_per_round"], sampling["num_clients"])
+        if kind == "none":
+            return NoSampling()
         raise DPFLError(f"unknown sampling kind {kind!r}", field="sampling")
     if _is_real(sampling):
         return PoissonSampling(_check_rate(sampling, field))

@@ -7,6 +7,7 @@ interface; the driver only starts the coordinator and reads its events and commi
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -15,7 +16,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from ..algorithms import Abort, Aggregate, RoundOutcome, make_algorithm
+from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_algorithm
 from ..faults import plan_round
 from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
@@ -38,10 +39,9 @@ class Coordinator:
         self.weights = ray.get(data["weights"])
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
         self.theta = get_flat(self.model)
-        p = self.sc.privacy
-        # a scenario configures noise exactly when its algorithm is private (each algorithm checks)
-        self.privacy = RunPrivacy(self.sc, self.weights) if p.noise_multiplier or p.target_epsilon else None
-        self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None)
+        self.privacy = RunPrivacy(self.sc, self.weights, self.sizes) if algorithm_class(self.sc).private else None
+        self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None,
+                                        sizes=self.sizes)
         if self.privacy:
             self.privacy.bind(self.algorithm)
         self._events: list[dict] = []
@@ -142,14 +142,14 @@ class Coordinator:
                 dropped = {c: p for c, p in dropped.items() if p != "calibration"}
         else:
             theta_ref = ray.put(self.theta)
-            updates = self._plain_updates(t, theta_ref, active, faults, dropped)
+            updates = self._plain_updates(t, theta_ref, active, faults, dropped, spec)
             plan = self._after_upload(sorted(updates))
             if isinstance(plan, Abort):
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
             else:
                 outcome = RoundOutcome(t, survivors=tuple(sorted(updates)), updates=updates)
         if outcome.released:
-            agg = alg.finish(outcome, self.theta.size)
+            agg = alg.finish(dataclasses.replace(outcome, theta=self.theta), self.theta.size)
         else:  # nothing was released: the model stays
             agg = Aggregate(np.zeros_like(self.theta), 0.0)
         theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
@@ -182,13 +182,13 @@ class Coordinator:
             return Abort("releasing this round would take the effective epsilon past privacy.target_epsilon")
         return plan
 
-    def _plain_updates(self, t, theta_ref, active, faults, dropped) -> dict[int, np.ndarray]:
-        """One message per worker; updates of clients whose upload the fault plan does not lose."""
+    def _plain_updates(self, t, theta_ref, active, faults, dropped, spec) -> dict[int, np.ndarray]:
+        """One message per worker; uploads of clients whose upload the fault plan does not lose."""
         calls = []
         for w, ids in zip(self.workers, self.assign(active)):
             if ids:
                 lost = [c for c in ids if not faults.delivers(c)]
-                calls.append((w, ids, w.run_clients.remote(t, theta_ref, ids, lost)))
+                calls.append((w, ids, w.run_clients.remote(t, theta_ref, ids, lost, spec)))
         updates: dict[int, np.ndarray] = {}
         for w, ids, ref in calls:
             try:

@@ -12,6 +12,7 @@ import ray
 
 import dpfl_ray
 
+from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
 from ..models import build_model, set_flat
@@ -132,7 +133,7 @@ def _initial_state(scenario) -> dict:
     """What a run that never got a coordinator leaves: the initial model and an empty ledger."""
     p = scenario.privacy
     state = {"rounds": 0, "theta": None, "summary": {}}
-    if p.noise_multiplier is not None or p.target_epsilon is not None:
+    if algorithm_class(scenario).private:
         state["ledger"] = {**PrivacyLedger(p.accountant, p.delta).to_dict(), "noise_multiplier": p.noise_multiplier,
                            "randomness": p.randomness}
     return state

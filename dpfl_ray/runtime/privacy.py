@@ -25,7 +25,7 @@ def equivalent_multiplier(zs) -> float:
 
 
 class RunPrivacy:
-    def __init__(self, scenario, weights):
+    def __init__(self, scenario, weights, sizes=None):
         self.sc = scenario
         p = scenario.privacy
         self.ledger = PrivacyLedger(accountant=p.accountant, delta=p.delta)
@@ -41,8 +41,8 @@ class RunPrivacy:
         # Gaussians of the rounds it took part in (Gaussians compose exactly: precisions add)
         self.server_precision = np.zeros(len(weights))
         self.server_blind = True  # every release so far carried noise the server cannot remove
-        if self.noise_multiplier is None:
-            unit = make_algorithm(scenario, weights, 1.0).planned_mechanism()
+        if self.noise_multiplier is None and p.target_epsilon is not None:
+            unit = make_algorithm(scenario, weights, 1.0, sizes=sizes).planned_mechanism()
             booked = calibrate_noise_multiplier(p.target_epsilon, p.delta, unit.sampling,
                                                 scenario.training.rounds, p.accountant)
             # every mechanism's booked multiplier is linear in z: scale the unit mechanism's
@@ -87,7 +87,8 @@ class RunPrivacy:
             mech = self.algorithm.mechanism()
             self.ledger.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description,
                                      covered=mech.covered, claimed_noise_multiplier=mech.claimed_noise_multipliers,
-                                     round=t + 1, public=mech.public)
+                                     round=t + 1, public=mech.public, paper_epsilon=mech.paper_epsilon,
+                                     claim_note=mech.claim_note)
             if mech.server_noise_multipliers is None:
                 self.server_blind = False
             else:

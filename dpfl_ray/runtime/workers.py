@@ -44,27 +44,28 @@ class ClientWorker:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "device": str(self.device)}
 
-    def _local(self, round_idx: int, theta: np.ndarray, cid: int) -> np.ndarray:
+    def _local(self, round_idx: int, theta: np.ndarray, cid: int, spec: ClientSpec) -> np.ndarray:
         tr, seed = self.sc.training, self.sc.seed
         idx = self.indices[self.offsets[cid]:self.offsets[cid + 1]]
         return local_update(
             self.model, theta, self.x[idx], self.y[idx], epochs=tr.local_epochs,
             batch_size=tr.batch_size, lr=tr.lr, clip_norm=tr.clip_norm,
             rng=rngmod.generator(seed, "batches", round_idx, cid),
-            torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid))
+            torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid), prox_mu=spec.prox_mu)
 
     def run_clients(self, round_idx: int, theta: np.ndarray, client_ids: list[int],
-                    undelivered: list[int]) -> LocalReply:
-        """Local updates of ``client_ids`` from ``theta``. Clients in ``undelivered`` train but
-        their upload never arrives (the fault plan), so nothing of theirs returns."""
+                    undelivered: list[int], spec: ClientSpec) -> LocalReply:
+        """Uploads of ``client_ids`` (their local update from ``theta``, prepared as ``spec``
+        says). Clients in ``undelivered`` train but their upload never arrives (the fault plan),
+        so nothing of theirs returns."""
         t0 = time.perf_counter()
         lost = set(undelivered)
         ids, updates = [], []
         for cid in client_ids:
-            delta = self._local(round_idx, theta, cid)
+            delta = self._local(round_idx, theta, cid, spec)
             if cid not in lost:
                 ids.append(cid)
-                updates.append(delta)
+                updates.append(spec.plain_value(delta, theta, cid))
         stacked = np.stack(updates) if updates else np.zeros((0, len(theta)), np.float32)
         return LocalReply(ids, stacked, time.perf_counter() - t0)
 
@@ -80,9 +81,7 @@ class ClientWorker:
                     "leave": {clients[c]: WORKER_PHASES.index(p) for c, p in leave.items() if c in clients}}
         clipped = 0
         for cid, idx in clients.items():
-            value = spec.vector(self._local(round_idx, theta, cid)) * np.float32(weights[cid])
-            if spec.noise is not None:
-                value = value.astype(np.float64) + spec.noise.sample(cid, weights[cid], value.size)
+            value = spec.weighted_value(self._local(round_idx, theta, cid, spec), theta, cid, weights[cid])
             try:
                 enc = encode(value, bits=config.bits, scale=encoding.scale, n_summands=encoding.n_summands,
                              rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),

@@ -229,3 +229,15 @@ def test_fixed_size_cohorts_book_half_of_z():
     res = run("epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5",
               "--mechanism", "dp_fedavg", "--dropout-rate", "0.3")
     assert res.exit_code == 2 and "mechanism" in res.output
+
+
+def test_nbafl_mechanism_prints_sigmas_claimed_and_accounted():
+    data = json.loads(run("epsilon", "--mechanism", "nbafl", "--nbafl-epsilon", "60", "--delta", "0.01",
+                          "--clip-norm", "20", "--min-size", "80", "--clients", "50", "--rounds", "25",
+                          "--accountant", "rdp", "--json").stdout)
+    c = math.sqrt(2 * math.log(1.25 / 0.01))
+    assert data["sigma_uplink"] == pytest.approx(c * 25 * (2 * 20 / 80) / 60) and data["sigma_downlink"] == 0.0
+    assert data["epsilon_claimed"] == pytest.approx(60.0) and data["epsilon"] == pytest.approx(17.6087, abs=1e-4)
+    assert "validity" in data["claim_note"] and data["neighboring_relation"] == "replace_one"
+    res = run("epsilon", "--mechanism", "nbafl", "--delta", "0.01", "--rounds", "25")
+    assert res.exit_code == 2 and res.stderr.startswith("error: nbafl_epsilon: ")

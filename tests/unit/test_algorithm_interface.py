@@ -48,8 +48,8 @@ def test_every_shipped_scenario_builds_its_partition_model_and_mechanism(path):
     assert np.all((fed.weights > 0) & (fed.weights <= 1))
     model = build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
     assert num_params(model) > 0
-    alg = make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0)
-    private = sc.privacy.noise_multiplier is not None or sc.privacy.target_epsilon is not None
+    alg = make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)
+    private = type(alg).private
     mech = alg.planned_mechanism()
     assert (mech is not None) == private
     if private:

@@ -18,10 +18,16 @@ def scenario(**privacy):
         "privacy": {"noise_multiplier": 1.0, "clipping": clipping, **privacy}})
 
 
+def _uploads(algo, updates):
+    """What the workers send: each update prepared as the round's ClientSpec says."""
+    spec = algo.client_spec()
+    return {c: spec.plain_value(u, np.zeros_like(u), c) for c, u in updates.items()}
+
+
 def test_clipping_and_expected_denominator_without_noise_effect():
     algo = DPFedAvg(scenario(), np.ones(100), noise_multiplier=1.0)
     ups = {0: np.full(4, 10.0, np.float32), 1: np.array([0.1, 0, 0, 0], np.float32)}
-    agg = algo.finish(RoundOutcome(0, tuple(ups), updates=ups), 4)
+    agg = algo.finish(RoundOutcome(0, tuple(ups), updates=_uploads(algo, ups)), 4)
     noise = agg.delta * 10.0 - (ups[0] / 20.0 + ups[1])  # expected weight q*W = 10
     assert np.linalg.norm(ups[0] / 20.0) == pytest.approx(1.0)
     assert agg.info["noise_std"] == 1.0 and agg.info["clip_norm"] == 1.0
@@ -46,7 +52,7 @@ def test_noise_on_the_sum_has_the_configured_std_and_zero_mean():
 def test_median_clipping_is_not_covered():
     algo = DPFedAvg(scenario(clipping={"mode": "median"}), np.ones(100), 1.0)
     ups = {i: np.full(2, float(i + 1), np.float32) for i in range(5)}
-    agg = algo.finish(RoundOutcome(0, tuple(ups), updates=ups), 2)
+    agg = algo.finish(RoundOutcome(0, tuple(ups), updates=_uploads(algo, ups)), 2)
     assert agg.info["clip_norm"] == pytest.approx(np.linalg.norm([3.0, 3.0]))
     assert algo.planned_mechanism().covered is False and algo.client_spec() == ClientSpec()
 
@@ -60,7 +66,7 @@ def test_adaptive_clipping_splits_the_budget_and_tracks_the_quantile():
     rng = np.random.default_rng(0)
     for t in range(60):  # norms ~ 2: S must climb from 0.1 towards the median
         ups = {i: rng.normal(size=4).astype(np.float32) for i in range(10)}
-        algo.finish(RoundOutcome(t, tuple(ups), updates=ups), 4)
+        algo.finish(RoundOutcome(t, tuple(ups), updates=_uploads(algo, ups)), 4)
     assert 1.0 < algo.clip_norm < 3.0
     with pytest.raises(DPFLError, match="count_noise_multiplier"):
         split_noise_multiplier(1.0, 0.4)

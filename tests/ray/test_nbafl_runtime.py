@@ -1,0 +1,49 @@
+"""NbAFL (Wei et al. 2020) on a real local Ray, with and without secure aggregation: the same
+noisy uploads give the same model, and the ledger books what dp_accounting gives for the view
+the server has in each case."""
+import json
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting import NeighboringRelation as NR
+from dp_accounting.rdp import RdpAccountant
+
+from dpfl_ray.algorithms.nbafl import uplink_std
+from dpfl_ray.data import build_federation
+from dpfl_ray.results import RunRecord
+from dpfl_ray.runtime.driver import run_scenario
+from tests.helpers import tiny_scenario
+
+
+def _scenario(secagg: bool):
+    # 20 clients of 24 examples each (480 training examples), all uploading every round: L = T = 3
+    return tiny_scenario(training={"algorithm": "nbafl", "rounds": 3, "prox_mu": 0.01},
+                         sampling={"mode": "fixed", "clients_per_round": 20},
+                         privacy={"clipping": {"norm": 5.0}, "delta": 0.01, "accountant": "rdp",
+                                  "nbafl": {"epsilon": 60}},
+                         secagg={"enabled": secagg})
+
+
+def _run(sc, path):
+    summary = run_scenario(sc, build_federation(sc), RunRecord(path))
+    return summary, json.loads((path / "ledger.json").read_text())
+
+
+def test_nbafl_with_and_without_secagg(ray_session, tmp_path):
+    plain, plain_ledger = _run(_scenario(False), tmp_path / "plain")
+    secure, secure_ledger = _run(_scenario(True), tmp_path / "secure")
+    assert plain["stop_reason"] == secure["stop_reason"] == "completed"
+    a, b = (torch.load(tmp_path / d / "model.pt") for d in ("plain", "secure"))
+    for k in a:  # the same noisy uploads, summed in the clear or securely (fixed point, 2^-40)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+    sigma_u = uplink_std(60, 0.01, 5.0, 24, 3)
+    for ledger, z in ((plain_ledger, sigma_u / (2 * 5.0 / 24)), (secure_ledger, sigma_u / (2 * 5.0 / 24) * 20 ** 0.5)):
+        assert ledger["rounds"][0]["noise_multipliers"] == pytest.approx([z])
+        direct = RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(dp_accounting.GaussianDpEvent(z), 3)
+        assert ledger["epsilon"] == pytest.approx(direct.get_epsilon(0.01), rel=1e-9)
+        assert ledger["epsilon_claimed"] == pytest.approx(60.0)
+        assert "outside its validity range" in ledger["rounds"][0]["claim_note"]  # epsilon / L = 20
+    assert plain["epsilon_claimed"] == pytest.approx(60.0) and plain["nbafl_min_size"] == 24
+    assert secure["epsilon"] < plain["epsilon"]  # the server only sees the sum of 20 uploads
