@@ -65,6 +65,8 @@ class TrainingConfig(_Section):
     server_lr: float = Field(1.0, gt=0)
     prox_mu: float = Field(0.0, ge=0, description="proximal term mu/2 ||w - theta||^2 of local training "
                                                    "(Wei et al. 2020 Alg. 1 line 6; FedProx)")
+    round_deadline_s: float | None = Field(
+        None, gt=0, description="local training's deadline: late workers' clients are dropped (default 600 s)")
 
 
 class SamplingConfig(_Section):

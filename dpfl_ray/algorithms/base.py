@@ -68,6 +68,8 @@ class ClientSpec:
     (Baek et al. 2021, Alg. 2 line 15; NbAFL's uplink noise). ``send_parameters``: send the local
     parameters theta + Delta instead of the update (NbAFL, Wei et al. 2020 Alg. 1 lines 8-9).
     ``prox_mu``: local training minimises F_i(w) + mu/2 ||w - theta||^2 (Alg. 1 line 6).
+    ``per_client``: the server needs each client's upload (e.g. the median of their norms); by
+    default workers send only partial sums of w_i * upload (the aggregation tree).
     """
 
     clip_norm: float | None = None
@@ -75,6 +77,7 @@ class ClientSpec:
     noise: ClientNoise | None = None
     send_parameters: bool = False
     prox_mu: float = 0.0
+    per_client: bool = False
 
     @property
     def extra_dims(self) -> int:
@@ -136,8 +139,9 @@ class CalibrationSum:
 class RoundOutcome:
     """What reached the server in one round, for every kind of round.
 
-    ``updates``: each survivor's raw update (rounds without SecAgg). ``total``: the decoded secure
-    sum of w_i * ClientSpec.vector(update) (+ noise) over the survivors (SecAgg rounds).
+    ``updates``: each survivor's upload, when ClientSpec.per_client asked for them. Otherwise
+    ``total``: sum_i w_i * upload_i over the survivors -- the workers' partial sums (plain rounds)
+    or the decoded secure sum (SecAgg rounds, where the uploads carry their noise).
     ``aborted``: why nothing was released (then the rest is empty). ``theta``: the model the
     round broadcast (the step of an algorithm whose clients send parameters is relative to it).
     """

@@ -94,7 +94,7 @@ class DPFedAvg(Algorithm):
         """Clip to this round's S; adaptive clipping appends the indicator b_i - 1/2 as one more
         coordinate so the clipped count can be summed securely too. Median clipping needs the
         raw updates."""
-        return ClientSpec() if self.clipping.mode == "median" else self._spec()
+        return ClientSpec(per_client=True) if self.clipping.mode == "median" else self._spec()
 
     def _spec(self) -> ClientSpec:
         return ClientSpec(clip_norm=self.clip_norm, indicator=self.clipping.mode == "adaptive")

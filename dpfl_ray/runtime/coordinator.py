@@ -14,7 +14,7 @@ import time
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_algorithm
 from ..faults import plan_round
@@ -22,15 +22,22 @@ from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
 from ..scenario import Scenario
 from .privacy import RunPrivacy
-from .resources import assign_clients, plan_pool
+from .resources import assign_clients, assign_groups, plan_pool, summation_groups
 from .secagg_round import secagg_round
 from .workers import make_worker_class
 
 
+# The deadline of a round's local training when the scenario sets none: long enough for any
+# honest round here, short enough that one hung worker never hangs a run.
+DEFAULT_ROUND_TIMEOUT_SECONDS = 600.0
+CALL_TIMEOUT_SECONDS = 120.0
+
+
 class Coordinator:
-    def __init__(self, scenario: dict, data: dict):
+    def __init__(self, scenario: dict, data: dict, workers: list | None = None):
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
-        arrays, plus the test set, partition and weights."""
+        arrays, plus the test set, partition and weights. ``workers``: a pool the driver started
+        next to this actor (so both start at once); None starts one in ``start_pool``."""
         self.sc = Scenario.model_validate(scenario)
         torch.set_num_threads(1)
         self._data = data
@@ -50,28 +57,36 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.rounds_done = 0
-        self.workers: list = []
+        plan = plan_pool(self.sc.resources, ray.cluster_resources(), len(self.sizes))
+        self._worker_cls = make_worker_class(plan.num_cpus, plan.num_gpus)
+        self._pool_size = plan.workers
+        self.workers: list = list(workers or [])
+        self.groups = summation_groups(int(self.theta.size))
 
     # -- the pool -------------------------------------------------------------------------------
     def _new_worker(self):
-        d = self._data
-        return self._worker_cls.remote(self.sc.model_dump(mode="json"), d["x_train"], d["y_train"],
-                                       d["indices"], d["offsets"], d["input_shape"], d["num_classes"])
+        return self._worker_cls.remote(self.sc.model_dump(mode="json"), self._data)
 
     def start_pool(self) -> list[dict]:
         """Create the ClientWorkers (once) and return where each landed (node, GPU ids)."""
-        if self.workers:
-            return self.worker_info()
-        plan = plan_pool(self.sc.resources, ray.cluster_resources(), len(self.sizes))
-        self._worker_cls = make_worker_class(plan.num_cpus, plan.num_gpus)
-        self.workers = [self._new_worker() for _ in range(plan.workers)]
-        return ray.get([w.info.remote() for w in self.workers])
+        if not self.workers:
+            self.workers = [self._new_worker() for _ in range(self._pool_size)]
+        return self.worker_info()
 
     def worker_handle(self, i: int):
         return self.workers[i]
 
-    def worker_info(self) -> list[dict]:
-        return ray.get([w.info.remote() for w in self.workers])
+    def worker_info(self) -> list[dict | None]:
+        """Where each worker runs; None for one that is dead (it surfaces in its round, as a crash)."""
+        refs = [w.info.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_SECONDS)
+        infos = []
+        for ref in refs:
+            try:
+                infos.append(ray.get(ref, timeout=0))
+            except (RayActorError, GetTimeoutError):
+                infos.append(None)
+        return infos
 
     def assign(self, client_ids) -> list[list[int]]:
         return assign_clients(client_ids, self.sizes, len(self.workers))
@@ -100,8 +115,7 @@ class Coordinator:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
-        # A pool started earlier is not probed again: a dead worker surfaces in its round, as a crash.
-        infos = None if self.workers else self.start_pool()
+        infos = self.start_pool()
         self._emit({"event": "start", "workers": len(self.workers), "pool": infos, "num_params": int(self.theta.size)})
         tr = self.sc.training
         stop_reason, last_eval = "completed", (None, None)
@@ -142,12 +156,12 @@ class Coordinator:
                 dropped = {c: p for c, p in dropped.items() if p != "calibration"}
         else:
             theta_ref = ray.put(self.theta)
-            updates = self._plain_updates(t, theta_ref, active, faults, dropped, spec)
-            plan = self._after_upload(sorted(updates))
+            survivors, total, updates = self._plain_round(t, theta_ref, active, faults, dropped, spec)
+            plan = self._after_upload(survivors)
             if isinstance(plan, Abort):
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
             else:
-                outcome = RoundOutcome(t, survivors=tuple(sorted(updates)), updates=updates)
+                outcome = RoundOutcome(t, survivors=tuple(survivors), updates=updates, total=total)
         if outcome.released:
             agg = alg.finish(dataclasses.replace(outcome, theta=self.theta), self.theta.size)
         else:  # nothing was released: the model stays
@@ -155,8 +169,7 @@ class Coordinator:
         theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         acc, loss = last_eval
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
-            set_flat(self.model, theta)
-            acc, loss = evaluate(self.model, self.x_test, self.y_test)
+            acc, loss = self._evaluate(theta)
         by_phase: dict[str, int] = {}
         for p in dropped.values():
             by_phase[p] = by_phase.get(p, 0) + 1
@@ -182,30 +195,59 @@ class Coordinator:
             return Abort("releasing this round would take the effective epsilon past privacy.target_epsilon")
         return plan
 
-    def _plain_updates(self, t, theta_ref, active, faults, dropped, spec) -> dict[int, np.ndarray]:
-        """One message per worker; uploads of clients whose upload the fault plan does not lose."""
-        calls = []
-        for w, ids in zip(self.workers, self.assign(active)):
-            if ids:
-                lost = [c for c in ids if not faults.delivers(c)]
-                calls.append((w, ids, w.run_clients.remote(t, theta_ref, ids, lost, spec)))
-        updates: dict[int, np.ndarray] = {}
-        for w, ids, ref in calls:
+    def _plain_round(self, t, theta_ref, active, faults, dropped, spec):
+        """Local training without SecAgg, one message per worker: the survivors, and the sum of
+        w_i * upload_i over them (the workers' partial sums, added in group order) -- or each
+        upload, when the algorithm needs them."""
+        calls = {}
+        for w, groups in zip(self.workers, assign_groups(active, self.sizes, self.groups, len(self.workers))):
+            if groups:
+                lost = [c for ids in groups.values() for c in ids if not faults.delivers(c)]
+                calls[w.run_clients.remote(t, theta_ref, groups, lost, spec)] = (w, groups)
+        deadline = self.sc.training.round_deadline_s or DEFAULT_ROUND_TIMEOUT_SECONDS
+        ready, late = ray.wait(list(calls), num_returns=len(calls), timeout=deadline) if calls else ([], [])
+        survivors, sums, updates = [], {}, {} if spec.per_client else None
+        for ref in ready:
+            w, groups = calls[ref]
             try:
-                reply = ray.get(ref)
-            except RayActorError:
+                reply = ray.get(ref, timeout=CALL_TIMEOUT_SECONDS)
+            except (RayActorError, GetTimeoutError):
                 # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
-                dropped.update({c: "crash" for c in ids})
+                dropped.update({c: "crash" for ids in groups.values() for c in ids})
                 self._replace([w])
                 continue
-            updates.update({c: u for c, u in zip(reply.client_ids, reply.updates)})
-        return updates
+            survivors += reply.client_ids
+            sums.update(reply.sums)
+            if updates is not None:
+                updates.update(zip(reply.client_ids, reply.updates))
+        for ref in late:  # past the deadline: dropped, and the stuck worker is replaced
+            w, groups = calls[ref]
+            dropped.update({c: "deadline" for ids in groups.values() for c in ids})
+            ray.kill(w, no_restart=True)
+            self._replace([w])
+        total = sum(sums[g] for g in sorted(sums)) if sums else None
+        return sorted(survivors), total, updates
+
+    def _evaluate(self, theta: np.ndarray) -> tuple[float, float]:
+        """On a worker (the coordinator reserves no CPU); here only if no worker answers."""
+        try:
+            return tuple(ray.get(self.workers[0].evaluate.remote(theta), timeout=CALL_TIMEOUT_SECONDS))
+        except (RayActorError, GetTimeoutError, IndexError):
+            set_flat(self.model, theta)
+            return evaluate(self.model, self.x_test, self.y_test)
 
     def _replace(self, dead: list) -> None:
         for w in dead:
             self.workers[self.workers.index(w)] = self._new_worker()
 
 
-def make_coordinator(scenario: Scenario, data: dict):
+def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None):
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
-    return cls.remote(scenario.model_dump(mode="json"), data)
+    return cls.remote(scenario.model_dump(mode="json"), data, workers)
+
+
+def start_workers(scenario: Scenario, data: dict, num_clients: int) -> list:
+    """The ClientWorker pool, started from the driver at the same time as the coordinator."""
+    plan = plan_pool(scenario.resources, ray.cluster_resources(), num_clients)
+    cls = make_worker_class(plan.num_cpus, plan.num_gpus)
+    return [cls.remote(scenario.model_dump(mode="json"), data) for _ in range(plan.workers)]

@@ -19,7 +19,7 @@ from ..models import build_model, set_flat
 from ..privacy import PrivacyLedger
 from ..results import RunRecord, versions
 from ..scenario import Scenario
-from .coordinator import make_coordinator
+from .coordinator import make_coordinator, start_workers
 from .shutdown import Shutdown, kill_descendants
 
 
@@ -75,7 +75,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     record.write_scenario(scenario.to_yaml())
     coord, seen, stop_reason, error = None, 0, "completed", None
     try:
-        coord = make_coordinator(scenario, put_federation(fed))
+        data = put_federation(fed)
+        coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients))
         run_ref = coord.run.remote()
         while True:
             done, _ = ray.wait([run_ref], timeout=poll_seconds)

@@ -9,11 +9,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class LocalReply:
-    """Updates of the clients whose upload arrived, stacked in ``client_ids`` order."""
+    """One worker's round: the clients whose upload arrived, and either their uploads stacked in
+    ``client_ids`` order (ClientSpec.per_client) or, per summation group, sum_i w_i * upload_i
+    in float64, accumulated in client-id order."""
 
     client_ids: list[int]
-    updates: np.ndarray
     seconds: float
+    updates: np.ndarray | None = None
+    sums: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -56,3 +56,29 @@ def assign_clients(client_ids, sizes: np.ndarray, num_workers: int) -> list[list
         out[w].append(cid)
         loads[w] += int(sizes[cid])
     return out
+
+
+def summation_groups(dim: int, budget_bytes: int = 1 << 27) -> int:
+    """How many partial sums a round keeps (the leaves of the aggregation tree): 64, halved until
+    their float64 vectors fit ``budget_bytes``. It depends on the model only, never on the pool."""
+    groups = 64
+    while groups > 1 and groups * dim * 8 > budget_bytes:
+        groups //= 2
+    return groups
+
+
+def assign_groups(client_ids, sizes: np.ndarray, groups: int, num_workers: int) -> list[dict[int, list[int]]]:
+    """Clients in summation groups (client id mod ``groups``, each group in id order), whole groups
+    to workers, balancing examples. A group's partial sum is computed in client-id order and the
+    groups are added in group order, so the sum never depends on the number of workers."""
+    grouped: dict[int, list[int]] = {}
+    for cid in sorted(int(c) for c in client_ids):
+        grouped.setdefault(cid % groups, []).append(cid)
+    loads = [0] * num_workers
+    out: list[dict[int, list[int]]] = [{} for _ in range(num_workers)]
+    weight = {g: int(sum(int(sizes[c]) for c in ids)) for g, ids in grouped.items()}
+    for g in sorted(grouped, key=lambda g: (-weight[g], g)):
+        w = min(range(num_workers), key=lambda i: (loads[i], i))
+        out[w][g] = grouped[g]
+        loads[w] += weight[g]
+    return out

@@ -18,7 +18,7 @@ import torch
 from .. import rng as rngmod
 from ..algorithms import ClientSpec
 from ..local import local_update
-from ..models import build_model
+from ..models import build_model, evaluate, set_flat
 from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import EncodingError, SecAggClient, encode, presum_masked
@@ -30,15 +30,17 @@ WORKER_PHASES = PROTOCOL_PHASES + ("calibration",)
 
 
 class ClientWorker:
-    def __init__(self, scenario: dict, x_train: np.ndarray, y_train: np.ndarray, indices: np.ndarray,
-                 offsets: np.ndarray, input_shape: tuple, num_classes: int):
+    def __init__(self, scenario: dict, data: dict):
+        """``data``: the federation's object refs, nested so that Ray hands them over unresolved."""
         self.sc = Scenario.model_validate(scenario)
         torch.set_num_threads(self.sc.resources.torch_threads)
         use_cuda = self.sc.resources.num_gpus_per_worker > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda" if use_cuda else "cpu")
         # Arrays from the object store are read-only shared memory: read them, never copy whole.
-        self.x, self.y, self.indices, self.offsets = x_train, y_train, indices, offsets
-        self.model = build_model(self.sc.model, tuple(input_shape), num_classes, self.sc.seed).to(self.device)
+        self.x, self.y, self.indices, self.offsets, self.weights, self.x_test, self.y_test = ray.get(
+            [data[k] for k in ("x_train", "y_train", "indices", "offsets", "weights", "x_test", "y_test")])
+        self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"],
+                                 self.sc.seed).to(self.device)
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
@@ -53,21 +55,38 @@ class ClientWorker:
             rng=rngmod.generator(seed, "batches", round_idx, cid),
             torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid), prox_mu=spec.prox_mu)
 
-    def run_clients(self, round_idx: int, theta: np.ndarray, client_ids: list[int],
+    def run_clients(self, round_idx: int, theta: np.ndarray, groups: dict[int, list[int]],
                     undelivered: list[int], spec: ClientSpec) -> LocalReply:
-        """Uploads of ``client_ids`` (their local update from ``theta``, prepared as ``spec``
-        says). Clients in ``undelivered`` train but their upload never arrives (the fault plan),
-        so nothing of theirs returns."""
+        """The uploads of the clients in ``groups`` (summation group -> client ids in id order):
+        their local updates from ``theta``, prepared as ``spec`` says, summed per group as
+        w_i * upload_i unless the algorithm needs each one. Clients in ``undelivered`` train but
+        their upload never arrives (the fault plan), so nothing of theirs returns."""
         t0 = time.perf_counter()
         lost = set(undelivered)
-        ids, updates = [], []
-        for cid in client_ids:
-            delta = self._local(round_idx, theta, cid, spec)
-            if cid not in lost:
+        ids, uploads, sums = [], [], {}
+        for g, members in groups.items():
+            for cid in members:
+                value = spec.plain_value(self._local(round_idx, theta, cid, spec), theta, cid)
+                if cid in lost:
+                    continue
                 ids.append(cid)
-                updates.append(spec.plain_value(delta, theta, cid))
-        stacked = np.stack(updates) if updates else np.zeros((0, len(theta)), np.float32)
-        return LocalReply(ids, stacked, time.perf_counter() - t0)
+                if spec.per_client:
+                    uploads.append(value)
+                else:
+                    term = value.astype(np.float64) * float(self.weights[cid])
+                    sums[g] = term if g not in sums else sums[g] + term
+        stacked = (np.stack(uploads) if uploads else np.zeros((0, len(theta)), np.float32)) if spec.per_client else None
+        return LocalReply(ids, time.perf_counter() - t0, updates=stacked, sums=sums)
+
+    def evaluate(self, theta: np.ndarray) -> tuple[float, float]:
+        """Test accuracy and loss of ``theta``, with one thread so the figures never depend on the pool."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            set_flat(self.model, theta)
+            return evaluate(self.model, self.x_test, self.y_test)
+        finally:
+            torch.set_num_threads(threads)
 
     # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
     def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict, config,

@@ -54,7 +54,7 @@ def test_median_clipping_is_not_covered():
     ups = {i: np.full(2, float(i + 1), np.float32) for i in range(5)}
     agg = algo.finish(RoundOutcome(0, tuple(ups), updates=_uploads(algo, ups)), 2)
     assert agg.info["clip_norm"] == pytest.approx(np.linalg.norm([3.0, 3.0]))
-    assert algo.planned_mechanism().covered is False and algo.client_spec() == ClientSpec()
+    assert algo.planned_mechanism().covered is False and algo.client_spec() == ClientSpec(per_client=True)
 
 
 def test_adaptive_clipping_splits_the_budget_and_tracks_the_quantile():
