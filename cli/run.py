@@ -20,25 +20,39 @@ def _progress() -> Progress:
 
 @user_errors
 def run(
-    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    scenario: Optional[Path] = typer.Argument(None, help="scenario YAML file (not with --resume)"),
     set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: OUTPUT.DIR/NAME/TIMESTAMP)"),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default: a private local Ray)"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory from its "
+                                                                 "last checkpoint"),
 ) -> None:
     """Train a federation as the scenario says and write its run directory."""
     from dpfl_ray.algorithms import make_algorithm
     from dpfl_ray.data import build_federation
+    from dpfl_ray.errors import DPFLError
     from dpfl_ray.models import build_model
     from dpfl_ray.results import RunRecord, default_run_dir
+    from dpfl_ray.runtime.checkpoint import read_checkpoint
     from dpfl_ray.scenario import load_scenario
 
+    checkpoint = None
+    if resume is not None:
+        if scenario is not None or set_ or out is not None:
+            raise DPFLError("continues the run as its scenario.yaml says: give no SCENARIO, --set or --out",
+                            field="--resume")
+        checkpoint = read_checkpoint(resume)
+        scenario, out = resume / "scenario.yaml", resume
+    elif scenario is None:
+        raise DPFLError("give a scenario file, or --resume RUN_DIR", field="SCENARIO")
     sc = load_scenario(scenario, set_)
     # Everything that can be wrong with the scenario is found before a file is written.
     fed = build_federation(sc)
     build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
     make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)  # impossible mechanisms
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
-    RunRecord.check_new(run_dir)
+    if checkpoint is None:
+        RunRecord.check_new(run_dir)
 
     if not address:
         # A private local Ray stays on the loopback interface (read by Ray at import time).
@@ -56,13 +70,18 @@ def run(
             ensure_ray(address)
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
-        record = RunRecord(run_dir)
+        record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, checkpoint["round"])
         console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds, "
                       f"{plan.workers} workers -> {record.path}")
         with _progress() as progress:
-            task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers")
-            summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown)
+            task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
+                                     completed=len(record.rounds))
+            summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown,
+                                   resume=checkpoint)
     except KeyboardInterrupt:
+        if checkpoint is not None and record is None:  # the directory is as the last stop left it
+            stop_ray()
+            raise typer.Exit(shutdown.exit_code)
         # interrupted while Ray or the run was starting: leave a consistent run of 0 rounds
         with shutdown.protect():
             record = record or RunRecord(run_dir)
@@ -73,6 +92,8 @@ def run(
         shutdown.done()
     _print_summary(summary, record)
     if summary["stop_reason"] == "interrupted":
+        if sc.output.checkpoint_every:
+            console.print(f"resume with: dpfl run --resume {record.path}", highlight=False, soft_wrap=True)
         raise typer.Exit(shutdown.exit_code)
 
 

@@ -6,6 +6,7 @@ interrupted run keeps what it did), ``summary.json``, ``model.pt`` and ``accurac
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -50,6 +51,23 @@ class RunRecord:
         self.path.mkdir(parents=True, exist_ok=True)
         self.rounds: list[dict] = []
         self._rounds_file = open(self.path / "rounds.jsonl", "w")
+
+    @classmethod
+    def reopen(cls, path: str | Path, rounds: int) -> "RunRecord":
+        """A run directory to continue after its first ``rounds`` rounds (``dpfl run --resume``):
+        rows past them -- written after the checkpoint -- are dropped."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        lines = (self.path / "rounds.jsonl").read_text().splitlines() if (self.path / "rounds.jsonl").exists() else []
+        self.rounds = [json.loads(line) for line in lines[:rounds]]
+        if len(self.rounds) < rounds:
+            raise DPFLError(f"{self.path / 'rounds.jsonl'} has {len(self.rounds)} rows, the checkpoint {rounds}",
+                            field="--resume")
+        tmp = self.path / "rounds.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rounds))
+        os.replace(tmp, self.path / "rounds.jsonl")
+        self._rounds_file = open(self.path / "rounds.jsonl", "a")
+        return self
 
     def write_scenario(self, yaml_text: str) -> None:
         (self.path / "scenario.yaml").write_text(yaml_text)

@@ -196,6 +196,8 @@ class ResourcesConfig(_Section):
 class OutputConfig(_Section):
     dir: str = "runs"
     eval_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(1, ge=0, description="write checkpoint.npz every k rounds (0: never); "
+                                                         "dpfl run --resume continues from it")
 
 
 class Scenario(_Section):

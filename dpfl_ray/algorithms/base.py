@@ -238,6 +238,14 @@ class Algorithm(ABC):
         """Scenario facts worth a column in summary.json and ``dpfl report``."""
         return {}
 
+    def state_dict(self) -> dict:
+        """What the algorithm carries from round to round (JSON-able), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state across rounds, got {sorted(state)}")
+
 
 def weighted_sum(updates: Mapping[int, np.ndarray], weights) -> tuple[np.ndarray | None, float]:
     """sum_i w_i Delta_i over clients in id order, accumulated in float64.

@@ -117,6 +117,13 @@ class DPFedAvg(Algorithm):
     def summary_fields(self) -> dict:
         return {"denominator": self.denominator}
 
+    def state_dict(self) -> dict:
+        """The clipping bound S moves with adaptive (and median) clipping."""
+        return {"clip_norm": self.clip_norm}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clip_norm = float(state["clip_norm"])
+
     # -- the server ------------------------------------------------------------------------------
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         if outcome.updates is not None:

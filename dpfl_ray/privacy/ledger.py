@@ -344,6 +344,15 @@ class PrivacyLedger:
         track.advance(self._records, need_history=True)
         return [float(e) for e in track.history]
 
+    def replay(self) -> None:
+        """Compose every recorded round one at a time, as a live run does, so that a ledger rebuilt
+        from a checkpoint (:meth:`from_dict`) answers with the same floats as the uninterrupted one
+        (a backlog composed in one call may round differently)."""
+        for kind in ("effective", "claimed"):
+            kind = self._kind(kind)
+            if (kind, self.delta) not in self._tracks:
+                self._new_track(kind, self.delta).advance(self._records, need_history=True)
+
     def summary(self, delta: float | None = None) -> str:
         """One line for logs; says so when the run has no DP guarantee."""
         delta = self.delta if delta is None else _check_delta(delta)

@@ -31,13 +31,15 @@ from .workers import make_worker_class
 # honest round here, short enough that one hung worker never hangs a run.
 DEFAULT_ROUND_TIMEOUT_SECONDS = 600.0
 CALL_TIMEOUT_SECONDS = 120.0
+BUDGET_REFUSAL = "releasing this round would take the effective epsilon past privacy.target_epsilon"
 
 
 class Coordinator:
-    def __init__(self, scenario: dict, data: dict, workers: list | None = None):
+    def __init__(self, scenario: dict, data: dict, workers: list | None = None, resume: dict | None = None):
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
         arrays, plus the test set, partition and weights. ``workers``: a pool the driver started
-        next to this actor (so both start at once); None starts one in ``start_pool``."""
+        next to this actor (so both start at once); None starts one in ``start_pool``. ``resume``:
+        a checkpoint (runtime/checkpoint.py) to continue from."""
         self.sc = Scenario.model_validate(scenario)
         torch.set_num_threads(1)
         self._data = data
@@ -62,6 +64,33 @@ class Coordinator:
         self._pool_size = plan.workers
         self.workers: list = list(workers or [])
         self.groups = summation_groups(int(self.theta.size))
+        self.last_eval = (None, None)
+        if resume is not None:
+            self._restore(resume)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint(self) -> dict:
+        """The committed state, read in one piece: enough to continue the run exactly."""
+        with self._lock:
+            return self._checkpoint()
+
+    def _checkpoint(self) -> dict:
+        state = {"round": self.rounds_done, "last_eval": list(self.last_eval),
+                 "algorithm": self.algorithm.state_dict(), "arrays": {"theta": self.theta}}
+        if self.privacy:
+            privacy = self.privacy.state_dict(self.rounds_done)
+            state["arrays"]["server_precision"] = privacy.pop("arrays")["server_precision"]
+            state["privacy"] = privacy
+        return state
+
+    def _restore(self, state: dict) -> None:
+        self.theta = np.asarray(state["arrays"]["theta"], dtype=np.float32)
+        self.rounds_done = int(state["round"])
+        self.last_eval = tuple(state["last_eval"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        if self.privacy:
+            self.privacy.load_state_dict({**state["privacy"],
+                                          "arrays": {"server_precision": state["arrays"]["server_precision"]}})
 
     # -- the pool -------------------------------------------------------------------------------
     def _new_worker(self):
@@ -108,7 +137,7 @@ class Coordinator:
         how many rounds they cover."""
         with self._lock:
             out = {"rounds": self.rounds_done, "theta": self.theta,
-                   "summary": self.algorithm.summary_fields()}
+                   "summary": self.algorithm.summary_fields(), "checkpoint": self._checkpoint()}
             if self.privacy:
                 out["ledger"] = self.privacy.to_dict()
             return out
@@ -118,16 +147,15 @@ class Coordinator:
         infos = self.start_pool()
         self._emit({"event": "start", "workers": len(self.workers), "pool": infos, "num_params": int(self.theta.size)})
         tr = self.sc.training
-        stop_reason, last_eval = "completed", (None, None)
-        for t in range(tr.rounds):
+        stop_reason = "completed"
+        for t in range(self.rounds_done, tr.rounds):
             if self._stop.is_set():
                 stop_reason = "interrupted"
                 break
             if self.privacy and not self.privacy.next_round_fits(t):
                 stop_reason = "privacy_budget_exhausted"
                 break
-            record = self._round(t, last_eval)
-            last_eval = (record["test_accuracy"], record["test_loss"])
+            self._round(t, self.last_eval)
         return {"stop_reason": stop_reason}
 
     def _round(self, t: int, last_eval) -> dict:
@@ -177,11 +205,13 @@ class Coordinator:
         with self._lock:  # commit: ledger, model and event together
             if self.privacy:
                 extra.update(self.privacy.account(t, outcome.survivors, outcome.released, why))
+                self.privacy.exhausted |= why == BUDGET_REFUSAL
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
                       "dropped_by_phase": by_phase, "weight_sum": agg.weight_sum, "test_accuracy": acc,
                       "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
             self.theta = theta
             self.rounds_done = t + 1
+            self.last_eval = (acc, loss)
             self._events.append(record)
         return record
 
@@ -192,7 +222,7 @@ class Coordinator:
         if isinstance(plan, Abort) or not self.privacy:
             return plan
         if not self.privacy.release_fits(self.algorithm.mechanism()):
-            return Abort("releasing this round would take the effective epsilon past privacy.target_epsilon")
+            return Abort(BUDGET_REFUSAL)
         return plan
 
     def _plain_round(self, t, theta_ref, active, faults, dropped, spec):
@@ -241,9 +271,9 @@ class Coordinator:
             self.workers[self.workers.index(w)] = self._new_worker()
 
 
-def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None):
+def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None):
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
-    return cls.remote(scenario.model_dump(mode="json"), data, workers)
+    return cls.remote(scenario.model_dump(mode="json"), data, workers, resume)
 
 
 def start_workers(scenario: Scenario, data: dict, num_clients: int) -> list:

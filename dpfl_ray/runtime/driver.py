@@ -20,6 +20,7 @@ from ..privacy import PrivacyLedger
 from ..results import RunRecord, versions
 from ..scenario import Scenario
 from .coordinator import make_coordinator, start_workers
+from .checkpoint import write_checkpoint
 from .shutdown import Shutdown, kill_descendants
 
 
@@ -62,13 +63,14 @@ CALL_TIMEOUT_SECONDS = 60.0
 
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
-                 poll_seconds: float = 0.2) -> dict:
+                 poll_seconds: float = 0.2, resume: dict | None = None) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
     Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
     interrupted (any signal of ``shutdown``) or fails, the coordinator is stopped between rounds,
     and ``rounds.jsonl``, ``ledger.json``, ``model.pt`` and ``summary.json`` are written for the
-    same last committed round.
+    same last committed round. Every ``output.checkpoint_every`` rounds a checkpoint is written
+    (runtime/checkpoint.py); ``resume`` continues from one (``record`` then holds its rows).
     """
     t0 = time.time()
     shutdown = shutdown or Shutdown()
@@ -76,13 +78,18 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     coord, seen, stop_reason, error = None, 0, "completed", None
     try:
         data = put_federation(fed)
-        coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients))
+        coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients), resume)
         run_ref = coord.run.remote()
+        every = scenario.output.checkpoint_every
+        next_checkpoint = (len(record.rounds) // every + 1) * every if every else None
         while True:
             done, _ = ray.wait([run_ref], timeout=poll_seconds)
             events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
             with shutdown.defer():
                 seen = _write_events(events, seen, record, on_event)
+                if next_checkpoint is not None and len(record.rounds) >= next_checkpoint:
+                    seen, done_round = _checkpoint(coord, seen, record, on_event)
+                    next_checkpoint = (done_round // every + 1) * every
             if done:
                 stop_reason = ray.get(run_ref, timeout=CALL_TIMEOUT_SECONDS)["stop_reason"]
                 break
@@ -115,6 +122,15 @@ def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up
         if on_event:
             on_event(ev)
     return seen
+
+
+def _checkpoint(coord, seen: int, record: RunRecord, on_event) -> tuple[int, int]:
+    """Write checkpoint.npz for the coordinator's committed state, after every row it covers."""
+    state = ray.get(coord.checkpoint.remote(), timeout=CALL_TIMEOUT_SECONDS)
+    events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
+    seen = _write_events(events, seen, record, on_event, up_to=state["round"])
+    write_checkpoint(record.path, state)
+    return seen, state["round"]
 
 
 def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | None:
@@ -165,6 +181,8 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall) -> dic
         for key in ("epsilon_nominal", "epsilon_claimed"):
             if key in last:
                 summary[key] = last[key]
+    if state is not None and "checkpoint" in state and scenario.output.checkpoint_every:
+        write_checkpoint(record.path, state["checkpoint"])
     if state is not None:
         summary.update(state["summary"])
         model = build_model(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed)

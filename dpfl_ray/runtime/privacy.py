@@ -35,7 +35,7 @@ class RunPrivacy:
         self.shadow = PrivacyLedger(accountant=p.accountant, delta=p.delta)
         self.noise_multiplier = p.noise_multiplier
         self.calibrated = False
-        self.exhausted = False  # a release was refused: it would have passed the target
+        self.exhausted = False  # a release was refused: it would have passed the target (set on commit)
         self.algorithm = None
         # epsilon against the server: per client, the precision sum z^-2 of the unamplified
         # Gaussians of the rounds it took part in (Gaussians compose exactly: precisions add)
@@ -73,10 +73,7 @@ class RunPrivacy:
             return True
         trial = PrivacyLedger.from_dict(self.ledger.to_dict(include_epsilon=False))
         trial.record_round(mech.noise_multipliers, mech.sampling, reason="trial")
-        if trial.epsilon() <= p.target_epsilon:
-            return True
-        self.exhausted = True
-        return False
+        return trial.epsilon() <= p.target_epsilon
 
     def account(self, t: int, survivors, released: bool, why: str) -> dict:
         """Ledger event of round t; the figures that go into its rounds.jsonl row. The effective
@@ -121,6 +118,24 @@ class RunPrivacy:
         eps = single.epsilon()
         return (None if math.isinf(eps) else eps), f"client {worst}: noise multiplier {precision ** -0.5:.4g} " \
                                                     "over the rounds it took part in, no sampling amplification"
+
+    def state_dict(self, rounds_done: int) -> dict:
+        """The bookkeeping after ``rounds_done`` committed rounds (the shadow ledger may already
+        hold the next round's plan: that is booked again when the round runs)."""
+        shadow = self.shadow.to_dict(include_epsilon=False)
+        shadow["rounds"] = [r for r in shadow["rounds"] if r["round"] <= rounds_done]
+        return {"ledger": self.ledger.to_dict(include_epsilon=False), "shadow": shadow, "exhausted": self.exhausted,
+                "noise_multiplier": self.noise_multiplier, "calibrated": self.calibrated,
+                "server_blind": self.server_blind, "arrays": {"server_precision": self.server_precision}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ledger = PrivacyLedger.from_dict(state["ledger"])
+        self.shadow = PrivacyLedger.from_dict(state["shadow"])
+        for ledger in (self.ledger, self.shadow):
+            ledger.replay()
+        self.exhausted, self.calibrated = state["exhausted"], state["calibrated"]
+        self.noise_multiplier, self.server_blind = state["noise_multiplier"], state["server_blind"]
+        self.server_precision = np.array(state["arrays"]["server_precision"], dtype=np.float64)
 
     def to_dict(self) -> dict:
         out = self.ledger.to_dict()
