@@ -23,13 +23,10 @@ from ..sampling import sample_clients
 from ..scenario import Scenario
 from .privacy import RunPrivacy
 from .resources import assign_clients, assign_groups, plan_pool, summation_groups
-from .secagg_round import secagg_round
+from .secagg_round import DEFAULT_ROUND_TIMEOUT_SECONDS, secagg_round
 from .workers import make_worker_class
 
 
-# The deadline of a round's local training when the scenario sets none: long enough for any
-# honest round here, short enough that one hung worker never hangs a run.
-DEFAULT_ROUND_TIMEOUT_SECONDS = 600.0
 CALL_TIMEOUT_SECONDS = 120.0
 BUDGET_REFUSAL = "releasing this round would take the effective epsilon past privacy.target_epsilon"
 
@@ -43,9 +40,9 @@ class Coordinator:
         self.sc = Scenario.model_validate(scenario)
         torch.set_num_threads(1)
         self._data = data
-        self.x_test, self.y_test = ray.get(data["x_test"]), ray.get(data["y_test"])
-        self.sizes = np.diff(ray.get(data["offsets"]))
-        self.weights = ray.get(data["weights"])
+        self.x_test, self.y_test, offsets, self.weights = ray.get(
+            [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
+        self.sizes = np.diff(offsets)
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
         self.theta = get_flat(self.model)
         self.privacy = RunPrivacy(self.sc, self.weights, self.sizes) if algorithm_class(self.sc).private else None

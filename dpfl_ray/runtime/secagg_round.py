@@ -13,12 +13,16 @@ from typing import Callable
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
 from ..faults import SECAGG_PHASE
 from ..secagg import SecAggAbort, SecAggConfig, SecAggServer, decode, rounding_error_bound
 from .messages import Encoding, PhaseReply
+
+# The deadline of a round's phases when the scenario sets none: long enough for any honest round
+# here, short enough that one hung worker never hangs a run.
+DEFAULT_ROUND_TIMEOUT_SECONDS = 600.0
 
 
 @dataclass
@@ -49,8 +53,8 @@ class _Phases:
         replies = []
         for ref in ready:
             try:
-                replies.append(ray.get(ref))
-            except RayActorError:
+                replies.append(ray.get(ref, timeout=60))
+            except (RayActorError, GetTimeoutError):
                 self._drop(refs[ref], f"crash@{phase}")
                 self.dead.append(refs[ref])
         for ref in late:
@@ -87,7 +91,9 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     server = SecAggServer(config)
     leave = {c: SECAGG_PHASE[p] for c, p in faults.dropped.items() if p in SECAGG_PHASE and c in index}
     assignment = {w: ids for w, ids in zip(coord.workers, coord.assign(active)) if ids}
-    phases = _Phases(assignment, sa.phase_timeout_seconds)
+    # a phase without a configured deadline still has one: a hung worker never hangs the run
+    phases = _Phases(assignment, sa.phase_timeout_seconds or coord.sc.training.round_deadline_s
+                     or DEFAULT_ROUND_TIMEOUT_SECONDS)
     encoding = Encoding(sa.resolved_scale, sa.overflow, n)
     seconds, record = {}, {"secagg_protocol": sa.protocol, "secagg_threshold": server_threshold(config)}
 

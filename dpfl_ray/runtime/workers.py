@@ -38,7 +38,8 @@ class ClientWorker:
         self.device = torch.device("cuda" if use_cuda else "cpu")
         # Arrays from the object store are read-only shared memory: read them, never copy whole.
         self.x, self.y, self.indices, self.offsets, self.weights, self.x_test, self.y_test = ray.get(
-            [data[k] for k in ("x_train", "y_train", "indices", "offsets", "weights", "x_test", "y_test")])
+            [data[k] for k in ("x_train", "y_train", "indices", "offsets", "weights", "x_test", "y_test")],
+            timeout=600)
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"],
                                  self.sc.seed).to(self.device)
 
