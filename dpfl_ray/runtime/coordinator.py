@@ -62,6 +62,7 @@ class Coordinator:
         self.workers: list = list(workers or [])
         self.groups = summation_groups(int(self.theta.size))
         self.last_eval = (None, None)
+        self.pool: dict = {}
         if resume is not None:
             self._restore(resume)
 
@@ -134,7 +135,8 @@ class Coordinator:
         how many rounds they cover."""
         with self._lock:
             out = {"rounds": self.rounds_done, "theta": self.theta,
-                   "summary": self.algorithm.summary_fields(), "checkpoint": self._checkpoint()}
+                   "summary": {**self.algorithm.summary_fields(), "pool": self.pool},
+                   "checkpoint": self._checkpoint()}
             if self.privacy:
                 out["ledger"] = self.privacy.to_dict()
             return out
@@ -142,6 +144,7 @@ class Coordinator:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
         infos = self.start_pool()
+        self.pool = pool_summary(infos)
         self._emit({"event": "start", "workers": len(self.workers), "pool": infos, "num_params": int(self.theta.size)})
         tr = self.sc.training
         stop_reason = "completed"
@@ -266,6 +269,18 @@ class Coordinator:
     def _replace(self, dead: list) -> None:
         for w in dead:
             self.workers[self.workers.index(w)] = self._new_worker()
+
+
+def pool_summary(infos: list[dict | None]) -> dict:
+    """How many workers run on each node, and the GPU ids Ray gave them (summary.json's 'pool')."""
+    nodes: dict[str, dict] = {}
+    for info in infos:
+        if info is None:
+            continue
+        node = nodes.setdefault(info["node"], {"workers": 0, "gpu_ids": []})
+        node["workers"] += 1
+        node["gpu_ids"].append(info["gpu_ids"])
+    return {"workers": len(infos), "nodes": nodes}
 
 
 def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None):
