@@ -76,3 +76,15 @@ def test_no_sequence_of_requests_extracts_both_shares_of_a_peer(requests):
             kinds.setdefault(v, set()).add("sk")
     assert all(len(k) == 1 for k in kinds.values())
     assert "sk" not in kinds.get(0, set())  # never its own s_sk: it did send its masked input
+
+
+def test_the_first_answered_request_is_the_only_one_a_client_answers():
+    client = clients_after_masking()[0]
+    first = request([0, 1, 2, 3, 4], [5])
+    reply = client.unmask(first)
+    assert client.unmask(request([4, 3, 2, 1, 0], [5])) == reply  # the same sets in another order
+    for other in (request([0, 1, 2, 3], [4, 5]), request([0, 1, 2, 3, 4], []), request([0, 1, 2, 3, 4, 5], [])):
+        with pytest.raises(UnmaskRefused):
+            client.unmask(other)
+    assert client.unmask({**first, "b_shares_for": [1]})["b_shares"].keys() == {1}
+
