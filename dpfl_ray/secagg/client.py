@@ -192,7 +192,8 @@ class SecAggClient:
         The first answered request fixes ``survivors`` and ``dropped``; a later request listing
         other sets is refused, so what ``u`` reveals always follows from one claim about who
         dropped (else a server could take layer shares under a claim of fewer dropouts, then the
-        dropped client's ``s_sk`` shares under the true one).
+        dropped client's ``s_sk`` shares under the true one). A survivor set whose graph is
+        disconnected is refused too (Bell et al. 2020): each part's sum could be unmasked alone.
         """
         if self.phase not in ("masked_input", "unmask"):
             raise SecAggProtocolError(f"client {self.id}: unmask called in phase {self.phase!r}", client=self.id)
@@ -283,3 +284,7 @@ class SecAggClient:
         live = len(survivors & (self.neighbours | {self.id}))
         if live < self.threshold:
             refuse(f"only {live} survivors in the neighbourhood, threshold is {self.threshold}")
+        parts = self.config.graph.components(survivors)
+        if parts > 1:
+            refuse(f"the graph of the {len(survivors)} survivors splits into {parts} parts, so the sum of "
+                   "each part could be unmasked alone", components=parts)
