@@ -66,7 +66,8 @@ def complete_graph(n: int) -> tuple[frozenset[int], ...]:
     return tuple(everyone - {i} for i in range(n))
 
 
-def random_harary_graph(n: int, degree: int, rng: np.random.Generator) -> tuple[tuple[frozenset[int], ...], tuple[int, ...]]:
+def random_harary_graph(n: int, degree: int,
+                        rng: np.random.Generator) -> tuple[tuple[frozenset[int], ...], tuple[int, ...]]:
     """A uniformly relabelled Harary graph H(n, degree) and its ring order; ``degree`` even and < n - 1."""
     if degree < 0 or degree % 2:
         raise DPFLError(f"a Harary graph below the complete graph needs an even degree, got {degree}", "degree")
