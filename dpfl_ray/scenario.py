@@ -148,6 +148,11 @@ class SecAggConfig(_Section):
     threshold: int | str | None = Field(
         None, description="t; default floor(2n/3)+1 (secagg); 'majority': floor(n/2)+1 of this round's n")
     degree: int | None = Field(None, ge=2, description="secagg+ neighbours; default ceil(8 log2 n), even")
+    dropout_tolerance: float | None = Field(
+        None, ge=0, lt=0.5, description="secagg+: fraction of a round's clients that may drop; picks degree and "
+        "threshold by Bell et al. 2020's bounds (docs/secagg.md)")
+    failure_log2: float = Field(
+        20.0, gt=0, le=1000, description="secagg+ with dropout_tolerance: a round aborts with probability <= 2^-this")
     @property
     def resolved_scale(self) -> float:
         # 2^40 leaves 2^23 / n of headroom per summand in 64 bits and rounds far below float32's
@@ -163,6 +168,13 @@ class SecAggConfig(_Section):
         if t is not None and t != "majority" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"must be an integer >= 1, 'majority' or unset (got {t!r})")
         return t
+
+    @model_validator(mode="after")
+    def _tolerance_needs_secagg_plus(self):
+        if self.dropout_tolerance is not None and self.protocol != "secagg+":
+            raise ValueError("secagg.dropout_tolerance picks the secagg+ degree; secagg uses the complete graph "
+                             "(set secagg.threshold instead)")
+        return self
 
 
 class DropoutConfig(_Section):

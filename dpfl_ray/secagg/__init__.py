@@ -3,7 +3,8 @@ Privacy-Preserving Machine Learning", semi-honest variant) and SecAgg+ (Bell et 
 "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead").
 
 Modules: :mod:`.encoding` (floats <-> Z_2^bits), :mod:`.shamir`, :mod:`.keys` (X25519, HKDF,
-ChaCha20-Poly1305, ChaCha20 PRG), :mod:`.graph` (neighbours and thresholds), :mod:`.client` /
+ChaCha20-Poly1305, ChaCha20 PRG), :mod:`.graph` (neighbours, thresholds, connectivity),
+:mod:`.parameters` (SecAgg+ degree and threshold from a dropout fraction), :mod:`.client` /
 :mod:`.server` (state machines), :mod:`.protocol` (:func:`secure_sum`), :mod:`.errors`.
 """
 from dpfl_ray.secagg.client import SecAggClient
@@ -18,6 +19,7 @@ from dpfl_ray.secagg.errors import (
 from dpfl_ray.secagg.graph import (
     DEFAULT_DEGREE_FACTOR, NeighbourGraph, build_graph, default_threshold, majority_threshold, secagg_plus_degree,
 )
+from dpfl_ray.secagg.parameters import SecAggPlusParameters, secagg_plus_parameters
 from dpfl_ray.secagg.protocol import SecAggResult, presum_masked, secure_sum
 from dpfl_ray.secagg.server import SecAggServer
 
@@ -25,7 +27,7 @@ __all__ = [
     "PHASES", "DEFAULT_DEGREE_FACTOR",
     "SecAggClient", "SecAggServer", "SecAggConfig", "SecAggResult", "NeighbourGraph",
     "secure_sum", "presum_masked", "wire_size", "build_graph", "default_threshold", "majority_threshold",
-    "secagg_plus_degree",
+    "secagg_plus_degree", "secagg_plus_parameters", "SecAggPlusParameters",
     "encode", "decode", "max_abs_value", "rounding_error_bound", "FixedPointEncoder", "EncodedVector", "ClipEvent",
     "SecAggError", "SecAggAbort", "SecAggProtocolError", "ShareAuthenticationError", "UnmaskRefused",
     "ShamirError", "EncodingError", "EncodingOverflow",

@@ -17,7 +17,8 @@ never shared) to the same holders, with the same threshold, in the same sealed c
 shares of ``s_u^SK`` and ``b_u``. In Round 4 the server may ask (``"layer_shares_for"``,
 ``"layers_from": k``) for the shares of layers ``k..L`` of survivors; with ``d`` of the ``N``
 sampled clients missing from the sum, a client refuses any ``k <= d``, so the server never learns
-the seeds of layers ``1..d`` that the surviving noise still needs.
+the seeds of layers ``1..d`` that the surviving noise still needs. ``d`` comes from the one
+survivor set the client ever answers for: the first answered request fixes it.
 """
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ class SecAggClient:
         self._own_layer_shares: tuple[int, ...] = ()     # u's shares of its own layer seeds 1..L
         self._absent = 0                                 # sampled clients that never joined the protocol
         self._inbox: dict[int, bytes] = {}               # sender -> sealed (s_sk, b, layer 1..L shares) for u
-        self._revealed: dict[int, str] = {}              # peer -> 'b' | 'sk', across unmask requests
-        self._layer_floor = 0                            # largest d seen: layers 1..d are never revealed
+        # (survivors, dropped) of the first answered unmask request; every later one must repeat it.
+        self._view: tuple[frozenset[int], frozenset[int]] | None = None
 
     def __repr__(self) -> str:
         return f"SecAggClient(id={self.id}, phase={self.phase!r})"
@@ -186,7 +187,13 @@ class SecAggClient:
         shares of layers ``k..L_v`` of each listed ``v``; they come back as ``"layer_shares":
         {v: {layer: share}}`` (always present, empty when none were asked). With
         ``d = absent + n_clients - len(survivors)`` sampled clients missing from the sum, ``k <= d``
-        is refused; the largest ``d`` of any request so far applies to later requests too.
+        is refused.
+
+        The first answered request fixes ``survivors`` and ``dropped``; a later request listing
+        other sets is refused, so what ``u`` reveals always follows from one claim about who
+        dropped (else a server could take layer shares under a claim of fewer dropouts, then the
+        dropped client's ``s_sk`` shares under the true one). A survivor set whose graph is
+        disconnected is refused too (Bell et al. 2020): each part's sum could be unmasked alone.
         """
         if self.phase not in ("masked_input", "unmask"):
             raise SecAggProtocolError(f"client {self.id}: unmask called in phase {self.phase!r}", client=self.id)
@@ -197,11 +204,9 @@ class SecAggClient:
         sk_for = _ids(request.get("sk_shares_for", dropped), "sk_shares_for")
         layer_for = _ids(request.get("layer_shares_for", ()), "layer_shares_for")
         layers_from = request.get("layers_from")
-        n = self.config.n_clients
-        # d of this request; the largest d ever claimed bounds every later request too.
-        self._layer_floor = max(self._layer_floor, self._absent + n - sum(1 for v in survivors if 0 <= v < n))
         self._check_request(survivors, dropped, b_for, sk_for)
         self._check_layer_request(survivors, layer_for, layers_from)
+        self._view = (survivors, dropped)
         self.phase = "unmask"
 
         b_shares: dict[int, bytes] = {}
@@ -226,12 +231,9 @@ class SecAggClient:
                                              for i in range(0, len(plain), _SHARE))
             if v in b_for:
                 b_shares[v] = shamir.encode_share(b_share)
-                self._revealed[v] = "b"
             elif v in sk_for:
                 sk_shares[v] = shamir.encode_share(s_share)
-                self._revealed[v] = "sk"
             if v in layer_for:
-                self._revealed[v] = "b"  # layer shares are survivor-side: s_sk of v stays hidden from now on
                 wanted = {k: shamir.encode_share(layers[k - 1]) for k in range(int(layers_from), len(layers) + 1)}
                 if wanted:
                     layer_shares[v] = wanted
@@ -250,15 +252,21 @@ class SecAggClient:
                    peers=sorted(layer_for - survivors))
         if not _is_int(layers_from) or layers_from < 1:
             refuse(f"'layers_from' must be an int >= 1, got {layers_from!r}")
-        if layers_from <= self._layer_floor:
-            refuse(f"layers_from={layers_from} but {self._layer_floor} sampled clients are missing from the sum, "
-                   f"so layers 1..{self._layer_floor} must stay secret", layers_from=int(layers_from),
-                   missing=self._layer_floor)
+        missing = self._absent + self.config.n_clients - len(survivors)
+        if layers_from <= missing:
+            refuse(f"layers_from={layers_from} but {missing} sampled clients are missing from the sum, "
+                   f"so layers 1..{missing} must stay secret", layers_from=int(layers_from), missing=missing)
 
     def _check_request(self, survivors, dropped, b_for, sk_for) -> None:
         def refuse(reason: str, **details):
             raise UnmaskRefused(f"client {self.id} refuses to unmask: {reason}", client=self.id, **details)
 
+        if self._view is not None and (survivors, dropped) != self._view:
+            refuse("the request lists other survivors or dropped clients than the first one it answered",
+                   peers=sorted((survivors ^ self._view[0]) | (dropped ^ self._view[1])))
+        unknown = sorted(v for v in survivors | dropped if not 0 <= v < self.config.n_clients)
+        if unknown:
+            refuse(f"unknown client ids {unknown}", peers=unknown)
         if survivors & dropped:
             refuse(f"clients {sorted(survivors & dropped)} are listed both as survivors and as dropped",
                    peers=sorted(survivors & dropped))
@@ -273,10 +281,10 @@ class SecAggClient:
         if self.id not in survivors:
             # u did send y_u; a request calling it dropped would expose s_u^SK next to u's own b share.
             refuse("this client sent its masked input but is not listed as a survivor")
-        flipped = sorted(v for v, kind in self._revealed.items()
-                         if (kind == "b" and v in sk_for) or (kind == "sk" and v in b_for))
-        if flipped:
-            refuse(f"the other share of clients {flipped} was revealed in an earlier request", peers=flipped)
         live = len(survivors & (self.neighbours | {self.id}))
         if live < self.threshold:
             refuse(f"only {live} survivors in the neighbourhood, threshold is {self.threshold}")
+        parts = self.config.graph.components(survivors)
+        if parts > 1:
+            refuse(f"the graph of the {len(survivors)} survivors splits into {parts} parts, so the sum of "
+                   "each part could be unmasked alone", components=parts)

@@ -10,6 +10,7 @@ import numpy as np
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.secagg.errors import SecAggProtocolError
 from dpfl_ray.secagg.graph import NeighbourGraph, build_graph
+from dpfl_ray.secagg.parameters import SecAggPlusParameters, evaluate
 
 # Rounds of Bonawitz et al. 2017, Fig. 4, without Round 3 (ConsistencyCheck; honest-but-curious).
 PHASES = ("advertise", "share", "masked_input", "unmask")
@@ -22,6 +23,9 @@ class SecAggConfig:
     """Everything public about one round; server and every client must hold an equal copy.
 
     ``dim`` is optional: when given, clients and server reject vectors of another length.
+    ``dropout_fraction`` (SecAgg+ only): the fraction of the round's clients that may drop in all;
+    with no explicit ``degree`` it picks ``k`` and ``t`` so that the round aborts with probability
+    at most ``2^-failure_log2`` (:func:`~dpfl_ray.secagg.parameters.secagg_plus_parameters`).
     """
 
     n_clients: int
@@ -32,6 +36,8 @@ class SecAggConfig:
     graph_seed: int = 0
     degree: int | None = None
     dim: int | None = None
+    dropout_fraction: float | None = None
+    failure_log2: float = 20.0
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -43,7 +49,17 @@ class SecAggConfig:
     @functools.cached_property
     def graph(self) -> NeighbourGraph:
         return build_graph(self.n_clients, self.protocol, threshold=self.threshold, seed=self.graph_seed,
-                           round_id=self.round_id, degree=self.degree)
+                           round_id=self.round_id, degree=self.degree, dropout_fraction=self.dropout_fraction,
+                           failure_log2=self.failure_log2)
+
+    @property
+    def guarantee(self) -> SecAggPlusParameters | None:
+        """Degree, threshold and failure bound of this SecAgg+ round at ``dropout_fraction``
+        (also for an explicit ``degree`` / ``threshold``); None without a dropout fraction."""
+        if self.protocol != "secagg+" or self.dropout_fraction is None:
+            return None
+        graph = self.graph
+        return evaluate(self.n_clients, len(graph.neighbours[0]), min(graph.thresholds), self.dropout_fraction)
 
     def __getstate__(self) -> dict:
         # The graph is a pure function of the fields; rebuilding it is cheaper than shipping

@@ -74,12 +74,14 @@ def _check_dropouts(dropouts: Mapping[int, str] | None, n: int) -> dict[int, int
 
 def secure_sum(vectors: Sequence[np.ndarray], *, bits: int, protocol: str = "secagg",
                threshold: int | None = None, dropouts: Mapping[int, str] | None = None, round_id: int = 0,
-               graph_seed: int = 0, degree: int | None = None) -> SecAggResult:
+               graph_seed: int = 0, degree: int | None = None, dropout_fraction: float | None = None,
+               failure_log2: float = 20.0) -> SecAggResult:
     """Run one round with real keys for ``len(vectors)`` clients; client ``u`` inputs ``vectors[u]``.
 
     ``dropouts[u] = phase`` makes ``u`` send nothing from that phase on. Raises
-    :class:`~dpfl_ray.secagg.errors.SecAggAbort` when a threshold cannot be met. Defaults of
-    ``threshold`` and ``degree``: see :mod:`dpfl_ray.secagg.graph`.
+    :class:`~dpfl_ray.secagg.errors.SecAggAbort` when a threshold cannot be met or the survivors'
+    graph is disconnected. Defaults of ``threshold`` and ``degree``, and how ``dropout_fraction``
+    picks them: see :mod:`dpfl_ray.secagg.graph`.
     """
     n = len(vectors)
     if n < 1:
@@ -88,7 +90,8 @@ def secure_sum(vectors: Sequence[np.ndarray], *, bits: int, protocol: str = "sec
     if len(dims) != 1:
         raise DPFLError(f"all vectors must have one shape, got {sorted(dims)}", "vectors")
     config = SecAggConfig(n_clients=n, bits=bits, protocol=protocol, threshold=threshold, round_id=round_id,
-                          graph_seed=graph_seed, degree=degree, dim=int(np.shape(vectors[0])[0]))
+                          graph_seed=graph_seed, degree=degree, dim=int(np.shape(vectors[0])[0]),
+                          dropout_fraction=dropout_fraction, failure_log2=failure_log2)
     inputs = [as_ring_vector(v, config, "vectors") for v in vectors]
     leaves = _check_dropouts(dropouts, n)
     clients = [SecAggClient(u, config) for u in range(n)]

@@ -4,8 +4,9 @@ neighbour graph of SecAgg+ (Bell et al. 2020).
 Live sets follow the paper: U_1 advertised keys, U_2 shared keys, U_3 sent masked inputs (their
 inputs are in the sum), U_4 answered the unmask request. After every round the server aborts with
 :class:`SecAggAbort` if some live client has fewer than its threshold of live holders (for the
-complete graph: fewer than ``t`` clients remain), and before reconstructing it aborts if any
-needed secret has fewer than its threshold of shares.
+complete graph: fewer than ``t`` clients remain), after Round 2 if the graph restricted to U_3 is
+disconnected (Bell et al. 2020: each part's sum could be unmasked on its own), and before
+reconstructing it aborts if any needed secret has fewer than its threshold of shares.
 
 Masked inputs may arrive pre-summed: a worker hosting several clients may add their ``y_u`` mod
 2^bits and send ``{"clients": [...], "masked": sum}``; the server only needs the total and the ids.
@@ -155,6 +156,13 @@ class SecAggServer:
             total = y.copy() if total is None else np.add(total, y, out=total)
         self.u3 = frozenset(senders)
         self._check_live("masked_input", self.u3)
+        parts = self.graph.components(self.u3)
+        if parts > 1:
+            # Masks between U_3 clients cancel only within one component of the graph restricted
+            # to U_3; unmasking a split set would release the sum of every part separately.
+            raise SecAggAbort(f"abort in phase 'masked_input': the graph of the {len(self.u3)} survivors splits "
+                              f"into {parts} parts, so each part's sum could be unmasked alone",
+                              phase="masked_input", components=parts)
         self._masked_sum = total
         survivors, dropped = sorted(self.u3), sorted(self.u2 - self.u3)
         out = {"round_id": self.config.round_id, "survivors": survivors, "dropped": dropped,

@@ -66,3 +66,39 @@ def test_invalid_graph_parameters_are_user_errors():
         build_graph(20, "secagg+", degree=4, threshold=6)  # above the neighbourhood size
     with pytest.raises(DPFLError):
         build_graph(5, "gossip")
+
+
+def bfs_components(graph, members):
+    left, parts = set(members), 0
+    while left:
+        parts += 1
+        frontier = [left.pop()]
+        while frontier:
+            reached = graph.neighbours[frontier.pop()] & left
+            left -= reached
+            frontier.extend(reached)
+    return parts
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 60), st.data())
+def test_ring_components_match_a_graph_search(n, data):
+    degree = data.draw(st.sampled_from([*range(0, n - 1, 2), n - 1]))
+    graph = build_graph(n, "secagg+", degree=degree, seed=data.draw(st.integers(0, 50)))
+    chosen = data.draw(st.sets(st.integers(0, n - 1)))
+    members = chosen if data.draw(st.booleans()) else set(range(n)) - chosen  # sparse and dense sets
+    assert graph.components(members) == bfs_components(graph, members)
+
+
+def test_complete_graph_keeps_any_nonempty_set_whole():
+    graph = build_graph(7, "secagg")
+    assert graph.ring == () and graph.components([3]) == graph.components([0, 6]) == 1
+    assert graph.components([]) == 0
+
+
+def test_components_at_n_10000_split_by_two_gaps_and_rejoined_by_one_client():
+    graph = build_graph(10000, "secagg+", degree=226, seed=4)
+    ring, half = graph.ring, 113
+    split = set(range(10000)) - set(ring[:half]) - set(ring[5000:5000 + half])
+    assert graph.components(split) == 2
+    assert graph.components(split | {ring[0]}) == 1

@@ -156,14 +156,19 @@ def test_malformed_layer_requests_are_refused(masked_round, extra):
         masked_round.clients[0].unmask({**masked_round.request, **extra})
 
 
-def test_a_request_claiming_more_dropouts_raises_the_floor_for_later_requests(masked_round):
+def test_the_first_answered_request_fixes_survivors_and_dropped(masked_round):
     client = masked_round.clients[0]
     # A request listing only 0..4 as survivors claims d = 1 + 3 = 4 (no layers asked, so it is answered).
-    client.unmask({"round_id": 0, "survivors": [0, 1, 2, 3, 4], "dropped": []})
+    first = {"round_id": 0, "survivors": [0, 1, 2, 3, 4], "dropped": []}
+    client.unmask(first)
     honest = masked_round.server.request_layers(masked_round.request, 3)  # d = 2 for this one
+    for later in (honest, {**honest, "layers_from": 5}, masked_round.request):
+        with pytest.raises(UnmaskRefused) as err:
+            client.unmask(later)
+        assert err.value.peers == [5, 6, 7]
+    assert set(client.unmask({**first, "layer_shares_for": [0], "layers_from": 5})["layer_shares"][0]) == {5}
     with pytest.raises(UnmaskRefused):
-        client.unmask(honest)
-    assert set(client.unmask({**honest, "layers_from": 5})["layer_shares"][0]) == {5}
+        client.unmask({**first, "layer_shares_for": [0], "layers_from": 4})  # its own d still applies
 
 
 def test_revealed_layers_block_a_later_s_sk_request_for_the_same_peer(masked_round):
@@ -172,6 +177,71 @@ def test_revealed_layers_block_a_later_s_sk_request_for_the_same_peer(masked_rou
     with pytest.raises(UnmaskRefused) as err:
         client.unmask({"round_id": 0, "survivors": [0, 1, 2, 3, 4, 6], "dropped": [5, 7]})
     assert err.value.peers == [5]
+
+
+def lying_then_honest(config):
+    """Issue 9's attack: 5 clients, t = 3, client 4 drops before its masked input (d = 1). The
+    lying request lists 4 as a survivor (d = 0), leaves it out of the b shares, and asks for layer
+    1; the honest one then asks for the s_sk shares of 4. Layer 1 plus the unmasked sum would strip
+    noise that the sum of 0..3 still needs."""
+    r = Round(config, n_layers=2, absent=0, drop=(4,))
+    lying = {"round_id": 0, "survivors": [0, 1, 2, 3, 4], "dropped": [], "b_shares_for": [0, 1, 2, 3],
+             "layer_shares_for": [0, 1, 2, 3], "layers_from": 1}
+    honest = r.server.request_layers(r.request, 2)
+    return r, lying, honest
+
+
+def collect(replies, field, owner, layer=None):
+    points = {}
+    for reply in replies:
+        shares = reply[field].get(owner, {})
+        share = shares.get(layer) if layer is not None else shares
+        if share:
+            points[reply["client"] + 1] = shamir.decode_share(share)
+    return points
+
+
+@pytest.mark.parametrize("lied_to", [(0, 1, 2, 3), (0, 1, 2), (0, 1), (3,), ()])
+def test_a_lie_about_who_dropped_never_yields_both_layer_1_and_the_dropped_clients_s_sk(lied_to):
+    r, lying, honest = lying_then_honest(SecAggConfig(n_clients=5, bits=32, threshold=3))
+    replies = []
+    for u in r.survivors:  # each client gets one request first, then the other
+        for request in ((lying, honest) if u in lied_to else (honest, lying)):
+            try:
+                replies.append(r.clients[u].unmask(request))
+            except UnmaskRefused as err:
+                assert "other survivors or dropped" in str(err)
+    assert len(replies) == 4  # exactly one answer per client
+    layer_1 = collect(replies, "layer_shares", 0, layer=1)
+    sk_4 = {reply["client"] + 1: shamir.decode_share(reply["sk_shares"][4]) for reply in replies
+            if 4 in reply["sk_shares"]}
+    # No client can tell the lie from the truth, so the lie's layer 1 may be rebuilt -- but then
+    # s_sk of 4 stays below t, so the sum that layer 1 would denoise cannot be unmasked.
+    assert len(layer_1) < 3 or len(sk_4) < 3
+    if len(layer_1) >= 3:
+        assert shamir.int_to_secret(shamir.reconstruct(layer_1, 3)) == r.seeds[0][0]
+    for reply in replies:  # the server keeps layer 1 aside and tries to finish the round
+        reply["layer_shares"] = {v: {k: sh for k, sh in shares.items() if k >= 2}
+                                 for v, shares in reply["layer_shares"].items()}
+    if len(sk_4) < 3:
+        with pytest.raises(SecAggAbort) as err:
+            r.server.receive_unmask(replies)
+        assert err.value.client == 4 and err.value.available == len(sk_4)
+    else:
+        assert len(layer_1) < 3
+        np.testing.assert_array_equal(r.server.receive_unmask(replies), expected_sum(r.vectors, r.survivors))
+
+
+def test_honest_request_first_then_the_lie_is_refused_and_layer_1_stays_secret():
+    r, lying, honest = lying_then_honest(SecAggConfig(n_clients=5, bits=32, threshold=3))
+    replies = [r.clients[u].unmask(honest) for u in r.survivors]
+    for u in r.survivors:
+        with pytest.raises(UnmaskRefused):
+            r.clients[u].unmask(lying)
+        assert r.clients[u].unmask(honest)["layer_shares"] == replies[u]["layer_shares"]  # a repeat still works
+    assert collect(replies, "layer_shares", 0, layer=1) == {}
+    np.testing.assert_array_equal(r.server.receive_unmask(replies), expected_sum(r.vectors, r.survivors))
+    assert r.server.layer_seeds == r.layers(r.survivors, 2)
 
 
 def drop_layer_shares(owner, holders, layer=None):

@@ -24,15 +24,34 @@ def expected_sum(vectors, members, bits):
     return total
 
 
+def connected(graph, members):
+    """Breadth-first search over the graph restricted to ``members``."""
+    members = set(members)
+    if not members:
+        return False
+    seen, frontier = set(), [min(members)]
+    while frontier:
+        u = frontier.pop()
+        if u not in seen:
+            seen.add(u)
+            frontier.extend((graph.neighbours[u] & members) - seen)
+    return seen == members
+
+
 def predicted_abort(graph, leaves):
     """Independent statement of when a round must abort: a live client below its threshold of live
-    holders after some phase, or a needed secret with fewer shares than its threshold."""
+    holders after some phase, a disconnected survivor graph, or a needed secret with fewer shares
+    than its threshold."""
     n = graph.n
     live = [frozenset(u for u in range(n) if leaves.get(u, 4) > p) for p in range(4)]
-    for phase_live in live:
+    for phase_live in live[:3]:
         if not phase_live or any(len(graph.holders(u) & phase_live) < graph.thresholds[u] for u in phase_live):
             return True
     u2, u3, u4 = live[1], live[2], live[3]
+    if not connected(graph, u3):
+        return True
+    if not u4 or any(len(graph.holders(u) & u4) < graph.thresholds[u] for u in u4):
+        return True
     if any(len(graph.holders(u) & u4) < graph.thresholds[u] for u in u3):
         return True
     return any(len(graph.neighbours[u] & u4) < graph.thresholds[u] for u in u2 - u3)
