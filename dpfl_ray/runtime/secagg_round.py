@@ -87,7 +87,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
         threshold = min(sa.threshold, n) if sa.threshold else None
     config = SecAggConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold, round_id=t,
                           graph_seed=sc.seed, degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
-                          dim=int(coord.theta.size) + spec.extra_dims)
+                          dim=int(coord.theta.size) + spec.extra_dims, dropout_fraction=sa.dropout_tolerance,
+                          failure_log2=sa.failure_log2)
     server = SecAggServer(config)
     leave = {c: SECAGG_PHASE[p] for c, p in faults.dropped.items() if p in SECAGG_PHASE and c in index}
     assignment = {w: ids for w, ids in zip(coord.workers, coord.assign(active)) if ids}
@@ -96,6 +97,9 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
                      or DEFAULT_ROUND_TIMEOUT_SECONDS)
     encoding = Encoding(sa.resolved_scale, sa.overflow, n)
     seconds, record = {}, {"secagg_protocol": sa.protocol, "secagg_threshold": server_threshold(config)}
+    guarantee = config.guarantee
+    if guarantee is not None:  # SecAgg+ sized for a dropout fraction (docs/secagg.md)
+        record.update(secagg_degree=guarantee.degree, secagg_failure_bound=guarantee.failure)
 
     def timed(phase, fn):
         start = time.perf_counter()
