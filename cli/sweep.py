@@ -1,6 +1,8 @@
 """``dpfl sweep``: run a scenario over a grid of overrides (x seeds) and compare the runs."""
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -67,7 +69,8 @@ def sweep(
     try:
         statuses = sw.run_all(sweep_dir, mine, runner, on_run)
     except KeyboardInterrupt:
-        console.print(f"interrupted; resume with: dpfl sweep {scenario} ... --out {sweep_dir}", highlight=False)
+        again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
+        console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True)
         raise typer.Exit(130)
     rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses)
     _table(rows, list(axes))
