@@ -72,6 +72,9 @@ def sweep(
         again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
         console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True)
         raise typer.Exit(130)
+    if count > 1:  # shards finish at different times; one unsharded call writes the whole table
+        console.print(f"shard {shard} done; run without --shard to write sweep.csv and the plots")
+        return
     rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses)
     _table(rows, list(axes))
     for path in written:

@@ -338,8 +338,9 @@ def tally(dropouts: Mapping[int, Dropout | str]) -> dict:
 
 # --- scenario checks ----------------------------------------------------------------------------
 
-def check_scenario(sc) -> None:
-    """Fault settings that cannot be carried out in this scenario; ValueError('field: why')."""
+def check_scenario(sc, read_files: bool = True) -> None:
+    """Fault settings that cannot be carried out in this scenario; ValueError('field: why').
+    ``read_files=False`` skips the availability trace (where the file is not at hand)."""
     f, k, rounds = sc.faults, sc.data.num_clients, sc.training.rounds
     s = sc.sampling
     if s.overcommit > 1 and s.mode == "fixed" and overcommitted(s).clients_per_round > k:
@@ -372,7 +373,7 @@ def check_scenario(sc) -> None:
             raise ValueError("faults.stragglers.tiers: a client is listed in two tiers")
         if sum(t.share or 0 for t in f.stragglers.tiers) > 1 + 1e-9:
             raise ValueError("faults.stragglers.tiers: the shares add up to more than 1")
-    if f.availability:
+    if f.availability and read_files:
         load_trace(f.availability.trace, k)  # a DPFLError is a ValueError naming the line
 
 

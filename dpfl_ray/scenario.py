@@ -354,10 +354,11 @@ class Scenario(_Section):
         return self
 
     @model_validator(mode="after")
-    def _fault_checks(self):
+    def _fault_checks(self, info):  # info: pydantic.ValidationInfo
         from .faults import check_scenario
 
-        check_scenario(self)
+        # context={"read_files": False}: a process on another node, which gets the trace from the driver
+        check_scenario(self, read_files=(info.context or {}).get("read_files", True))
         return self
 
     def to_yaml(self) -> str:

@@ -151,11 +151,14 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
         for key, what in (("scenario_sha256", "scenario file"), ("sets", "--set overrides")):
             if old.get(key) != manifest[key]:
                 raise DPFLError(f"{sweep_dir} holds a sweep of another {what}; choose another --out", field="--out")
-    elif sweep_dir.exists() and any(sweep_dir.iterdir()):
+    elif sweep_dir.exists() and any(not p.name.startswith(MANIFEST) for p in sweep_dir.iterdir()):
         raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    # the manifest first, whole or not at all: shards of one sweep may start at the same time
+    tmp = sweep_dir / f"{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, old_path)
     (sweep_dir / "scenario.yaml").write_bytes(text)
-    old_path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def run_all(sweep_dir: Path, runs: Sequence[SweepRun], runner: Runner,

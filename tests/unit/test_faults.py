@@ -276,3 +276,17 @@ def test_impossible_fault_settings_are_one_line(faults, sections, needle):
     with pytest.raises(DPFLError) as err:
         scenario(faults, **sections)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_processes_without_the_trace_file_skip_reading_it(tmp_path):
+    from dpfl_ray.scenario import Scenario
+
+    path = tmp_path / "trace.csv"
+    path.write_text("client_id,round,available\n1,1,0\n")
+    sc = scenario({"availability": {"trace": str(path)}})
+    plan = FaultPlan.from_scenario(sc)  # the driver reads it once ...
+    path.unlink()
+    remote = Scenario.model_validate(sc.model_dump(mode="json"), context={"read_files": False})  # ... others need not
+    assert remote == sc and plan.plan(0, np.arange(4)).dropouts() == {1: Dropout("unavailable", "training")}
+    with pytest.raises(Exception, match="no trace file"):
+        Scenario.model_validate(sc.model_dump(mode="json"))
