@@ -186,7 +186,7 @@ class StragglerTierConfig(_Section):
         if (self.clients is None) == (self.share is None):
             raise ValueError("a straggler tier needs exactly one of clients or share")
         if self.clients is not None and any(c < 0 for c in self.clients):
-            raise ValueError("client ids are >= 0")
+            raise ValueError("clients: client ids are >= 0")
         return self
 
 
@@ -242,9 +242,9 @@ class CorruptConfig(_Section):
     @model_validator(mode="after")
     def _kinds(self):
         if self.kind == []:
-            raise ValueError("corrupt.kind: the list of kinds cannot be empty")
+            raise ValueError("kind: the list of kinds cannot be empty")
         if any(c < 0 for c in self.clients):
-            raise ValueError("corrupt.clients: client ids are >= 0")
+            raise ValueError("clients: client ids are >= 0")
         return self
 
     @property
