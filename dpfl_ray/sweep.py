@@ -119,11 +119,19 @@ def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Seque
     return runs
 
 
-def validate(scenario: Path, runs: Sequence[SweepRun]) -> None:
-    """Load every combination's scenario, so a bad grid is one line before anything runs."""
+def validate(scenario: Path, runs: Sequence[SweepRun], build_data: bool = True) -> None:
+    """Load every combination's scenario, and build each distinct partition, so a bad grid or an
+    impossible partition is one line before anything runs (as ``dpfl run`` checks one run)."""
+    built = set()
     for run in runs:
         try:
-            load_scenario(scenario, list(run.overrides))
+            sc = load_scenario(scenario, list(run.overrides))
+            key = json.dumps([sc.data.model_dump(mode="json"), sc.seed], sort_keys=True)
+            if build_data and key not in built:
+                from .data import build_federation
+
+                build_federation(sc)
+                built.add(key)
         except DPFLError as err:
             raise DPFLError(f"{err} (in combination {' '.join(run.overrides) or 'the scenario itself'})") from None
 

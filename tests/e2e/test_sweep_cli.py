@@ -42,15 +42,13 @@ def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
     assert not out.exists()
 
 
-def test_runs_that_fail_are_recorded_and_the_sweep_says_so(tmp_path):
+def test_runs_past_their_timeout_are_stopped_and_recorded(tmp_path):
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(TINY))
     out = tmp_path / "sweep"
-    # valid schema, impossible partition: each `dpfl run` fails before Ray starts
-    res = dpfl("sweep", scenario, "--grid", "data.examples_per_client=1000,2000", "--out", out)
+    res = dpfl("sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "1")
     assert res.returncode == 1 and "2 of 2 runs did not finish" in res.stdout, res.stdout + res.stderr
     with open(out / "sweep.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["status"].split(":")[0] for r in rows] == ["failed", "failed"]
-    assert "data.examples_per_client" in rows[0]["status"] and rows[0]["final_accuracy"] == ""
-    assert "data.examples_per_client" in (out / "logs" / f"{rows[0]['run']}.log").read_text()
+    assert [(r["status"], r["final_accuracy"]) for r in rows] == [("timeout", ""), ("timeout", "")]
+    assert (out / "logs" / f"{rows[0]['run']}.log").is_file()

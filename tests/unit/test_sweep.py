@@ -78,7 +78,8 @@ def test_every_combination_is_validated_before_anything_runs(scenario):
     sw.validate(scenario, ok)
     for grid, needle in (({"faults.dropout.rat": ["0"]}, "faults.dropout.rat: unknown key"),
                          ({"faults.dropout.rate": ["0", "1.5"]}, "faults.dropout.rate"),
-                         ({"sampling.clients_per_round": ["6", "13"]}, "exceeds data.num_clients")):
+                         ({"sampling.clients_per_round": ["6", "13"]}, "exceeds data.num_clients"),
+                         ({"data.examples_per_client": ["10", "1000"]}, "data.examples_per_client")):
         with pytest.raises(DPFLError) as err:
             sw.validate(scenario, sw.expand(grid, None))
         assert needle in str(err.value) and "in combination" in str(err.value) and "\n" not in str(err.value)
