@@ -12,6 +12,8 @@ import numpy as np
 _PURPOSES = (
     "init", "partition", "sample", "faults", "batches", "torch", "noise", "calibration",
     "secagg", "graph", "encode", "clip", "layers",
+    # fault injection (issue 12)
+    "stragglers", "straggler_tiers", "crash", "node_failure", "corrupt",
 )
 
 

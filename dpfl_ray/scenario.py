@@ -73,6 +73,8 @@ class SamplingConfig(_Section):
     mode: Literal["fixed", "poisson"] = "fixed"
     clients_per_round: int | None = Field(10, ge=1, description="fixed: m of K clients per round")
     rate: float | None = Field(None, gt=0, le=1, description="poisson: inclusion probability q")
+    overcommit: float = Field(1.0, ge=1, description="Bonawitz et al. 2019: sample this many times the clients "
+                                                      "needed; the round keeps the first to report (docs/faults.md)")
 
     @model_validator(mode="after")
     def _mode_fields(self):
@@ -183,9 +185,117 @@ class DropoutConfig(_Section):
     phase: Literal["training", "advertise", "share", "upload", "unmask", "calibration"] = "upload"
 
 
+_Phase = Literal["training", "advertise", "share", "upload", "unmask", "calibration"]
+
+
+class LatencyConfig(_Section):
+    """A straggler's extra delay before its update arrives, in seconds."""
+
+    distribution: Literal["fixed", "lognormal", "uniform"] = "lognormal"
+    seconds: float = Field(2.0, ge=0, description="fixed: the delay")
+    median_s: float = Field(2.0, gt=0, description="lognormal: the median delay")
+    sigma: float = Field(0.5, ge=0, description="lognormal: sigma of the log-delay")
+    low_s: float = Field(0.0, ge=0, description="uniform: shortest delay")
+    high_s: float = Field(4.0, gt=0, description="uniform: longest delay")
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.distribution == "uniform" and self.low_s > self.high_s:
+            raise ValueError(f"low_s={self.low_s} exceeds high_s={self.high_s}")
+        return self
+
+
+class StragglerTierConfig(_Section):
+    """Slow devices: clients that straggle whenever they are sampled."""
+
+    clients: list[int] | None = Field(None, description="these client ids")
+    share: float | None = Field(None, gt=0, le=1, description="or this share of all clients, drawn from the seed")
+    latency: LatencyConfig = LatencyConfig()
+
+    @model_validator(mode="after")
+    def _who(self):
+        if (self.clients is None) == (self.share is None):
+            raise ValueError("a straggler tier needs exactly one of clients or share")
+        if self.clients is not None and any(c < 0 for c in self.clients):
+            raise ValueError("clients: client ids are >= 0")
+        return self
+
+
+class StragglersConfig(_Section):
+    fraction: float = Field(0.0, ge=0, le=1, description="each sampled client outside the tiers straggles this "
+                                                          "round with this probability")
+    latency: LatencyConfig = LatencyConfig()
+    tiers: list[StragglerTierConfig] = Field(default_factory=list)
+
+
+class CrashConfig(_Section):
+    """Worker crashes: drawn per worker and round, or at listed [round, phase(, worker)] points."""
+
+    rate: float = Field(0.0, ge=0, le=1, description="each worker crashes in a round with this probability")
+    phase: _Phase = Field("training", description="the phase of a rate-drawn crash")
+    at: list[list] = Field(default_factory=list, description="[[round, phase], [round, phase, worker], ...]; "
+                                                             "rounds count from 1 as in rounds.jsonl")
+
+    @field_validator("at")
+    @classmethod
+    def _points(cls, at):
+        from .faults import parse_crash_points
+
+        parse_crash_points(at)  # raises ValueError naming the entry
+        return at
+
+
+class NodeFailureConfig(_Section):
+    at_round: int | list[int] = Field(..., description="round(s), counted from 1, in which nodes are lost")
+    nodes: int = Field(1, ge=1, description="nodes lost at each listed round")
+    phase: _Phase = "training"
+
+    @field_validator("at_round")
+    @classmethod
+    def _rounds(cls, at):
+        if any(isinstance(r, bool) or r < 1 for r in ([at] if isinstance(at, int) else at)) or at == []:
+            raise ValueError("rounds count from 1 and the list cannot be empty")
+        return at
+
+    @property
+    def rounds(self) -> list[int]:
+        return [self.at_round] if isinstance(self.at_round, int) else list(self.at_round)
+
+
+_Corruption = Literal["nan", "inf", "shape", "norm"]
+
+
+class CorruptConfig(_Section):
+    kind: _Corruption | list[_Corruption] = Field("nan", description="one kind, or a list to draw from")
+    clients: list[int] = Field(default_factory=list, description="these clients corrupt every update they send")
+    fraction: float = Field(0.0, ge=0, le=1, description="and each other sampled client with this probability")
+
+    @model_validator(mode="after")
+    def _kinds(self):
+        if self.kind == []:
+            raise ValueError("kind: the list of kinds cannot be empty")
+        if any(c < 0 for c in self.clients):
+            raise ValueError("clients: client ids are >= 0")
+        return self
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(self.kind) if isinstance(self.kind, list) else [self.kind]
+
+
+class AvailabilityConfig(_Section):
+    trace: str = Field(..., description="CSV client_id,round,available (rounds from 1; unlisted = available)")
+
+
 class FaultsConfig(_Section):
     # one dropout model, or a list of them for several phases of the same round
     dropout: DropoutConfig | list[DropoutConfig] = DropoutConfig()
+    stragglers: StragglersConfig | None = None
+    crash: CrashConfig | None = None
+    node_failure: NodeFailureConfig | None = None
+    corrupt: CorruptConfig | None = None
+    availability: AvailabilityConfig | None = None
+    max_update_norm: float = Field(1e6, gt=0, description="an update with a larger L2 norm is rejected as corrupt")
 
     @property
     def dropouts(self) -> list[DropoutConfig]:
@@ -240,6 +350,14 @@ class Scenario(_Section):
             raise ValueError(
                 f"sampling.clients_per_round={self.sampling.clients_per_round} exceeds "
                 f"data.num_clients={self.data.num_clients}")
+        return self
+
+    @model_validator(mode="after")
+    def _fault_checks(self, info):  # info: pydantic.ValidationInfo
+        from .faults import check_scenario
+
+        # context={"read_files": False}: a process on another node, which gets the trace from the driver
+        check_scenario(self, read_files=(info.context or {}).get("read_files", True))
         return self
 
     def to_yaml(self) -> str:

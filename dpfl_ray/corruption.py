@@ -1,0 +1,64 @@
+"""Corrupt updates (docs/faults.md): how a faulty client spoils its update, and the check that
+keeps such an update from ever reaching the model.
+
+The check runs where an individual update still exists: in the worker, before its group sum or
+its SecAgg masking (a stand-in for the client-side validity proof a deployment would need, since
+the server never sees an individual masked input), or at the coordinator for per-client uploads.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import rng as rngmod
+
+CORRUPTIONS = ("nan", "inf", "shape", "norm")
+ABSURD_NORM = 1e20  # far past any max_update_norm a scenario would set
+
+
+def corrupt(vector: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """A corrupted copy of an update: NaN or +-Inf in ~1% of the entries (at least one), one
+    entry too few or too many, or the same direction scaled to norm :data:`ABSURD_NORM`."""
+    v = np.array(vector, copy=True)
+    n = v.size
+    if kind in ("nan", "inf"):
+        v = v.astype(np.result_type(v.dtype, np.float32))
+        if n == 0:
+            return np.array([np.nan if kind == "nan" else np.inf], dtype=v.dtype)
+        idx = rng.choice(n, size=max(1, n // 100), replace=False)
+        v.flat[idx] = np.nan if kind == "nan" else np.where(rng.random(idx.size) < 0.5, -np.inf, np.inf)
+        return v
+    if kind == "shape":
+        return v.ravel()[:-1] if n > 1 and rng.random() < 0.5 else np.append(v.ravel(), v.dtype.type(0))
+    if kind == "norm":
+        v = v.astype(np.result_type(v.dtype, np.float32))
+        norm = float(np.linalg.norm(v.astype(np.float64)))
+        base = v / norm if norm > 0 else np.full_like(v, 1.0 / math.sqrt(max(n, 1)))
+        return (base * ABSURD_NORM).astype(v.dtype)
+    raise ValueError(f"unknown corruption {kind!r}; one of {', '.join(CORRUPTIONS)}")
+
+
+def check_update(vector, expected_dim: int, max_norm: float | None) -> str | None:
+    """Why an update must not reach the model, or None. The reason starts with its kind
+    (``shape``, ``nan``, ``inf``, ``norm``) so records can count rejections by kind."""
+    v = np.asarray(vector)
+    if v.shape != (expected_dim,):
+        return f"shape: {tuple(v.shape)} instead of ({expected_dim},)"
+    if not np.issubdtype(v.dtype, np.number):
+        return f"shape: {v.dtype} values instead of numbers"
+    bad = int(np.isnan(v).sum()) if np.issubdtype(v.dtype, np.inexact) else 0
+    if bad:
+        return f"nan: {bad} of {expected_dim} values are NaN"
+    bad = int(np.isinf(v).sum()) if np.issubdtype(v.dtype, np.inexact) else 0
+    if bad:
+        return f"inf: {bad} of {expected_dim} values are infinite"
+    norm = float(np.linalg.norm(v.astype(np.float64)))
+    if max_norm is not None and norm > max_norm:
+        return f"norm: {norm:.3g} exceeds faults.max_update_norm={max_norm:g}"
+    return None
+
+
+def corruption_rng(seed: int, round_idx: int, client_id: int) -> np.random.Generator:
+    """The values of one corruption: a child of the stream that chose the client, not the same draws."""
+    return np.random.Generator(np.random.PCG64(rngmod.seed_sequence(seed, "corrupt", round_idx, client_id).spawn(1)[0]))

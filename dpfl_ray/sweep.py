@@ -1,0 +1,360 @@
+"""Sweeps: one scenario, a grid of ``--set`` overrides (x seeds), one run directory per
+combination, then ``sweep.csv`` and plots of final accuracy and of effective vs claimed epsilon
+against each grid axis, with error bars over seeds. The logic behind ``dpfl sweep``.
+
+Runs go through a *runner* callable, by default the real ``dpfl run`` in a subprocess with a
+timeout, one after the other. A sweep directory is resumable: a run whose ``summary.json`` says it
+finished is skipped, an unfinished one is moved to ``.incomplete/`` and run again. Nothing here
+imports Ray; the runs themselves do (docs/faults.md, "Sweeps", for running on a cluster).
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import DPFLError
+from .report import load_run
+from .scenario import load_scenario
+
+MANIFEST = "sweep.json"
+# A summary with any other stop_reason is a run that ended on its own and would end the same again.
+UNFINISHED = ("interrupted", "error", None)
+CSV_METRICS = ["final_accuracy", "epsilon", "epsilon_claimed", "rounds", "stop_reason", "wall_seconds", "status"]
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One combination: its grid values (as typed), its seed (None: the scenario's own), the
+    ``--set`` overrides that make it, and its run directory's name."""
+
+    name: str
+    values: tuple[tuple[str, str], ...]
+    seed: int | None
+    overrides: tuple[str, ...]
+
+
+Runner = Callable[[SweepRun, Path], str]
+"""Runs one combination into a (new) run directory; returns 'ok' or why not ('timeout', 'failed: ...')."""
+
+
+def split_values(text: str) -> list[str]:
+    """'0,0.1,[1,2]' -> ['0', '0.1', '[1,2]']: commas inside brackets or braces stay."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur.strip()]
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
+    """``--grid key=v1,v2`` options -> {key: [v1, v2]}, in the order given."""
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        key, eq, values = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise DPFLError(f"{item!r} must look like key.path=value1,value2", field="--grid")
+        if key == "seed":
+            raise DPFLError("sweep seeds with --seeds 0,1,2, not a grid axis", field="--grid")
+        if key in grid:
+            raise DPFLError(f"{key} is given twice", field="--grid")
+        vals = split_values(values)
+        if any(v == "" for v in vals):
+            raise DPFLError(f"{key} has an empty value ({values!r})", field="--grid")
+        if len(set(vals)) < len(vals):
+            raise DPFLError(f"{key} lists a value twice ({values!r})", field="--grid")
+        grid[key] = vals
+    return grid
+
+
+def parse_seeds(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in split_values(text)]
+    except ValueError:
+        raise DPFLError(f"expected integers like 0,1,2 (got {text!r})", field="--seeds") from None
+    if len(set(seeds)) < len(seeds):
+        raise DPFLError(f"a seed is listed twice ({text!r})", field="--seeds")
+    return seeds
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=+-]", "_", text)
+
+
+def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Sequence[str] = ()) -> list[SweepRun]:
+    """Every combination, seeds outermost (one pass over the grid per seed), grid in order."""
+    set_keys = {s.partition("=")[0].strip() for s in base_sets}
+    for key in grid:
+        if key in set_keys:
+            raise DPFLError(f"{key} is also given with --set", field="--grid")
+    if "seed" in set_keys and seeds is not None:
+        raise DPFLError("seed is given with both --set and --seeds", field="--seeds")
+    runs, names = [], {}
+    for seed in (seeds if seeds is not None else [None]):
+        for combo in itertools.product(*grid.values()):
+            values = tuple(zip(grid, combo))
+            parts = [f"{k}={v}" for k, v in values] + ([f"seed={seed}"] if seed is not None else [])
+            name = _safe("__".join(parts)) or "run"
+            if name in names:
+                raise DPFLError(f"{'__'.join(parts)} and {names[name]} share a directory name", field="--grid")
+            names[name] = "__".join(parts)
+            runs.append(SweepRun(name, values, seed, tuple(base_sets) + tuple(parts)))
+    return runs
+
+
+def validate(scenario: Path, runs: Sequence[SweepRun], build_data: bool = True) -> None:
+    """Load every combination's scenario, and build each distinct partition, so a bad grid or an
+    impossible partition is one line before anything runs (as ``dpfl run`` checks one run)."""
+    built = set()
+    for run in runs:
+        try:
+            sc = load_scenario(scenario, list(run.overrides))
+            key = json.dumps([sc.data.model_dump(mode="json"), sc.seed], sort_keys=True)
+            if build_data and key not in built:
+                from .data import build_federation
+
+                build_federation(sc)
+                built.add(key)
+        except DPFLError as err:
+            raise DPFLError(f"{err} (in combination {' '.join(run.overrides) or 'the scenario itself'})") from None
+
+
+def is_finished(run_dir: Path) -> bool:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("stop_reason") not in UNFINISHED
+
+
+def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None, base_sets: Sequence[str]) -> None:
+    """Create or reopen a sweep directory. Reopening needs the same scenario file and ``--set``s
+    (the grid and seeds may grow); ``sweep.json`` records them."""
+    text = scenario.read_bytes()
+    manifest = {"scenario": str(scenario), "scenario_sha256": hashlib.sha256(text).hexdigest(),
+                "sets": list(base_sets), "grid": grid, "seeds": seeds}
+    old_path = sweep_dir / MANIFEST
+    if old_path.is_file():
+        try:
+            old = json.loads(old_path.read_text())
+        except ValueError:
+            raise DPFLError(f"{old_path} is not valid JSON", field="--out") from None
+        for key, what in (("scenario_sha256", "scenario file"), ("sets", "--set overrides")):
+            if old.get(key) != manifest[key]:
+                raise DPFLError(f"{sweep_dir} holds a sweep of another {what}; choose another --out", field="--out")
+    elif sweep_dir.exists() and any(not p.name.startswith(MANIFEST) for p in sweep_dir.iterdir()):
+        raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    # the manifest first, whole or not at all: shards of one sweep may start at the same time
+    tmp = sweep_dir / f"{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, old_path)
+    (sweep_dir / "scenario.yaml").write_bytes(text)
+
+
+def run_all(sweep_dir: Path, runs: Sequence[SweepRun], runner: Runner,
+            on_run: Callable[[int, SweepRun, str], None] | None = None) -> dict[str, str]:
+    """Run each unfinished combination; returns {run name: status} ('skipped' for finished ones)."""
+    statuses: dict[str, str] = {}
+    for i, run in enumerate(runs):
+        run_dir = sweep_dir / run.name
+        if is_finished(run_dir):
+            statuses[run.name] = "skipped"
+        else:
+            if run_dir.exists():  # an unfinished try: kept aside, never overwritten
+                aside = sweep_dir / ".incomplete"
+                aside.mkdir(exist_ok=True)
+                n = sum(1 for p in aside.iterdir() if p.name.startswith(run.name + ".")) + 1
+                shutil.move(str(run_dir), str(aside / f"{run.name}.{n}"))
+            statuses[run.name] = runner(run, run_dir)
+        if on_run:
+            on_run(i, run, statuses[run.name])
+    return statuses
+
+
+def subprocess_runner(scenario: Path, timeout_s: float, address: str | None = None,
+                      log_dir: Path | None = None, grace_s: float = 30.0) -> Runner:
+    """The real ``dpfl run`` in its own process group: past ``timeout_s`` it gets SIGINT (it writes
+    its summary and stops its Ray), and SIGKILL ``grace_s`` later."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+
+    def run(sweep_run: SweepRun, run_dir: Path) -> str:
+        cmd = [sys.executable, "-m", "cli.main", "run", str(scenario), "--out", str(run_dir)]
+        for item in sweep_run.overrides:
+            cmd += ["--set", item]
+        cmd += ["--address", address] if address else []
+        log = (log_dir or run_dir.parent / "logs") / f"{sweep_run.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _stop(proc, grace_s)
+                return "timeout"
+            except KeyboardInterrupt:
+                _stop(proc, grace_s)
+                raise
+        if rc == 0:
+            return "ok"
+        if rc == 130:
+            return "interrupted"
+        errors = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("error:")]
+        return f"failed: {errors[-1][6:].strip() if errors else f'exit code {rc}, see {log}'}"
+
+    return run
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def collect(sweep_dir: Path, runs: Sequence[SweepRun], statuses: dict[str, str] | None = None) -> list[dict]:
+    """One row per run: its grid values, seed, and what its run directory says (None where it says nothing)."""
+    rows = []
+    for run in runs:
+        row = {"run": run.name, **dict(run.values), "seed": run.seed}
+        row.update({k: None for k in CSV_METRICS})
+        run_dir = sweep_dir / run.name
+        status = (statuses or {}).get(run.name)
+        if (run_dir / "summary.json").is_file():
+            r = load_run(run_dir)
+            s, last = r.summary, (r.rounds[-1] if r.rounds else {})
+            row.update(final_accuracy=s.get("final_accuracy"), epsilon=s.get("epsilon", last.get("epsilon")),
+                       epsilon_claimed=s.get("epsilon_claimed", last.get("epsilon_claimed")),
+                       rounds=s.get("rounds_completed", len(r.rounds)), stop_reason=s.get("stop_reason"),
+                       wall_seconds=s.get("wall_seconds"))
+            row["seed"] = s.get("seed", run.seed) if run.seed is None else run.seed
+            if status in (None, "skipped"):
+                status = "ok" if is_finished(run_dir) else "unfinished"
+        row["status"] = status or "not run"
+        rows.append(row)
+    return rows
+
+
+def write_csv(rows: list[dict], grid_keys: Sequence[str], path: Path) -> Path:
+    fields = ["run", *grid_keys, "seed", *CSV_METRICS]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in fields})
+    return path
+
+
+def write_outputs(sweep_dir: Path, grid: dict[str, list[str]], runs: Sequence[SweepRun],
+                  statuses: dict[str, str] | None = None) -> tuple[list[dict], list[Path]]:
+    """``sweep.csv`` and the per-axis plots; returns the rows and the files written."""
+    rows = collect(sweep_dir, runs, statuses)
+    written = [write_csv(rows, list(grid), sweep_dir / "sweep.csv")]
+    for axis in grid:
+        written += plot_axis(rows, grid, axis, sweep_dir)
+    return rows, written
+
+
+def sweep_run_dirs(path: Path) -> list[Path] | None:
+    """The run directories of a sweep directory (for ``dpfl report``), or None if ``path`` is not one."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        m = json.loads(manifest.read_text())
+        runs = expand(m["grid"], m["seeds"], m["sets"])
+    except (ValueError, KeyError, TypeError):
+        raise DPFLError(f"{manifest} is not a sweep manifest", field=str(path)) from None
+    return [Path(path) / r.name for r in runs if (Path(path) / r.name / "summary.json").is_file()]
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over seeds (0 for a single seed)."""
+    import numpy as np
+
+    a = np.asarray(values, dtype=float)
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def axis_series(rows: list[dict], grid: dict[str, list[str]], axis: str, metric: str) -> dict[str, list]:
+    """{label of the other axes' values: [(axis value, mean, sd, n), ...]} over the seeds."""
+    others = [k for k in grid if k != axis]
+    series: dict[str, list] = {}
+    for combo in itertools.product(*(grid[k] for k in others)):
+        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(others, combo)) or "all"
+        pts = []
+        for x in grid[axis]:
+            vals = [r[metric] for r in rows if r.get(axis) == x and r.get(metric) is not None
+                    and all(r.get(k) == v for k, v in zip(others, combo))]
+            if vals:
+                pts.append((x, *_stats(vals), len(vals)))
+        if pts:
+            series[label] = pts
+    return series
+
+
+def plot_axis(rows: list[dict], grid: dict[str, list[str]], axis: str, out_dir: Path) -> list[Path]:
+    """``accuracy_vs_<axis>.png`` and, where runs record one, ``epsilon_vs_<axis>.png``: one line
+    per combination of the other axes, mean over seeds with +-1 sd error bars."""
+    from .results import _pyplot
+
+    plt = _pyplot()
+    try:
+        pos = {v: float(v) for v in grid[axis]}
+        ticks = None
+    except ValueError:  # categorical axis: evenly spaced, labelled
+        pos = {v: float(i) for i, v in enumerate(grid[axis])}
+        ticks = list(grid[axis])
+    n_seeds = len({r.get("seed") for r in rows})
+    written = []
+    for metric, name, ylabel in (("final_accuracy", "accuracy", "final test accuracy"), ("epsilon", "epsilon", "epsilon")):
+        main = axis_series(rows, grid, axis, metric)
+        claimed = axis_series(rows, grid, axis, "epsilon_claimed") if metric == "epsilon" else {}
+        if not main and not claimed:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, label in enumerate(list(main) + [k for k in claimed if k not in main]):
+            for series, style, suffix in ((main, "-o", " (effective)" if claimed else ""), (claimed, "--x", " (claimed)")):
+                if label in series:
+                    pts = series[label]
+                    ax.errorbar([pos[p[0]] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                                fmt=style, color=f"C{i % 10}", capsize=3, label=label + suffix)
+        if ticks:
+            ax.set_xticks(range(len(ticks)), ticks)
+        ax.set_xlabel(axis)
+        ax.set_ylabel(ylabel + (f" (mean +- sd over {n_seeds} seeds)" if n_seeds > 1 else ""))
+        ax.set_title(f"{ylabel} against {axis}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = out_dir / f"{name}_vs_{_safe(axis)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

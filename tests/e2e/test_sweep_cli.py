@@ -1,0 +1,54 @@
+"""`dpfl sweep` for real: a two-run sweep of the tiny synthetic scenario through `dpfl run`
+subprocesses, its resume, and a bad grid refused before anything runs."""
+import csv
+import json
+
+import yaml
+
+from .test_cli import TINY, dpfl
+
+
+def test_a_real_sweep_writes_runs_csv_and_plots_and_resumes(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 2},
+                                        "resources": {"workers": 1, "num_cpus_per_worker": 0.5}}))
+    out = tmp_path / "sweep"
+    args = ("sweep", scenario, "--grid", "faults.dropout.rate=0,0.5", "--set", "faults.dropout.model=tail",
+            "--out", out, "--timeout", "240")
+    res = dpfl(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(out / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["faults.dropout.rate"], r["status"], r["stop_reason"], r["rounds"]) for r in rows] == \
+        [("0", "ok", "completed", "2"), ("0.5", "ok", "completed", "2")]
+    assert all(0 <= float(r["final_accuracy"]) <= 1 and r["seed"] == "1" for r in rows)
+    survived = [[json.loads(line)["survived"] for line in (out / r["run"] / "rounds.jsonl").read_text().splitlines()]
+                for r in rows]
+    assert survived == [[6, 6], [3, 3]]  # the grid value reached the run: tail dropout of half the six
+    assert (out / "accuracy_vs_faults.dropout.rate.png").read_bytes()[:4] == b"\x89PNG"
+    again = dpfl(*args)  # everything finished: nothing runs again, the csv is rewritten the same
+    assert again.returncode == 0 and again.stdout.count(": skipped") == 2
+    with open(out / "sweep.csv") as fh:
+        assert list(csv.DictReader(fh)) == rows
+
+
+def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "never"
+    res = dpfl("sweep", scenario, "--grid", "faults.dropout.rate=0,2", "--out", out)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "faults.dropout.rate" in lines[0], res.stderr
+    assert not out.exists()
+
+
+def test_runs_past_their_timeout_are_stopped_and_recorded(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "sweep"
+    res = dpfl("sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "1")
+    assert res.returncode == 1 and "2 of 2 runs did not finish" in res.stdout, res.stdout + res.stderr
+    with open(out / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["status"], r["final_accuracy"]) for r in rows] == [("timeout", ""), ("timeout", "")]
+    assert (out / "logs" / f"{rows[0]['run']}.log").is_file()

@@ -1,0 +1,201 @@
+"""Sweeps (dpfl_ray.sweep): grid expansion, validation before anything runs, resume, sweep.csv and
+the plots, from run directories written by hand. No Ray, no subprocess."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dpfl_ray import sweep as sw
+from dpfl_ray.errors import DPFLError
+
+TINY = {"name": "tiny", "seed": 1, "data": {"source": "synthetic", "num_clients": 12},
+        "model": {"name": "logistic"}, "training": {"rounds": 3},
+        "sampling": {"mode": "fixed", "clients_per_round": 6}}
+
+
+@pytest.fixture
+def scenario(tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
+def test_grid_values_keep_brackets_and_order():
+    assert sw.split_values("0, 0.1,[1,2],{a: 1, b: 2}") == ["0", "0.1", "[1,2]", "{a: 1, b: 2}"]
+    assert sw.parse_grid(["b.x=1,2", "a.y=none,baek"]) == {"b.x": ["1", "2"], "a.y": ["none", "baek"]}
+    assert sw.parse_seeds("0,1, 2") == [0, 1, 2] and sw.parse_seeds(None) is None
+
+
+@pytest.mark.parametrize("items, needle", [
+    (["faults.dropout.rate"], "must look like key.path=value1,value2"),
+    (["=1,2"], "must look like"),
+    (["a.b=1,,2"], "a.b has an empty value"),
+    (["a.b="], "a.b has an empty value"),
+    (["a.b=1,1"], "lists a value twice"),
+    (["a.b=1", "a.b=2"], "a.b is given twice"),
+    (["seed=1,2"], "--seeds"),
+])
+def test_bad_grids_are_one_line(items, needle):
+    with pytest.raises(DPFLError, match="--grid") as err:
+        sw.parse_grid(items)
+    assert needle in str(err.value)
+
+
+def test_bad_seeds():
+    with pytest.raises(DPFLError, match="--seeds: expected integers"):
+        sw.parse_seeds("0,x")
+    with pytest.raises(DPFLError, match="listed twice"):
+        sw.parse_seeds("1,1")
+
+
+def test_expand_is_the_product_seeds_outermost():
+    grid = {"faults.dropout.rate": ["0", "0.3"], "privacy.calibration": ["none", "baek", "layered"]}
+    runs = sw.expand(grid, [0, 1], ["training.rounds=2"])
+    assert len(runs) == 12 and len({r.name for r in runs}) == 12
+    assert [r.seed for r in runs] == [0] * 6 + [1] * 6
+    first = runs[0]
+    assert first.name == "faults.dropout.rate=0__privacy.calibration=none__seed=0"
+    assert first.overrides == ("training.rounds=2", "faults.dropout.rate=0", "privacy.calibration=none", "seed=0")
+    assert dict(runs[5].values) == {"faults.dropout.rate": "0.3", "privacy.calibration": "layered"}
+    # no seeds: the scenario's own, and no seed in the names
+    assert [r.name for r in sw.expand({"a.b": ["1"]}, None)] == ["a.b=1"]
+    assert sw.expand({}, None)[0].overrides == ()  # no grid at all: the scenario once
+
+
+def test_expand_refuses_clashes():
+    with pytest.raises(DPFLError, match="--grid: a.b is also given with --set"):
+        sw.expand({"a.b": ["1"]}, None, ["a.b=2"])
+    with pytest.raises(DPFLError, match="--seeds"):
+        sw.expand({}, [1], ["seed=3"])
+    with pytest.raises(DPFLError, match="share a directory name"):
+        sw.expand({"x.y": ["a/b", "a_b"]}, None)
+
+
+def test_every_combination_is_validated_before_anything_runs(scenario):
+    ok = sw.expand({"faults.dropout.rate": ["0", "0.5"], "faults.dropout.model": ["tail"]}, [0, 1])
+    sw.validate(scenario, ok)
+    for grid, needle in (({"faults.dropout.rat": ["0"]}, "faults.dropout.rat: unknown key"),
+                         ({"faults.dropout.rate": ["0", "1.5"]}, "faults.dropout.rate"),
+                         ({"sampling.clients_per_round": ["6", "13"]}, "exceeds data.num_clients"),
+                         ({"data.examples_per_client": ["10", "1000"]}, "data.examples_per_client")):
+        with pytest.raises(DPFLError) as err:
+            sw.validate(scenario, sw.expand(grid, None))
+        assert needle in str(err.value) and "in combination" in str(err.value) and "\n" not in str(err.value)
+
+
+# --- fake runs ----------------------------------------------------------------------------------
+
+def fake_run(run_dir: Path, accuracy: float, epsilon=None, claimed=None, stop="completed", seed=0):
+    """A run directory as `dpfl run` leaves it."""
+    run_dir.mkdir(parents=True)
+    rounds = [{"round": i, "sampled": 6, "survived": 5, "test_accuracy": accuracy - 0.1 * (3 - i),
+               "epsilon": epsilon, "epsilon_claimed": claimed} for i in (1, 2, 3)]
+    (run_dir / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    summary = {"name": "tiny", "final_accuracy": accuracy, "rounds_completed": 3, "rounds_planned": 3,
+               "stop_reason": stop, "wall_seconds": 1.5, "seed": seed}
+    if epsilon is not None:
+        summary.update(epsilon=epsilon, delta=1e-5, epsilon_claimed=claimed)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def accuracy_of(run) -> float:
+    """A made-up result that depends on the combination: lower with more dropout, seeds differ."""
+    v = dict(run.values)
+    return round(0.9 - float(v["faults.dropout.rate"]) + 0.01 * (run.seed or 0)
+                 - (0.05 if v.get("privacy.calibration") == "none" else 0), 6)
+
+
+class FakeRunner:
+    def __init__(self, stop="completed"):
+        self.calls, self.stop = [], stop
+
+    def __call__(self, run, run_dir):
+        self.calls.append(run.name)
+        rate = float(dict(run.values)["faults.dropout.rate"])
+        fake_run(run_dir, accuracy_of(run), epsilon=2.0 + rate, claimed=2.0, stop=self.stop, seed=run.seed)
+        return "ok" if self.stop == "completed" else "interrupted"
+
+
+GRID = {"faults.dropout.rate": ["0", "0.1", "0.3"], "privacy.calibration": ["none", "baek"]}
+
+
+def test_a_sweep_runs_once_and_resumes(scenario, tmp_path):
+    out = tmp_path / "sweep"
+    runs = sw.expand(GRID, [0, 1, 2])
+    sw.prepare(out, scenario, GRID, [0, 1, 2], [])
+    runner = FakeRunner()
+    first = sw.run_all(out, runs, runner)
+    assert set(first.values()) == {"ok"} and len(runner.calls) == 18
+    sw.prepare(out, scenario, GRID, [0, 1, 2], [])  # reopening with the same scenario is fine
+    again = sw.run_all(out, runs, runner)
+    assert set(again.values()) == {"skipped"} and len(runner.calls) == 18  # nothing ran twice
+
+
+def test_unfinished_runs_are_moved_aside_and_run_again(scenario, tmp_path):
+    out = tmp_path / "sweep"
+    runs = sw.expand({"faults.dropout.rate": ["0", "0.5"]}, None)
+    sw.prepare(out, scenario, {}, None, [])
+    fake_run(out / runs[0].name, 0.5, stop="interrupted")
+    (out / runs[1].name).mkdir()  # a run killed before it wrote anything
+    runner = FakeRunner()
+    assert sw.run_all(out, runs, runner) == {r.name: "ok" for r in runs}
+    assert runner.calls == [r.name for r in runs]
+    aside = sorted(p.name for p in (out / ".incomplete").iterdir())
+    assert aside == [f"{runs[0].name}.1", f"{runs[1].name}.1"]
+    assert json.loads((out / runs[0].name / "summary.json").read_text())["stop_reason"] == "completed"
+
+
+def test_a_sweep_directory_belongs_to_one_scenario(scenario, tmp_path):
+    out = tmp_path / "sweep"
+    sw.prepare(out, scenario, GRID, None, ["training.rounds=2"])
+    with pytest.raises(DPFLError, match="another --set overrides"):
+        sw.prepare(out, scenario, GRID, None, [])
+    scenario.write_text(yaml.safe_dump({**TINY, "seed": 5}))
+    with pytest.raises(DPFLError, match="another scenario file"):
+        sw.prepare(out, scenario, GRID, None, ["training.rounds=2"])
+    other = tmp_path / "busy"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(DPFLError, match="not a sweep"):
+        sw.prepare(other, scenario, GRID, None, [])
+
+
+def test_csv_and_plots_from_run_directories(scenario, tmp_path):
+    out = tmp_path / "sweep"
+    runs = sw.expand(GRID, [0, 1, 2])
+    sw.prepare(out, scenario, GRID, [0, 1, 2], [])
+    for run in runs[:-1]:  # the last one never ran
+        FakeRunner()(run, out / run.name)
+    rows, written = sw.write_outputs(out, GRID, runs)
+    names = sorted(p.name for p in written)
+    assert names == ["accuracy_vs_faults.dropout.rate.png", "accuracy_vs_privacy.calibration.png",
+                     "epsilon_vs_faults.dropout.rate.png", "epsilon_vs_privacy.calibration.png", "sweep.csv"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written if p.suffix == ".png")
+    with open(out / "sweep.csv") as fh:
+        table = list(csv.DictReader(fh))
+    assert list(table[0]) == ["run", "faults.dropout.rate", "privacy.calibration", "seed", "final_accuracy", "epsilon",
+                              "epsilon_claimed", "rounds", "stop_reason", "wall_seconds", "status"]
+    assert len(table) == 18 and table[-1]["status"] == "not run" and table[-1]["final_accuracy"] == ""
+    row = next(r for r in table if r["run"] == "faults.dropout.rate=0.1__privacy.calibration=baek__seed=2")
+    assert (row["seed"], float(row["final_accuracy"]), float(row["epsilon"]), float(row["epsilon_claimed"]),
+            row["rounds"], row["stop_reason"], row["status"]) == ("2", 0.82, 2.1, 2.0, "3", "completed", "ok")
+    # the numbers behind the error bars: mean and sample sd over the three seeds
+    series = sw.axis_series(rows, GRID, "faults.dropout.rate", "final_accuracy")
+    assert list(series) == ["calibration=none", "calibration=baek"]
+    x, mean, sd, n = series["calibration=none"][1]
+    assert (x, n) == ("0.1", 3) and mean == pytest.approx(0.76) and sd == pytest.approx(0.01)
+    assert series["calibration=baek"][2][3] == 2  # the missing run is left out, not counted as 0
+    assert sw.sweep_run_dirs(out) == [out / r.name for r in runs[:-1]] and sw.sweep_run_dirs(tmp_path) is None
+
+
+def test_plots_skip_epsilon_when_no_run_is_private(scenario, tmp_path):
+    out = tmp_path / "sweep"
+    grid = {"faults.dropout.model": ["tail", "bernoulli"]}
+    runs = sw.expand(grid, None)
+    for run in runs:
+        fake_run(out / run.name, 0.8)
+    rows, written = sw.write_outputs(out, grid, runs)
+    assert sorted(p.name for p in written) == ["accuracy_vs_faults.dropout.model.png", "sweep.csv"]
+    assert [r["seed"] for r in rows] == [0, 0]  # read from the summary when the sweep has no --seeds
