@@ -363,8 +363,8 @@ def check_scenario(sc, read_files: bool = True) -> None:
     for where, phase in phases:
         if phase in SECAGG_ONLY_PHASES and not sc.secagg.enabled:
             raise ValueError(f"{where}: phase {phase!r} exists only with secagg.enabled: true")
-        if phase == "calibration" and sc.training.algorithm != "baek":
-            raise ValueError(f"{where}: only training.algorithm: baek has a calibration phase")
+        if phase == "calibration" and not _has_calibration_phase(sc):
+            raise ValueError(f"{where}: {sc.training.algorithm} has no calibration phase")
     _check_clients("faults.corrupt.clients", f.corrupt.clients if f.corrupt else [], k)
     if f.stragglers:
         listed = [c for t in f.stragglers.tiers for c in (t.clients or [])]
@@ -375,6 +375,12 @@ def check_scenario(sc, read_files: bool = True) -> None:
             raise ValueError("faults.stragglers.tiers: the shares add up to more than 1")
     if f.availability and read_files:
         load_trace(f.availability.trace, k)  # a DPFLError is a ValueError naming the line
+
+
+def _has_calibration_phase(sc) -> bool:
+    from .algorithms import algorithm_class
+
+    return algorithm_class(sc).has_calibration_phase
 
 
 def _check_round(where: str, round_no: int, rounds: int) -> None:

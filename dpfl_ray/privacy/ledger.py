@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import dp_accounting
 from dp_accounting import NeighboringRelation
@@ -100,6 +100,7 @@ class RoundRecord:
     public: tuple[str, ...] = ()
     paper_epsilon: float | None = None
     claim_note: str = ""
+    dropouts: Mapping[str, Mapping[str, int]] | None = None
 
     @property
     def released(self) -> bool:
@@ -121,6 +122,7 @@ class RoundRecord:
             "public": list(self.public),
             "paper_epsilon": self.paper_epsilon,
             "claim_note": self.claim_note,
+            "dropped": None if self.dropouts is None else {c: dict(p) for c, p in self.dropouts.items()},
         }
 
 
@@ -193,6 +195,7 @@ class PrivacyLedger:
         public: Sequence[str] = (),
         paper_epsilon: float | None = None,
         claim_note: str = "",
+        dropouts: Mapping[str, Mapping[str, int]] | None = None,
     ) -> RoundRecord:
         """Record one round with the parameters that actually applied.
 
@@ -211,6 +214,8 @@ class PrivacyLedger:
         ``paper_epsilon``: the epsilon the mechanism's paper claims for this round by its own
         analysis, when that is not a multiplier dp_accounting can compose (NbAFL's classic Gaussian
         bound); ``claim_note`` says where that claim stands outside its own validity range.
+        ``dropouts``: who was missing from the round, {cause: {phase: count}} (dpfl_ray.faults), for
+        the reader: what was booked already reflects them.
         """
         if not isinstance(reason, str):
             raise DPFLError(f"must be a string, got {reason!r}", field="reason")
@@ -255,13 +260,14 @@ class PrivacyLedger:
                              accounted_event=accounted, claimed_event=claimed_event,
                              claimed_accounted_event=claimed_accounted, public=tuple(str(x) for x in public),
                              paper_epsilon=None if paper_epsilon is None else float(paper_epsilon),
-                             claim_note=str(claim_note))
+                             claim_note=str(claim_note), dropouts=dropouts)
         self._records.append(record)
         return record
 
-    def record_no_release(self, reason: str, *, round: int | None = None) -> RoundRecord:
+    def record_no_release(self, reason: str, *, round: int | None = None,
+                          dropouts: Mapping[str, Mapping[str, int]] | None = None) -> RoundRecord:
         """A round that released nothing (no sampled clients, everyone dropped, skipped)."""
-        return self.record_round(None, None, reason=reason, round=round)
+        return self.record_round(None, None, reason=reason, round=round, dropouts=dropouts)
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -402,5 +408,5 @@ class PrivacyLedger:
                                 claimed_noise_multiplier=r.get("claimed_noise_multipliers"),
                                 covered=r.get("covered", True), round=r.get("round"),
                                 public=r.get("public", ()), paper_epsilon=r.get("paper_epsilon"),
-                                claim_note=r.get("claim_note", ""))
+                                claim_note=r.get("claim_note", ""), dropouts=r.get("dropped"))
         return ledger

@@ -17,27 +17,34 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_algorithm
-from ..faults import plan_round
+from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
 from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
 from ..scenario import Scenario
 from .privacy import RunPrivacy
 from .resources import assign_clients, assign_groups, plan_pool, summation_groups
-from .secagg_round import DEFAULT_ROUND_TIMEOUT_SECONDS, secagg_round
+from .chaos import strike
+from .messages import WorkerChaos
+from .secagg_round import real_deadline, secagg_round
 from .workers import make_worker_class
 
 
 CALL_TIMEOUT_SECONDS = 120.0
+MAX_REPLACEMENTS = 100  # worker deaths a run survives before it stops with an error
 BUDGET_REFUSAL = "releasing this round would take the effective epsilon past privacy.target_epsilon"
 
 
 class Coordinator:
-    def __init__(self, scenario: dict, data: dict, workers: list | None = None, resume: dict | None = None):
+    def __init__(self, scenario: dict, data: dict, workers: list | None = None, resume: dict | None = None,
+                 fault_plan: FaultPlan | None = None):
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
         arrays, plus the test set, partition and weights. ``workers``: a pool the driver started
         next to this actor (so both start at once); None starts one in ``start_pool``. ``resume``:
-        a checkpoint (runtime/checkpoint.py) to continue from."""
-        self.sc = Scenario.model_validate(scenario)
+        a checkpoint (runtime/checkpoint.py) to continue from. ``fault_plan``: built by the driver,
+        which has the scenario's files (an availability trace)."""
+        self.sc = Scenario.model_validate(scenario, context={"read_files": False})
+        self.faults = fault_plan or FaultPlan.from_scenario(self.sc)
+        self.sampling = overcommitted(self.sc.sampling)
         torch.set_num_threads(1)
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
@@ -56,6 +63,8 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.rounds_done = 0
+        self.replacements = 0
+        self._nodes: dict = {}
         plan = plan_pool(self.sc.resources, ray.cluster_resources(), len(self.sizes))
         self._worker_cls = make_worker_class(plan.num_cpus, plan.num_gpus)
         self._pool_size = plan.workers
@@ -98,7 +107,9 @@ class Coordinator:
         """Create the ClientWorkers (once) and return where each landed (node, GPU ids)."""
         if not self.workers:
             self.workers = [self._new_worker() for _ in range(self._pool_size)]
-        return self.worker_info()
+        infos = self.worker_info()
+        self._nodes = {w: info["node"] for w, info in zip(self.workers, infos) if info}
+        return infos
 
     def worker_handle(self, i: int):
         return self.workers[i]
@@ -161,11 +172,11 @@ class Coordinator:
     def _round(self, t: int, last_eval) -> dict:
         t0 = time.perf_counter()
         sc, alg = self.sc, self.algorithm
-        sampled = sample_clients(sc.sampling, len(self.sizes), sc.seed, t)
-        faults = plan_round(sc.faults.dropouts, sampled, sc.seed, t)
+        sampled = sample_clients(self.sampling, len(self.sizes), sc.seed, t)
+        faults = self.faults.plan(t, sampled, len(self.workers))
         active = [int(c) for c in sampled if faults.dropped.get(int(c)) != "training"]
-        dropped = dict(faults.dropped)
-        extra: dict = {}
+        dropped = {c: d.label for c, d in faults.dropouts().items()}
+        extra, rejected = {}, {}
         abort = alg.begin_round(t, sampled)
         spec = alg.client_spec() if abort is None else None
         if abort is None and not active and spec.noise is not None:
@@ -175,16 +186,19 @@ class Coordinator:
             outcome, extra, dropped = RoundOutcome(t, aborted=abort.reason), {"round_aborted": abort.reason}, {}
         elif sc.secagg.enabled and active:
             theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
+            assignment = self.assign(active)
             res = secagg_round(self, t, theta_ref, active, len(sampled) - len(active), faults, spec,
-                               self._after_upload)
+                               self._after_upload, self._chaos(faults, assignment),
+                               lambda phase: self._strike(faults, phase))
             dropped.update(res.lost)
+            rejected = res.rejected
             self._replace(res.dead)
             outcome, extra = res.outcome, res.record
             if not res.calibrated:  # no calibration ran this round: nobody could drop out of it
-                dropped = {c: p for c, p in dropped.items() if p != "calibration"}
+                dropped = {c: p for c, p in dropped.items() if not p.endswith("@calibration")}
         else:
             theta_ref = ray.put(self.theta)
-            survivors, total, updates = self._plain_round(t, theta_ref, active, faults, dropped, spec)
+            survivors, total, updates, rejected = self._plain_round(t, theta_ref, active, faults, dropped, spec)
             plan = self._after_upload(survivors)
             if isinstance(plan, Abort):
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
@@ -198,16 +212,17 @@ class Coordinator:
         acc, loss = last_eval
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
             acc, loss = self._evaluate(theta)
-        by_phase: dict[str, int] = {}
-        for p in dropped.values():
-            by_phase[p] = by_phase.get(p, 0) + 1
+        dropped.update({c: f"{REJECTED}@upload" for c in rejected})
+        tallied = tally(dropped)
+        if rejected:
+            tallied["rejected"] = {str(c): why for c, why in sorted(rejected.items())}
         why = extra.get("round_aborted") or extra.get("secagg_aborted") or "nothing released"
         with self._lock:  # commit: ledger, model and event together
             if self.privacy:
-                extra.update(self.privacy.account(t, outcome.survivors, outcome.released, why))
+                extra.update(self.privacy.account(t, outcome.survivors, outcome.released, why, tallied["dropped"]))
                 self.privacy.exhausted |= why == BUDGET_REFUSAL
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
-                      "dropped_by_phase": by_phase, "weight_sum": agg.weight_sum, "test_accuracy": acc,
+                      **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
                       "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
             self.theta = theta
             self.rounds_done = t + 1
@@ -225,38 +240,63 @@ class Coordinator:
             return Abort(BUDGET_REFUSAL)
         return plan
 
+    def _chaos(self, faults, assignment) -> dict:
+        """Each worker's share of the round's planned faults (see messages.WorkerChaos)."""
+        out = {}
+        for w, ids in zip(self.workers, assignment):
+            on_time = [c for c in ids if faults.delivers(c)]
+            out[w] = WorkerChaos(delay=max((faults.delays.get(c, 0.0) for c in on_time), default=0.0),
+                                 corrupt={c: faults.corrupt[c] for c in ids if c in faults.corrupt},
+                                 max_norm=self.sc.faults.max_update_norm)
+        return out
+
+    def _strike(self, faults, phase: str) -> dict:
+        """Carry out the crashes and node losses planned for ``phase``; {worker: cause}."""
+        if not faults.crashes and not faults.nodes_lost:
+            return {}
+        if any(loss.phase == phase for loss in faults.nodes_lost):
+            self._nodes = {w: info["node"] for w, info in zip(self.workers, self.worker_info()) if info}
+        return strike(self.workers, self._nodes, faults, phase, {ray.get_runtime_context().get_node_id()})
+
     def _plain_round(self, t, theta_ref, active, faults, dropped, spec):
         """Local training without SecAgg, one message per worker: the survivors, and the sum of
         w_i * upload_i over them (the workers' partial sums, added in group order) -- or each
-        upload, when the algorithm needs them."""
+        upload, when the algorithm needs them -- and the refused updates with their reasons."""
         calls = {}
-        for w, groups in zip(self.workers, assign_groups(active, self.sizes, self.groups, len(self.workers))):
+        assignment = assign_groups(active, self.sizes, self.groups, len(self.workers))
+        chaos = self._chaos(faults, [[c for ids in groups.values() for c in ids] for groups in assignment])
+        struck = self._strike(faults, "training")
+        for w, groups in zip(self.workers, assignment):
             if groups:
                 lost = [c for ids in groups.values() for c in ids if not faults.delivers(c)]
-                calls[w.run_clients.remote(t, theta_ref, groups, lost, spec)] = (w, groups)
-        deadline = self.sc.training.round_deadline_s or DEFAULT_ROUND_TIMEOUT_SECONDS
-        ready, late = ray.wait(list(calls), num_returns=len(calls), timeout=deadline) if calls else ([], [])
-        survivors, sums, updates = [], {}, {} if spec.per_client else None
+                calls[w.run_clients.remote(t, theta_ref, groups, lost, spec, chaos[w])] = (w, groups)
+        struck.update(self._strike(faults, "upload"))
+        ready, late = ray.wait(list(calls), num_returns=len(calls),
+                               timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])
+        survivors, sums, updates, rejected = [], {}, {} if spec.per_client else None, {}
         for ref in ready:
             w, groups = calls[ref]
             try:
                 reply = ray.get(ref, timeout=CALL_TIMEOUT_SECONDS)
             except (RayActorError, GetTimeoutError):
                 # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
-                dropped.update({c: "crash" for ids in groups.values() for c in ids})
+                cause = struck.get(w, CRASH)
+                dropped.update({c: f"{cause}@{'training' if cause == CRASH else 'upload'}"
+                                for ids in groups.values() for c in ids})
                 self._replace([w])
                 continue
             survivors += reply.client_ids
             sums.update(reply.sums)
+            rejected.update(reply.rejected)
             if updates is not None:
                 updates.update(zip(reply.client_ids, reply.updates))
-        for ref in late:  # past the deadline: dropped, and the stuck worker is replaced
+        for ref in late:  # it hangs past the deadline: dropped, and the stuck worker is replaced
             w, groups = calls[ref]
-            dropped.update({c: "deadline" for ids in groups.values() for c in ids})
+            dropped.update({c: f"{STRAGGLER}@upload" for ids in groups.values() for c in ids})
             ray.kill(w, no_restart=True)
             self._replace([w])
         total = sum(sums[g] for g in sorted(sums)) if sums else None
-        return sorted(survivors), total, updates
+        return sorted(survivors), total, updates, rejected
 
     def _evaluate(self, theta: np.ndarray) -> tuple[float, float]:
         """On a worker (the coordinator reserves no CPU); here only if no worker answers."""
@@ -267,7 +307,12 @@ class Coordinator:
             return evaluate(self.model, self.x_test, self.y_test)
 
     def _replace(self, dead: list) -> None:
+        """A fresh worker for each dead one, a bounded number of times per run."""
         for w in dead:
+            self.replacements += 1
+            if self.replacements > MAX_REPLACEMENTS:
+                raise RuntimeError(f"{self.replacements} workers died or hung in this run; giving up "
+                                   "(see the rounds' 'dropped' records)")
             self.workers[self.workers.index(w)] = self._new_worker()
 
 
@@ -283,9 +328,10 @@ def pool_summary(infos: list[dict | None]) -> dict:
     return {"workers": len(infos), "nodes": nodes}
 
 
-def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None):
+def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
+                     fault_plan: FaultPlan | None = None):
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
-    return cls.remote(scenario.model_dump(mode="json"), data, workers, resume)
+    return cls.remote(scenario.model_dump(mode="json"), data, workers, resume, fault_plan)
 
 
 def start_workers(scenario: Scenario, data: dict, num_clients: int) -> list:

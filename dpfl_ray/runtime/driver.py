@@ -15,6 +15,7 @@ import dpfl_ray
 from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
+from ..faults import FaultPlan
 from ..models import build_model, set_flat
 from ..privacy import PrivacyLedger
 from ..results import RunRecord, versions
@@ -78,7 +79,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     coord, seen, stop_reason, error = None, 0, "completed", None
     try:
         data = put_federation(fed)
-        coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients), resume)
+        coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients), resume,
+                                 FaultPlan.from_scenario(scenario))
         run_ref = coord.run.remote()
         every = scenario.output.checkpoint_every
         next_checkpoint = (len(record.rounds) // every + 1) * every if every else None

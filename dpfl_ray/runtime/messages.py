@@ -8,6 +8,17 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class WorkerChaos:
+    """A worker's share of the round's planned faults: how long its on-time clients hold their
+    uploads back (the slowest of them; the straggler sleeps for real), which clients send a
+    corrupt update and of which kind, and the norm above which any update is rejected."""
+
+    delay: float = 0.0
+    corrupt: dict = field(default_factory=dict)
+    max_norm: float | None = None
+
+
+@dataclass(frozen=True)
 class LocalReply:
     """One worker's round: the clients whose upload arrived, and either their uploads stacked in
     ``client_ids`` order (ClientSpec.per_client) or, per summation group, sum_i w_i * upload_i
@@ -17,6 +28,7 @@ class LocalReply:
     seconds: float
     updates: np.ndarray | None = None
     sums: dict = field(default_factory=dict)
+    rejected: dict = field(default_factory=dict)  # client id -> why its update was refused
 
 
 @dataclass(frozen=True)
@@ -39,3 +51,4 @@ class PhaseReply:
     calibration: dict = field(default_factory=dict)  # client id -> calibration term
     bytes_sent: dict = field(default_factory=dict)  # protocol index -> bytes
     aborted: str | None = None
+    rejected: dict = field(default_factory=dict)  # client id -> why its update was refused

@@ -75,7 +75,7 @@ class RunPrivacy:
         trial.record_round(mech.noise_multipliers, mech.sampling, reason="trial")
         return trial.epsilon() <= p.target_epsilon
 
-    def account(self, t: int, survivors, released: bool, why: str) -> dict:
+    def account(self, t: int, survivors, released: bool, why: str, dropped: dict | None = None) -> dict:
         """Ledger event of round t; the figures that go into its rounds.jsonl row. The effective
         multipliers are what protects the release after this round's dropouts; the claimed ones
         what the mechanism's paper states."""
@@ -85,13 +85,13 @@ class RunPrivacy:
             self.ledger.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description,
                                      covered=mech.covered, claimed_noise_multiplier=mech.claimed_noise_multipliers,
                                      round=t + 1, public=mech.public, paper_epsilon=mech.paper_epsilon,
-                                     claim_note=mech.claim_note)
+                                     claim_note=mech.claim_note, dropouts=dropped)
             if mech.server_noise_multipliers is None:
                 self.server_blind = False
             else:
                 self.server_precision[list(survivors)] += sum(z ** -2 for z in mech.server_noise_multipliers)
         else:
-            self.ledger.record_no_release(why, round=t + 1)
+            self.ledger.record_no_release(why, round=t + 1, dropouts=dropped)
         eps = self.ledger.epsilon()
         row = {"epsilon": None if math.isinf(eps) else eps, "dp_covered": self.ledger.fully_covered}
         if self.algorithm.reports_claimed_epsilon:

@@ -16,38 +16,61 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
-from ..faults import SECAGG_PHASE
+from ..faults import CRASH, SECAGG_PHASE, STRAGGLER
 from ..secagg import SecAggAbort, SecAggConfig, SecAggServer, decode, rounding_error_bound
-from .messages import Encoding, PhaseReply
+from .messages import Encoding, PhaseReply, WorkerChaos
 
 # The deadline of a round's phases when the scenario sets none: long enough for any honest round
 # here, short enough that one hung worker never hangs a run.
 DEFAULT_ROUND_TIMEOUT_SECONDS = 600.0
 
 
+def real_deadline(deadline_s: float | None) -> float:
+    """How long a phase is really waited for. Who is late is decided by the fault plan (planned
+    delays against training.round_deadline_s), so results never depend on timing; the real wait
+    adds room for the computation itself and only cuts off workers that truly hang."""
+    if deadline_s is None:
+        return DEFAULT_ROUND_TIMEOUT_SECONDS
+    return deadline_s + max(10.0, deadline_s)
+
+
 @dataclass
 class SecAggRound:
     """What one secure aggregation produced: the outcome for the algorithm, the round's record,
-    and who was lost how (client id -> 'crash@phase' / 'deadline@phase'), dead workers, and
-    whether a calibration phase ran."""
+    who was lost how (client id -> 'cause@phase', the vocabulary of dpfl_ray.faults), whose
+    update was refused and why, dead workers, and whether a calibration phase ran."""
 
     outcome: RoundOutcome
     record: dict
     lost: dict[int, str] = field(default_factory=dict)
     dead: list = field(default_factory=list)
     calibrated: bool = False
+    rejected: dict[int, str] = field(default_factory=dict)
+
+
+# the fault plan's name of each call's phase; a calibration term travels with the unmask reply
+_FAULT_PHASES = {"advertise": ("training", "advertise"), "share": ("share",), "masked_input": ("upload",),
+                 "unmask": ("unmask", "calibration")}
 
 
 class _Phases:
-    """Call one method on the live workers, collect replies; crashed or late workers go dark."""
+    """Call one method on the live workers, collect replies; crashed or late workers go dark.
+    ``strike(phase)`` carries out the crashes and node losses planned for a phase before its call
+    and says which workers it took down ({handle: cause})."""
 
-    def __init__(self, assignment: dict, timeout: float | None):
+    def __init__(self, assignment: dict, timeout: float | None, strike=None):
         self.live = dict(assignment)  # worker handle -> its client ids this round
         self.timeout = timeout
+        self.strike = strike or (lambda phase: {})
         self.lost: dict[int, str] = {}
         self.dead: list = []
+        self.rejected: dict[int, str] = {}
 
     def call(self, phase: str, make_call) -> list[PhaseReply]:
+        struck = {}
+        for fault_phase in _FAULT_PHASES[phase]:
+            struck.update(self.strike(fault_phase))
+        where = "upload" if phase == "masked_input" else phase
         refs = {make_call(w, ids): w for w, ids in self.live.items()}
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout) if refs else ([], [])
         replies = []
@@ -55,10 +78,14 @@ class _Phases:
             try:
                 replies.append(ray.get(ref, timeout=60))
             except (RayActorError, GetTimeoutError):
-                self._drop(refs[ref], f"crash@{phase}")
+                self._drop(refs[ref], f"{struck.get(refs[ref], CRASH)}@{where}")
                 self.dead.append(refs[ref])
-        for ref in late:
-            self._drop(refs[ref], f"deadline@{phase}")
+        for ref in late:  # past the deadline: the worker is killed and replaced after the round
+            self._drop(refs[ref], f"{STRAGGLER}@{where}")
+            ray.kill(refs[ref], no_restart=True)
+            self.dead.append(refs[ref])
+        for r in replies:
+            self.rejected.update(r.rejected)
         aborted = [r.aborted for r in replies if r.aborted]
         if aborted:
             raise SecAggAbort(f"abort in phase {phase!r}: {aborted[0]}", phase=phase)
@@ -74,10 +101,12 @@ def _messages(replies: list[PhaseReply]):
 
 
 def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, faults, spec: ClientSpec,
-                 after_upload: Callable[[list[int]], UnmaskPlan | Abort]) -> SecAggRound:
+                 after_upload: Callable[[list[int]], UnmaskPlan | Abort], chaos: dict | None = None,
+                 strike=None) -> SecAggRound:
     """Securely sum w_i * spec.vector(Delta_i) (+ the client's noise) over ``active`` clients (those
     that trained; ``absent`` more were sampled). ``after_upload(survivors)`` sees who uploaded
-    before unmasking and returns what the unmask request carries, or an Abort."""
+    before unmasking and returns what the unmask request carries, or an Abort. ``chaos``: each
+    worker's WorkerChaos; ``strike(phase)``: carries out the planned crashes and node losses."""
     sc, sa = coord.sc, coord.sc.secagg
     index = {cid: i for i, cid in enumerate(active)}
     n = len(active)
@@ -93,8 +122,9 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     leave = {c: SECAGG_PHASE[p] for c, p in faults.dropped.items() if p in SECAGG_PHASE and c in index}
     assignment = {w: ids for w, ids in zip(coord.workers, coord.assign(active)) if ids}
     # a phase without a configured deadline still has one: a hung worker never hangs the run
-    phases = _Phases(assignment, sa.phase_timeout_seconds or coord.sc.training.round_deadline_s
-                     or DEFAULT_ROUND_TIMEOUT_SECONDS)
+    phases = _Phases(assignment, sa.phase_timeout_seconds or real_deadline(coord.sc.training.round_deadline_s),
+                     strike)
+    chaos = chaos or {}
     encoding = Encoding(sa.resolved_scale, sa.overflow, n)
     seconds, record = {}, {"secagg_protocol": sa.protocol, "secagg_threshold": server_threshold(config)}
     guarantee = config.guarantee
@@ -112,13 +142,13 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     def stopped(reason_key: str, reason: str) -> SecAggRound:
         record.update({reason_key: reason, "secagg_seconds": seconds})
         return SecAggRound(RoundOutcome(t, aborted=reason), record, phases.lost, phases.dead,
-                           calibrated=plan.calibration_n_prime is not None)
+                           calibrated=plan.calibration_n_prime is not None, rejected=phases.rejected)
 
     weights = {c: float(coord.weights[c]) for c in active}
     try:
         replies = timed("advertise", lambda: phases.call("advertise", lambda w, ids: w.secagg_start.remote(
             t, theta_ref, {c: index[c] for c in ids}, {c: leave[c] for c in ids if c in leave}, config,
-            {c: weights[c] for c in ids}, encoding, spec)))
+            {c: weights[c] for c in ids}, encoding, spec, chaos.get(w, WorkerChaos()))))
         record["secagg_clipped"] = sum(r.clipped for r in replies)
         keys = timed("advertise_server", lambda: server.receive_keys(_messages(replies)))
         replies = timed("share", lambda: phases.call("share", lambda w, ids: w.secagg_share.remote(keys, absent)))
@@ -154,7 +184,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
         layer_seeds = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
     outcome = RoundOutcome(t, survivors=survivors, total=decode(total, bits=sa.bits, scale=sa.resolved_scale),
                            calibration=calibration, layer_seeds=layer_seeds)
-    return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None)
+    return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None,
+                       rejected=phases.rejected)
 
 
 def server_threshold(config: SecAggConfig) -> int:

@@ -22,7 +22,8 @@ from ..models import build_model, evaluate, set_flat
 from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import EncodingError, SecAggClient, encode, presum_masked
-from .messages import Encoding, LocalReply, PhaseReply
+from ..faults import check_update, corrupt, corruption_rng
+from .messages import Encoding, LocalReply, PhaseReply, WorkerChaos
 
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
 # Alg. 2 line 22), for algorithms whose ClientNoise has one.
@@ -32,7 +33,7 @@ WORKER_PHASES = PROTOCOL_PHASES + ("calibration",)
 class ClientWorker:
     def __init__(self, scenario: dict, data: dict):
         """``data``: the federation's object refs, nested so that Ray hands them over unresolved."""
-        self.sc = Scenario.model_validate(scenario)
+        self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         torch.set_num_threads(self.sc.resources.torch_threads)
         use_cuda = self.sc.resources.num_gpus_per_worker > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda" if use_cuda else "cpu")
@@ -56,20 +57,37 @@ class ClientWorker:
             rng=rngmod.generator(seed, "batches", round_idx, cid),
             torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid), prox_mu=spec.prox_mu)
 
+    def _checked_update(self, round_idx: int, theta: np.ndarray, cid: int, spec: ClientSpec,
+                        chaos: WorkerChaos) -> tuple[np.ndarray | None, str | None]:
+        """The client's local update, corrupted if the fault plan says so, and the server's check
+        of it (NaN, Inf, shape, absurd norm): (update, None) or (None, why it is refused). The
+        check runs here, before the update is summed or masked, because after that no one can
+        look at it alone."""
+        delta = self._local(round_idx, theta, cid, spec)
+        if cid in chaos.corrupt:
+            delta = corrupt(delta, chaos.corrupt[cid], corruption_rng(self.sc.seed, round_idx, cid))
+        reason = check_update(delta, theta.size, chaos.max_norm)
+        return (None, reason) if reason else (delta, None)
+
     def run_clients(self, round_idx: int, theta: np.ndarray, groups: dict[int, list[int]],
-                    undelivered: list[int], spec: ClientSpec) -> LocalReply:
+                    undelivered: list[int], spec: ClientSpec, chaos: WorkerChaos = WorkerChaos()) -> LocalReply:
         """The uploads of the clients in ``groups`` (summation group -> client ids in id order):
         their local updates from ``theta``, prepared as ``spec`` says, summed per group as
         w_i * upload_i unless the algorithm needs each one. Clients in ``undelivered`` train but
-        their upload never arrives (the fault plan), so nothing of theirs returns."""
+        their upload never arrives (the fault plan), so nothing of theirs returns; refused
+        updates come back as reasons."""
         t0 = time.perf_counter()
         lost = set(undelivered)
-        ids, uploads, sums = [], [], {}
+        ids, uploads, sums, rejected = [], [], {}, {}
         for g, members in groups.items():
             for cid in members:
-                value = spec.plain_value(self._local(round_idx, theta, cid, spec), theta, cid)
+                delta, reason = self._checked_update(round_idx, theta, cid, spec, chaos)
                 if cid in lost:
                     continue
+                if reason:
+                    rejected[cid] = reason
+                    continue
+                value = spec.plain_value(delta, theta, cid)
                 ids.append(cid)
                 if spec.per_client:
                     uploads.append(value)
@@ -77,7 +95,9 @@ class ClientWorker:
                     term = value.astype(np.float64) * float(self.weights[cid])
                     sums[g] = term if g not in sums else sums[g] + term
         stacked = (np.stack(uploads) if uploads else np.zeros((0, len(theta)), np.float32)) if spec.per_client else None
-        return LocalReply(ids, time.perf_counter() - t0, updates=stacked, sums=sums)
+        if chaos.delay:  # the slowest on-time client of this worker holds the reply back, for real
+            time.sleep(chaos.delay)
+        return LocalReply(ids, time.perf_counter() - t0, updates=stacked, sums=sums, rejected=rejected)
 
     def evaluate(self, theta: np.ndarray) -> tuple[float, float]:
         """Test accuracy and loss of ``theta``, with one thread so the figures never depend on the pool."""
@@ -91,17 +111,21 @@ class ClientWorker:
 
     # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
     def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict, config,
-                     weights: dict, encoding: Encoding, spec: ClientSpec) -> PhaseReply:
+                     weights: dict, encoding: Encoding, spec: ClientSpec, chaos: WorkerChaos = WorkerChaos()) -> PhaseReply:
         """Train, encode w_i * vector (+ the client's noise) into Z_2^b, and advertise keys
         (Bonawitz et al. Round 0).
 
         ``clients`` maps client id -> protocol index; ``leave`` maps client id -> the worker phase
         (WORKER_PHASES) from which that client sends nothing (the fault plan)."""
-        self._sa = {"clients": {}, "inputs": {}, "cids": {}, "weights": {}, "spec": spec,
+        self._sa = {"clients": {}, "inputs": {}, "cids": {}, "weights": {}, "spec": spec, "delay": chaos.delay,
                     "leave": {clients[c]: WORKER_PHASES.index(p) for c, p in leave.items() if c in clients}}
-        clipped = 0
+        clipped, rejected = 0, {}
         for cid, idx in clients.items():
-            value = spec.weighted_value(self._local(round_idx, theta, cid, spec), theta, cid, weights[cid])
+            delta, reason = self._checked_update(round_idx, theta, cid, spec, chaos)
+            if reason:  # refused before it is masked: the client never joins the protocol
+                rejected[cid] = reason
+                continue
+            value = spec.weighted_value(delta, theta, cid, weights[cid])
             try:
                 enc = encode(value, bits=config.bits, scale=encoding.scale, n_summands=encoding.n_summands,
                              rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
@@ -113,7 +137,7 @@ class ClientWorker:
             self._sa["inputs"][idx] = enc.data
             self._sa["clients"][idx] = SecAggClient(idx, config)
             self._sa["cids"][idx], self._sa["weights"][idx] = cid, float(weights[cid])
-        return PhaseReply(self._phase("advertise", lambda c: c.advertise_keys()), clipped=clipped)
+        return PhaseReply(self._phase("advertise", lambda c: c.advertise_keys()), clipped=clipped, rejected=rejected)
 
     def _phase(self, phase: str, call, only=None) -> list:
         """Call ``call`` for each client still online in ``phase`` (and in ``only``, if given)."""
@@ -134,6 +158,8 @@ class ClientWorker:
         """Masked inputs of this worker's clients, pre-summed mod 2^b into one message."""
         msgs = self._phase("masked_input", lambda c: c.masked_input(forwarded[c.id], self._sa["inputs"][c.id]),
                            only=set(forwarded))
+        if self._sa["delay"]:  # the upload phase: stragglers hold it back, for real
+            time.sleep(self._sa["delay"])
         bits = msgs[0]["masked"].dtype.itemsize * 8 if msgs else 0
         return PhaseReply([presum_masked(msgs, bits)] if msgs else [])
 

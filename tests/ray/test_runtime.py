@@ -73,8 +73,9 @@ def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
     ray_session.kill(victim)
     ray_session.get(coord.run.remote())
     rounds = [e for e in ray_session.get(coord.events.remote(0)) if e["event"] == "round"]
-    assert rounds[0]["dropped_by_phase"].get("crash", 0) > 0
-    assert rounds[0]["survived"] == 10 - rounds[0]["dropped_by_phase"]["crash"]
+    crashed = rounds[0]["dropped"]["crash"]["training"]
+    assert crashed > 0 and sorted(rounds[0]["dropped_clients"]["crash"]) == rounds[0]["dropped_clients"]["crash"]
+    assert rounds[0]["survived"] == 10 - crashed
     assert rounds[1]["survived"] == 10  # the replacement worker serves round 2
     assert len(set(pids) & {i["pid"] for i in ray_session.get(coord.worker_info.remote())}) == 1
     ray_session.kill(coord)

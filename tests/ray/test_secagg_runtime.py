@@ -63,7 +63,7 @@ def test_a_crashed_worker_drops_its_clients_mid_protocol(ray_session):
     ray_session.kill(ray_session.get(coord.worker_handle.remote(1)))
     ray_session.get(coord.run.remote())
     rounds = [e for e in ray_session.get(coord.events.remote(0)) if e["event"] == "round"]
-    assert rounds[0]["dropped_by_phase"] == {"crash@advertise": 5}
+    assert rounds[0]["dropped"] == {"crash": {"advertise": 5}} and len(rounds[0]["dropped_clients"]["crash"]) == 5
     assert rounds[0]["survived"] == 5 and "secagg_aborted" not in rounds[0]
     assert rounds[1]["survived"] == 10
     ray_session.kill(coord)
@@ -72,5 +72,5 @@ def test_a_crashed_worker_drops_its_clients_mid_protocol(ray_session):
 def test_a_missed_deadline_drops_the_late_workers(ray_session, tmp_path):
     sc = tiny_scenario(secagg={"enabled": True, "phase_timeout_seconds": 0.001}, training={"rounds": 1})
     rounds, _ = _run(sc, tmp_path / "late")
-    assert rounds[0]["dropped_by_phase"] == {"deadline@advertise": 10}
+    assert rounds[0]["dropped"] == {"straggler": {"advertise": 10}}
     assert "secagg_aborted" in rounds[0] and rounds[0]["survived"] == 0

@@ -256,7 +256,7 @@ def test_a_full_faults_section_round_trips():
     ({"crash": {"at": [[2, "uplaod"]]}}, {}, "faults.crash.at"),
     ({"crash": {"at": [[2, "training", 4]]}}, {}, "faults.crash.at: worker 4 does not exist"),
     ({"crash": {"phase": "advertise", "rate": 0.1}}, {}, "exists only with secagg.enabled"),
-    ({"crash": {"at": [[2, "calibration"]]}}, {}, "only training.algorithm: baek"),
+    ({"crash": {"at": [[2, "calibration"]]}}, {}, "has no calibration phase"),
     ({"crash": {"rate": 1.5}}, {}, "faults.crash.rate"),
     ({"node_failure": {"at_round": 0}}, {}, "faults.node_failure.at_round"),
     ({"node_failure": {"at_round": [3, 12]}}, {}, "round 12 is past training.rounds=10"),
