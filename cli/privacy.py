@@ -16,14 +16,13 @@ import typer
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.dropouts import planned_noise_multipliers
+from dpfl_ray.privacy.calibration import DEFAULT_MAX_ROUNDS, calibrate_noise
 from dpfl_ray.privacy.ledger import (
     DEFAULT_ACCOUNTANT,
     EpsilonCurve,
     FixedSizeSampling,
     PoissonSampling,
     Sampling,
-    calibrate_noise_multiplier,
-    epsilon_for,
 )
 from dpfl_ray.privacy.validation import _check_noise
 
@@ -73,6 +72,13 @@ def _sampling_fields(s: Sampling) -> dict:
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def _used_note(accountant: str, used: str, note: str) -> str:
+    """``; accountant_used=rdp (...)`` where pld fell back or ran on a coarse grid, else ''."""
+    if used != accountant:
+        return f"; accountant_used={used} ({note})"
+    return f"; {note}" if note else ""
 
 
 def _floats(text: str, field: str) -> list[float]:
@@ -141,10 +147,12 @@ def epsilon(
                                                  calibration_dropout_rate, min_weight_fraction)
     curve = EpsilonCurve(z_eff, samp, delta, accountant)  # the dropout is already in z_eff
     eps = curve.epsilon(rounds)
+    used, note = curve.accountant_used(rounds)
     eps_claimed = eps if z_claimed == z_eff else EpsilonCurve(z_claimed, samp, delta, accountant).epsilon(rounds)
     if as_json:
         out = {"epsilon": _finite(eps), "epsilon_claimed": _finite(eps_claimed), "delta": delta, "rounds": rounds,
-               "accountant": accountant, "noise_multiplier": noise_multiplier, "dropout_rate": dropout_rate,
+               "accountant": accountant, "accountant_used": used, "accountant_note": note,
+               "noise_multiplier": noise_multiplier, "dropout_rate": dropout_rate,
                "noise_multiplier_effective": z_eff, "calibration": calibration,
                "min_weight_fraction": min_weight_fraction, "calibration_dropout_rate": calibration_dropout_rate,
                **_sampling_fields(samp)}
@@ -160,7 +168,7 @@ def epsilon(
             line += f", effective noise multiplier {z_eff:.4f} -> the epsilon above"
     if isinstance(samp, FixedSizeSampling):
         line += f"; {samp.describe()}, replace-one relation"
-    typer.echo(line)
+    typer.echo(line + _used_note(accountant, used, note))
 
 
 @app.command()
@@ -177,15 +185,35 @@ def noise(
 ) -> None:
     """The smallest noise multiplier whose epsilon after T rounds is <= the target."""
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
-    z = calibrate_noise_multiplier(epsilon, delta, samp, rounds, accountant)
-    achieved = epsilon_for(z, samp, rounds, delta, accountant)
+    cal = calibrate_noise(epsilon, delta, samp, rounds, accountant)
+    z, achieved = cal.noise_multiplier, cal.epsilon
     if as_json:
-        out = {"noise_multiplier": z, "epsilon": achieved, "epsilon_target": epsilon, "delta": delta,
-               "rounds": rounds, "accountant": accountant, **_sampling_fields(samp)}
+        out = {"noise_multiplier": z, "epsilon": _finite(achieved), "epsilon_target": epsilon, "delta": delta,
+               "rounds": rounds, "accountant": accountant, "accountant_used": cal.accountant_used,
+               "accountant_note": cal.note, **_sampling_fields(samp)}
         typer.echo(json.dumps(out))
         return
     typer.echo(f"noise multiplier = {z:.4f} (epsilon = {achieved:.4f} <= {epsilon:g} after {rounds} rounds, "
-               f"delta={delta:g}, accountant={accountant})")
+               f"delta={delta:g}, accountant={accountant})" + _used_note(accountant, cal.accountant_used, cal.note))
+
+
+def _most_rounds(m: int) -> str:
+    # the search stops at DEFAULT_MAX_ROUNDS: reaching it means "at least", not "exactly"
+    return f">= {DEFAULT_MAX_ROUNDS:.0e}".replace("e+0", "e") if m >= DEFAULT_MAX_ROUNDS else f"{m:,}"
+
+
+def _curve_notes(curves: list[EpsilonCurve], accountant: str) -> list[str]:
+    """Where the table's numbers did not come from ``accountant`` on its usual grid, and why."""
+    used = [(t, u, n) for curve in curves for t, (u, n) in curve.accountants_used.items()]
+    fallback = sorted({t for t, u, _ in used if u != accountant})
+    coarse = sorted({t for t, u, n in used if u == accountant and n})
+    notes = []
+    if fallback:
+        notes.append(f"{accountant} cannot stay within its bounds for T >= {fallback[0]:,}: rdp answered there")
+    if coarse:
+        notes.append(f"{accountant} used a grid coarser than 1e-4 for T >= {coarse[0]:,} to stay within its "
+                     "bounds; still upper bounds")
+    return notes
 
 
 @app.command()
@@ -219,14 +247,18 @@ def table(
         most = [curve.max_rounds(b) for b in budget_list]
         rows.append((r, curve.effective_multipliers[0], eps, most))
 
+    notes = _curve_notes(curves, accountant)
     if as_csv:
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(["dropout_rate", "noise_multiplier_effective"] + [f"epsilon_T{t}" for t in round_list]
                    + [f"max_rounds_eps{b:g}" for b in budget_list])
         for r, z_eff, eps, most in rows:
-            w.writerow([f"{r:g}", f"{z_eff:.6g}"] + [f"{e:.6g}" for e in eps] + most)
+            w.writerow([f"{r:g}", f"{z_eff:.6g}"] + [f"{e:.6g}" for e in eps]
+                       + [f">={m}" if m >= DEFAULT_MAX_ROUNDS else m for m in most])
         typer.echo(buf.getvalue(), nl=False)
+        for note in notes:
+            typer.echo(f"note: {note}", err=True)
         return
 
     from rich.console import Console
@@ -242,7 +274,9 @@ def table(
     for b in budget_list:
         tbl.add_column(f"max T, eps<={b:g}", justify="right")
     for r, z_eff, eps, most in rows:
-        tbl.add_row(f"{r:g}", f"{z_eff:.4f}", *[f"{e:.4f}" for e in eps], *[f"{m:,}" for m in most])
+        tbl.add_row(f"{r:g}", f"{z_eff:.4f}", *[f"{e:.4f}" for e in eps], *[_most_rounds(m) for m in most])
+    if notes:
+        tbl.caption = "\n".join(f"note: {n}" for n in notes)
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 200))

@@ -25,6 +25,10 @@ DEFAULT_MAX_ROUNDS = 10**7
 # A calibration makes ~12 accountant calls; each gets this share of one call's point bounds, which
 # still keeps 1e-4 (and so the historical numbers) for z >= ~0.7 at q = 0.01.
 CALIBRATION_BUDGET = 0.45
+# Where even the RDP answer needs a coarse PLD grid (a tiny z, 10^6+ rounds, delta near 1) epsilon
+# barely depends on the grid (z=0.05, q=0.01, 100 rounds: 1464.0 at 1e-3 and at 0.1), while an
+# epsilon near delta=1 scans the whole distribution in Python: a smaller share keeps it to seconds.
+COARSE_CALIBRATION_BUDGET = 0.1
 
 __all__ = ["AccountingPlan", "EpsilonCurve", "NoiseCalibration", "epsilon_for", "delta_for",
            "calibrate_noise", "calibrate_noise_multiplier", "check_accounting_feasible", "rounds_within_budget"]
@@ -59,15 +63,18 @@ class EpsilonCurve:
         self._used: dict[int, tuple[str, str]] = {}
 
     def _accountant_after(self, rounds: int) -> dp_accounting.PrivacyAccountant:
-        acc = _fresh_accountant(self.accountant, self._relation).compose(self.event, rounds)
-        self._used[rounds] = _used(self.accountant, acc)
-        return acc
+        return _fresh_accountant(self.accountant, self._relation).compose(self.event, rounds)
+
+    @property
+    def accountants_used(self) -> dict[int, tuple[str, str]]:
+        """(accountant, note) behind every epsilon computed so far, by number of rounds."""
+        return dict(self._used)
 
     def accountant_used(self, rounds: int) -> tuple[str, str]:
         """(accountant, note) behind :meth:`epsilon` (rounds): 'rdp' where 'pld' fell back; the note
         says why, or which coarser grid 'pld' used ('' when nothing changed)."""
         if rounds not in self._used:
-            self._accountant_after(_check_rounds(rounds))
+            self.epsilon(rounds)
         return self._used[rounds]
 
     def epsilon(self, rounds: int) -> float:
@@ -75,7 +82,9 @@ class EpsilonCurve:
         if self.delta is None:
             raise DPFLError("this curve was built without a delta", field="delta")
         if rounds not in self._cache:
-            self._cache[rounds] = float(self._accountant_after(rounds).get_epsilon(self.delta))
+            acc = self._accountant_after(rounds)
+            self._cache[rounds] = float(acc.get_epsilon(self.delta))
+            self._used[rounds] = _used(self.accountant, acc)
         return self._cache[rounds]
 
     def delta_at(self, rounds: int, epsilon: float) -> float:
@@ -241,13 +250,22 @@ def calibrate_noise(target_epsilon: float, delta: float, sampling: Sampling | fl
     start = 1.0
     if name == "pld":
         start = calibrate_noise(target, delta, samp, rounds, "rdp", tol).noise_multiplier
+        planned = _accountable(name, _round_event((start,), samp), relation)
+        if pld_grid(planned.event.noise_multiplier, planned.sampling_probability, rounds, relation,
+                    budget=budget) != PLD_VALUE_DISCRETIZATION_INTERVAL:
+            budget = COARSE_CALIBRATION_BUDGET
     lo, hi = _bracket(eps, target, rounds, start)
     z = float(dp_accounting.calibrate_dp_mechanism(
         make_accountant, make_event, target, delta,
         bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tol))
     final = make_accountant().compose(make_event(z))
+    epsilon = float(final.get_epsilon(delta))
     used, note = _used(name, final)
-    return NoiseCalibration(z, float(final.get_epsilon(delta)), name, used, note)
+    if name == "pld" and epsilon < 0.99 * target:
+        # eps(z) jumps where pld's bounds end (below: rdp, which needs more noise); say why z is not tight
+        note = "; ".join(filter(None, [note, f"pld cannot account a smaller z within its bounds, and rdp "
+                                              f"needs more noise for epsilon {target:g}"]))
+    return NoiseCalibration(z, epsilon, name, used, note)
 
 
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling: Sampling | float, rounds: int,
@@ -297,5 +315,5 @@ def check_accounting_feasible(accountant: str, noise_multipliers: float | Sequen
             "multiplier or a huge number of rounds); accounting with rdp instead"))
     note = "" if grid <= PLD_VALUE_DISCRETIZATION_INTERVAL else (
         f"pld accounts z={z:g}, q={q:g} over {rounds:,} rounds on a {grid:g}-nat grid (not "
-        f"{PLD_VALUE_DISCRETIZATION_INTERVAL:g}) to stay within bounds; still an upper bound")
+        f"{PLD_VALUE_DISCRETIZATION_INTERVAL:g}) to stay within bounds; where rdp gives less, rdp answers")
     return AccountingPlan(name, "pld", grid, note)
