@@ -12,7 +12,7 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.accountants import (
+from dpfl_ray.privacy.bounded_pld import (
     PLD_MAX_COMPOSED_POINTS,
     PLD_MAX_POINTS,
     _regrid,
