@@ -15,8 +15,8 @@ from typing import Annotated, Optional
 import typer
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.dropouts import planned_noise_multipliers
 from dpfl_ray.privacy.calibration import DEFAULT_MAX_ROUNDS, calibrate_noise
+from dpfl_ray.privacy.dropouts import planned_noise_multipliers
 from dpfl_ray.privacy.ledger import (
     DEFAULT_ACCOUNTANT,
     EpsilonCurve,

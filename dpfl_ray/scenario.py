@@ -63,7 +63,8 @@ class DataConfig(_Section):
 
 class ModelConfig(_Section):
     name: Literal["cnn", "mlp", "logistic"] = "cnn"
-    hidden: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [200, 200], description="mlp hidden sizes")
+    hidden: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [200, 200],
+                                                      description="mlp hidden sizes")
 
 
 class TrainingConfig(_Section):

@@ -92,8 +92,8 @@ def test_strict_types_and_ranges(override, field):
 
 
 def test_strict_types_keep_what_yaml_means():
-    sc = scenario_from_dict({}, ["training.lr=1e-2", "training.server_lr=2e0", "training.rounds=3", "seed=" + str(2**63 - 1),
-                                 "name=paper-fig2_v1.3", "data.repeat=false", "data.n_max=5"])
+    sc = scenario_from_dict({}, ["training.lr=1e-2", "training.server_lr=2e0", "training.rounds=3",
+                                 "seed=" + str(2**63 - 1), "name=paper-fig2_v1.3", "data.repeat=false", "data.n_max=5"])
     assert sc.training.lr == 0.01 and sc.training.server_lr == 2.0 and sc.training.rounds == 3 and sc.seed == 2**63 - 1
     assert sc.name == "paper-fig2_v1.3" and sc.data.repeat is False and sc.data.n_max == 5.0
 
