@@ -221,8 +221,9 @@ def calibrate_noise(target_epsilon: float, delta: float, sampling: Sampling | fl
     above the target; the bracket is found first so that z -> 0 (epsilon -> inf) never enters the
     root finder. For 'pld' the search starts from the 'rdp' answer (milliseconds, and PLD needs no
     more noise than RDP), and every PLD call gets :data:`CALIBRATION_BUDGET` of the usual point
-    bounds, so the whole search stays bounded; ``epsilon`` is computed under the same bounds, and
-    ``accountant_used`` says 'rdp' where PLD fell back at the answer.
+    bounds (:data:`COARSE_CALIBRATION_BUDGET` where the rdp answer already needs a coarse grid), so
+    the whole search stays bounded; ``epsilon`` is computed under the same bounds, and
+    ``accountant_used`` / ``note`` say where rdp answered and why.
     """
     target = _check_epsilon(target_epsilon, "epsilon")
     delta = _check_delta(delta)
