@@ -22,11 +22,12 @@ from dp_accounting.pld import privacy_loss_mechanism as pld_mech
 PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 
 # Cost model (measured on the 2-core dev box, dp_accounting 0.6): building one round's PLD costs
-# ~2-5 us per grid point and direction (the Gaussian's delta at every point); composing costs one
-# FFT of the composed length. 4e5 points build in about 1-2 s; 2^21 points are 32 MiB per complex
-# FFT array (~200 MB peak in self_compose) and a Python-speed epsilon scan of ~1-2 s.
+# ~2-5 us per grid point and direction (the Gaussian's delta at every point): 2.5e5 points, 1-2 s.
+# Composing costs FFTs of the composed length: 2^20 points are 16 MiB per complex array, ~100 MB
+# at the peak of a self_compose, and scipy keeps up to 16 FFT plans of such lengths (~16 MiB each)
+# in a long-lived process; the Python-speed epsilon scan over them takes ~1 s at delta near 1.
 PLD_MAX_POINTS = 250_000
-PLD_MAX_COMPOSED_POINTS = 2 ** 21
+PLD_MAX_COMPOSED_POINTS = 2 ** 20
 # Finer first; 1e-4 is the historical grid, so every schedule that fits at 1e-4 keeps its numbers.
 # The grid is pessimistic at every step, so a coarse grid still gives an upper bound on epsilon;
 # past 1 nat per step the grid would say less than RDP for the schedules that need it.
