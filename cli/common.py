@@ -1,11 +1,18 @@
-"""Shared CLI plumbing: user mistakes become one line on stderr and exit code 2."""
+"""Shared CLI plumbing: every error is one ``error: ...`` line on stderr and exit code 2.
+
+A DPFLError is a user mistake and says what to change. Anything else that reaches the CLI (a
+MemoryError, a bug) is still one line, naming the exception; ``DPFL_DEBUG=1`` re-raises it with its
+traceback for a bug report.
+"""
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from dpfl_ray.errors import DPFLError
 
@@ -13,15 +20,46 @@ console = Console()
 err_console = Console(stderr=True)
 
 EXIT_USAGE = 2
+_MAX_MESSAGE = 400
+
+
+def one_line(message: str) -> str:
+    """``message`` on a single line, cut to a readable length."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE - 3] + "..."
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
+def describe_exception(err: BaseException) -> str:
+    """The one line for an exception (a DPFLError: its message)."""
+    if isinstance(err, DPFLError):
+        return str(err)
+    if isinstance(err, MemoryError):
+        return "out of memory: this command needs more memory than the machine (or its limit) allows"
+    if isinstance(err, OSError):
+        return f"{getattr(err, 'filename', '') or ''} {err.strerror or err}".strip()
+    if isinstance(err, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({err.reason} at byte {err.start})"
+    detail = one_line(str(err)) or "(no message)"
+    return f"internal error: {type(err).__name__}: {detail} (set DPFL_DEBUG=1 for the traceback)"
+
+
+def debugging() -> bool:
+    return os.environ.get("DPFL_DEBUG", "") not in ("", "0")
+
+
+def _is_cli_control(err: BaseException) -> bool:
+    # typer.Exit / click's Abort derive from RuntimeError, click's usage errors from Exception:
+    # they are how the CLI exits on purpose and pass through untouched.
+    return type(err).__module__.split(".")[0] in ("click", "typer") or isinstance(err, typer.Exit)
+
+
 def user_errors(fn):
-    """Turn DPFLError (bad scenario, bad parameter, bad file) into ``error: ...`` and exit 2."""
+    """Turn every exception of a command into ``error: ...`` and exit 2 (DPFLError: the message)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -29,11 +67,47 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except DPFLError as err:
             fail(str(err))
-        except OSError as err:
-            fail(f"{getattr(err, 'filename', '') or ''} {err.strerror or err}".strip())
+        except Exception as err:  # noqa: BLE001 - the CLI's promise: one line, whatever went wrong
+            if _is_cli_control(err) or debugging():
+                raise
+            fail(describe_exception(err))
 
     return wrapper
 
 
 def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+def preflight(sc, run_dir) -> None:
+    """What can be checked of a run before Ray starts: ``run_dir`` can be written, and the
+    scenario's accountant can account its planned rounds within bounds (a note says when 'pld'
+    will use a coarse grid or fall back to 'rdp'). Raises a DPFLError otherwise."""
+    from dpfl_ray.results import check_writable
+
+    check_writable(run_dir)
+    plan = accounting_plan(sc)
+    if plan is not None and plan.note:
+        console.print(f"[bold yellow]note:[/] {escape(plan.note)}", highlight=False, soft_wrap=True)
+
+
+def accounting_plan(sc):
+    """The :class:`~dpfl_ray.privacy.calibration.AccountingPlan` of a private scenario's planned
+    rounds (None for plain fedavg). A target epsilon is calibrated with rdp here: milliseconds, and
+    it finds a target no noise can meet before Ray starts."""
+    from dpfl_ray.privacy.calibration import calibrate_noise_multiplier, check_accounting_feasible
+    from dpfl_ray.privacy.dropouts import planned_noise_multipliers
+    from dpfl_ray.privacy.sampling import FixedSizeSampling, PoissonSampling
+
+    p, s = sc.privacy, sc.sampling
+    if sc.training.algorithm == "fedavg":
+        return None
+    sampling = (PoissonSampling(s.rate) if s.mode == "poisson"
+                else FixedSizeSampling(s.clients_per_round, sc.data.num_clients))
+    z = p.noise_multiplier
+    if z is None:
+        z = calibrate_noise_multiplier(p.target_epsilon, p.delta, sampling, sc.training.rounds,
+                                       "rdp-classic" if p.accountant == "rdp-classic" else "rdp")
+    if sc.training.algorithm == "baek":
+        z = planned_noise_multipliers(z, p.calibration, min_weight_fraction=p.min_weight_fraction)[1]
+    return check_accounting_feasible(p.accountant, z, sampling, sc.training.rounds, p.delta)

@@ -23,7 +23,9 @@ app.add_typer(privacy.app, name="privacy")
 
 def main() -> None:
     """Console entry point: like ``app()``, but a malformed command line (unknown option, a value
-    of the wrong type) is one ``error:`` line and exit 2 instead of a usage box."""
+    of the wrong type) or any exception a command lets through is one ``error:`` line and exit 2
+    instead of a usage box or a traceback (``DPFL_DEBUG=1`` keeps the traceback)."""
+    import logging
     import sys
 
     try:  # recent Typer vendors its own copy of click
@@ -31,18 +33,32 @@ def main() -> None:
     except ImportError:  # pragma: no cover - older Typer on real click
         from click import exceptions as clickexc
 
-    from .common import err_console
+    from rich.markup import escape
 
+    from .common import debugging, describe_exception, err_console, one_line
+
+    # dp_accounting logs RDP orders it skips as warnings: noise around the one line a user reads
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         rv = app(standalone_mode=False)
     except clickexc.NoArgsIsHelpError:
         sys.exit(0)  # Typer has already printed the help
     except clickexc.UsageError as err:
         where = f"{err.ctx.command_path}: " if err.ctx else ""
-        err_console.print(f"[bold red]error:[/] {where}{err.format_message()}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(one_line(where + err.format_message()))}",
+                          highlight=False, soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, clickexc.Abort):
         sys.exit(130)
+    except clickexc.ClickException as err:
+        err_console.print(f"[bold red]error:[/] {escape(one_line(err.format_message()))}", highlight=False,
+                          soft_wrap=True)
+        sys.exit(2)
+    except Exception as err:  # noqa: BLE001 - one line, whatever went wrong
+        if debugging():
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(describe_exception(err))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

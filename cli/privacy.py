@@ -18,6 +18,7 @@ import typer
 from dpfl_ray.algorithms.baek import booked_multiplier as baek_booked
 from dpfl_ray.algorithms.dp_fedavg import booked_multipliers as dp_fedavg_booked
 from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy.calibration import DEFAULT_MAX_ROUNDS, calibrate_noise
 from dpfl_ray.privacy.dropouts import planned_noise_multipliers
 from dpfl_ray.privacy.ledger import (
     DEFAULT_ACCOUNTANT,
@@ -25,8 +26,6 @@ from dpfl_ray.privacy.ledger import (
     FixedSizeSampling,
     PoissonSampling,
     Sampling,
-    calibrate_noise_multiplier,
-    epsilon_for,
 )
 from dpfl_ray.privacy.validation import _check_delta, _check_epsilon, _check_noise, _check_rounds
 
@@ -105,6 +104,13 @@ def _sampling_fields(s: Sampling) -> dict:
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def _used_note(accountant: str, used: str, note: str) -> str:
+    """``; accountant_used=rdp (...)`` where pld fell back or ran on a coarse grid, else ''."""
+    if used != accountant:
+        return f"; accountant_used={used} ({note})"
+    return f"; {note}" if note else ""
 
 
 def _floats(text: str, field: str) -> list[float]:
@@ -189,13 +195,15 @@ def epsilon(
     booked, booked_claimed = _booked(mechanism, z_eff, samp), _booked(mechanism, z_claimed, samp)
     curve = EpsilonCurve(booked, samp, delta, accountant)  # the dropout is already in z_eff
     eps = curve.epsilon(rounds)
+    used, note = curve.accountant_used(rounds)
     eps_claimed = eps if booked_claimed == booked else EpsilonCurve(booked_claimed, samp, delta, accountant).epsilon(rounds)
     if as_json:
         out = {"epsilon": _finite(eps), "epsilon_claimed": _finite(eps_claimed), "delta": delta, "rounds": rounds,
-               "accountant": accountant, "mechanism": mechanism, "noise_multiplier": noise_multiplier,
-               "dropout_rate": dropout_rate, "noise_multiplier_effective": z_eff, "noise_multiplier_booked": booked,
-               "calibration": calibration, "min_weight_fraction": min_weight_fraction,
-               "calibration_dropout_rate": calibration_dropout_rate, **_sampling_fields(samp)}
+               "accountant": accountant, "accountant_used": used, "accountant_note": note, "mechanism": mechanism,
+               "noise_multiplier": noise_multiplier, "dropout_rate": dropout_rate, "noise_multiplier_effective": z_eff,
+               "noise_multiplier_booked": booked, "calibration": calibration,
+               "min_weight_fraction": min_weight_fraction, "calibration_dropout_rate": calibration_dropout_rate,
+               **_sampling_fields(samp)}
         typer.echo(json.dumps(out))
         return
     line = f"epsilon = {eps:.4f} after {rounds} rounds (delta={delta:g}, accountant={accountant})"
@@ -210,7 +218,7 @@ def epsilon(
         line += f"; {samp.describe()}, replace-one relation"
     if booked != z_eff:
         line += f"; booked noise multiplier {booked:.4g} ({mechanism}: the sensitivity is 2S under replace-one)"
-    typer.echo(line)
+    typer.echo(line + _used_note(accountant, used, note))
 
 
 def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exposures, clients, threat_model,
@@ -274,18 +282,39 @@ def noise(
     """The smallest noise multiplier whose epsilon after T rounds is <= the target."""
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
     mechanism = _mechanism(mechanism, False)
-    booked = calibrate_noise_multiplier(epsilon, delta, samp, rounds, accountant)
-    achieved = epsilon_for(booked, samp, rounds, delta, accountant)
+    cal = calibrate_noise(epsilon, delta, samp, rounds, accountant)
+    booked, achieved = cal.noise_multiplier, cal.epsilon
     z = booked / _booked(mechanism, 1.0, samp)  # the booked multiplier is linear in z
     if as_json:
-        out = {"noise_multiplier": z, "noise_multiplier_booked": booked, "mechanism": mechanism, "epsilon": achieved,
-               "epsilon_target": epsilon, "delta": delta, "rounds": rounds, "accountant": accountant,
+        out = {"noise_multiplier": z, "noise_multiplier_booked": booked, "mechanism": mechanism,
+               "epsilon": _finite(achieved), "epsilon_target": epsilon, "delta": delta, "rounds": rounds,
+               "accountant": accountant, "accountant_used": cal.accountant_used, "accountant_note": cal.note,
                **_sampling_fields(samp)}
         typer.echo(json.dumps(out))
         return
     typer.echo(f"noise multiplier = {z:.4f} (epsilon = {achieved:.4f} <= {epsilon:g} after {rounds} rounds, "
                f"delta={delta:g}, accountant={accountant}"
-               + (f"; booked {booked:.4f}, {mechanism} under replace-one)" if booked != z else ")"))
+               + (f"; booked {booked:.4f}, {mechanism} under replace-one)" if booked != z else ")")
+               + _used_note(accountant, cal.accountant_used, cal.note))
+
+
+def _most_rounds(m: int) -> str:
+    # the search stops at DEFAULT_MAX_ROUNDS: reaching it means "at least", not "exactly"
+    return f">= {DEFAULT_MAX_ROUNDS:.0e}".replace("e+0", "e") if m >= DEFAULT_MAX_ROUNDS else f"{m:,}"
+
+
+def _curve_notes(curves: list[EpsilonCurve], accountant: str) -> list[str]:
+    """Where the table's numbers did not come from ``accountant`` on its usual grid, and why."""
+    used = [(t, u, n) for curve in curves for t, (u, n) in curve.accountants_used.items()]
+    fallback = sorted({t for t, u, _ in used if u != accountant})
+    coarse = sorted({t for t, u, n in used if u == accountant and n})
+    notes = []
+    if fallback:
+        notes.append(f"{accountant} cannot stay within its bounds for T >= {fallback[0]:,}: rdp answered there")
+    if coarse:
+        notes.append(f"{accountant} used a grid coarser than 1e-4 for T >= {coarse[0]:,} to stay within its "
+                     "bounds; still upper bounds")
+    return notes
 
 
 @app.command()
@@ -323,14 +352,18 @@ def table(
         most = [curve.max_rounds(b) for b in budget_list]
         rows.append((r, curve.effective_multipliers[0], eps, most))
 
+    notes = _curve_notes(curves, accountant)
     if as_csv:
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(["dropout_rate", "noise_multiplier_effective"] + [f"epsilon_T{t}" for t in round_list]
                    + [f"max_rounds_eps{b:g}" for b in budget_list])
         for r, z_eff, eps, most in rows:
-            w.writerow([f"{r:g}", f"{z_eff:.6g}"] + [f"{e:.6g}" for e in eps] + most)
+            w.writerow([f"{r:g}", f"{z_eff:.6g}"] + [f"{e:.6g}" for e in eps]
+                       + [f">={m}" if m >= DEFAULT_MAX_ROUNDS else m for m in most])
         typer.echo(buf.getvalue(), nl=False)
+        for note in notes:
+            typer.echo(f"note: {note}", err=True)
         return
 
     from rich.console import Console
@@ -346,7 +379,9 @@ def table(
     for b in budget_list:
         tbl.add_column(f"max T, eps<={b:g}", justify="right")
     for r, z_eff, eps, most in rows:
-        tbl.add_row(f"{r:g}", f"{z_eff:.4f}", *[f"{e:.4f}" for e in eps], *[f"{m:,}" for m in most])
+        tbl.add_row(f"{r:g}", f"{z_eff:.4f}", *[f"{e:.4f}" for e in eps], *[_most_rounds(m) for m in most])
+    if notes:
+        tbl.caption = "\n".join(f"note: {n}" for n in notes)
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 200))

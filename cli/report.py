@@ -8,12 +8,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.measure import Measurement
 from rich.table import Table
 
 from .common import console, user_errors
 
 HEADERS = ["run", "scenario", "rounds", "stop", "final acc", "best acc", "epsilon", "eps claimed", "calibration",
            "delta", "survivors/round", "wall s"]
+
+
+def _wide_table(rows: list[list[str]]) -> Table:
+    table = Table(title="dpfl report", header_style="bold")
+    for i, header in enumerate(HEADERS):
+        text = i < 4 or header == "calibration"
+        table.add_column(header, justify="left" if text else "right", no_wrap=i != 0)
+    for cells in rows:
+        table.add_row(*cells)
+    return table
+
+
+def _run_cards(rows: list[list[str]]) -> list[Table]:
+    """One two-column block per run: readable at any width (a pipe, an 80-column terminal)."""
+    cards = []
+    for cells in rows:
+        card = Table(title=cells[0], title_justify="left", title_style="bold", show_header=False,
+                     box=None, padding=(0, 1, 0, 2))
+        card.add_column("field", style="dim", no_wrap=True)
+        card.add_column("value", overflow="fold")
+        for header, value in zip(HEADERS[1:], cells[1:]):
+            card.add_row(header, value)
+        cards.append(card)
+    return cards
 
 
 @user_errors
@@ -26,12 +51,16 @@ def report(
 
     runs = [load_run(path) for path in run_dirs]  # every input is checked before anything is written
     rows, written = write_report(runs, out)
-    table = Table(title="dpfl report", header_style="bold")
-    for i, header in enumerate(HEADERS):
-        text = i < 4 or header == "calibration"
-        table.add_column(header, justify="left" if text else "right", no_wrap=i != 0)
-    for row in rows:
-        table.add_row(*cells(row))
-    console.print(table)
+    texts = [cells(row) for row in rows]
+    table = _wide_table(texts)
+    # Squeezed into a narrow console the wide table would shrink the run column to nothing.
+    if Measurement.get(console, console.options.update(max_width=10_000), table).maximum <= console.width:
+        console.print(table)
+    else:
+        console.print("[bold]dpfl report[/]")
+        for i, card in enumerate(_run_cards(texts)):
+            if i:
+                console.print()
+            console.print(card)
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True)

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .common import console, user_errors
+from .common import console, preflight, user_errors
 
 
 def _progress() -> Progress:
@@ -53,6 +53,7 @@ def run(
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     if checkpoint is None:
         RunRecord.check_new(run_dir)
+    preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
 
     if not address:
         # A private local Ray stays on the loopback interface (read by Ray at import time).

@@ -7,7 +7,7 @@ import typer
 import yaml
 from rich.table import Table
 
-from .common import console, user_errors
+from .common import accounting_plan, console, user_errors
 
 app = typer.Typer(help="List and validate scenario files.", no_args_is_help=True)
 
@@ -18,11 +18,16 @@ def scenarios_dir() -> Path:
 
 
 @app.command("list")
+@user_errors
 def list_() -> None:
     """The scenarios shipped in scenarios/."""
     table = Table("file", "name", "description")
     for path in sorted(scenarios_dir().glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError):
+            raw = {"description": "(not a valid scenario file)"}
+        raw = raw if isinstance(raw, dict) else {}
         table.add_row(path.name, str(raw.get("name", "")), str(raw.get("description", "")))
     console.print(table)
 
@@ -36,6 +41,9 @@ def validate(path: Path = typer.Argument(..., help="scenario YAML file"),
     from dpfl_ray.scenario import load_scenario
 
     sc = load_scenario(path, set_)
+    plan = accounting_plan(sc)
+    if plan is not None and plan.note:
+        console.print(f"note: {plan.note}", highlight=False, soft_wrap=True, markup=False)
     if data:
         from dpfl_ray.data import build_federation
         from dpfl_ray.models import build_model

@@ -57,9 +57,30 @@ class Run:
                                                                         "epsilon_claimed"))
 
 
+# Fields the table and plots do arithmetic on: a number or null, nothing else.
+NUMERIC_SUMMARY = ("final_accuracy", "final_loss", "rounds_completed", "rounds_planned", "epsilon",
+                   "epsilon_nominal", "epsilon_claimed", "delta", "wall_seconds")
+NUMERIC_ROUND = ("round", "test_accuracy", "test_loss", "epsilon", "epsilon_nominal", "epsilon_claimed", "delta",
+                 "survived", "sampled", "seconds")
+
+
+def _loads(text: str):
+    # Files written before strict JSON may hold bare NaN / Infinity: read them as "no value".
+    return json.loads(text, parse_constant=lambda _: None)
+
+
+def _check_numbers(obj: dict, keys: tuple[str, ...], where: str, run_dir: Path) -> None:
+    for key in keys:
+        value = obj.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise DPFLError(f"{where}: {key} must be a number or null, got {value!r:.40}", field=str(run_dir))
+
+
 def _read_json(path: Path, run_dir: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = _loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DPFLError(f"{path.name} is not a text (UTF-8) file", field=str(run_dir)) from None
     except json.JSONDecodeError as err:
         raise DPFLError(f"{path.name} is not valid JSON ({err.msg}, line {err.lineno})", field=str(run_dir))
     if not isinstance(data, dict):
@@ -76,18 +97,23 @@ def load_run(path: str | Path) -> Run:
     if missing:
         raise DPFLError(f"not a run directory (no {' or '.join(missing)})", field=str(path))
     summary = _read_json(path / "summary.json", path)
+    _check_numbers(summary, NUMERIC_SUMMARY, "summary.json", path)
+    try:
+        lines = (path / "rounds.jsonl").read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DPFLError("rounds.jsonl is not a text (UTF-8) file", field=str(path)) from None
     rounds = []
-    with open(path / "rounds.jsonl") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DPFLError(f"rounds.jsonl line {lineno} is not valid JSON ({err.msg})", field=str(path))
-            if not isinstance(row, dict):
-                raise DPFLError(f"rounds.jsonl line {lineno} is not a JSON object", field=str(path))
-            rounds.append(row)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = _loads(line)
+        except json.JSONDecodeError as err:
+            raise DPFLError(f"rounds.jsonl line {lineno} is not valid JSON ({err.msg})", field=str(path))
+        if not isinstance(row, dict):
+            raise DPFLError(f"rounds.jsonl line {lineno} is not a JSON object", field=str(path))
+        _check_numbers(row, NUMERIC_ROUND, f"rounds.jsonl line {lineno}", path)
+        rounds.append(row)
     return Run(path, summary, rounds)
 
 

@@ -2,12 +2,18 @@
 
 ``scenario.yaml`` (resolved), ``rounds.jsonl`` (appended and flushed each round, so an
 interrupted run keeps what it did), ``summary.json``, ``model.pt`` and ``accuracy.png``.
+
+Every JSON file is strict JSON: a NaN or infinite number (a diverged loss, an epsilon without a
+guarantee) is written as ``null`` and the object that held it gets ``"non_finite": {key: "nan" |
+"inf" | "-inf"}`` saying which and why it is null.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,12 +44,59 @@ def default_run_dir(base: str, name: str) -> Path:
     return path
 
 
+def sanitise(obj):
+    """``obj`` with every NaN / infinite float replaced by None, and a ``non_finite`` entry in each
+    dict that had one (``{"test_loss": "nan"}``), so ``json.dumps(allow_nan=False)`` accepts it."""
+    if isinstance(obj, dict):
+        out, reasons = {}, {}
+        for key, value in obj.items():
+            if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+                out[key], reasons[str(key)] = None, "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            else:
+                out[key] = sanitise(value)
+        if reasons:
+            previous = out.get("non_finite")
+            out["non_finite"] = {**previous, **reasons} if isinstance(previous, dict) else reasons
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [None if isinstance(v, (float, np.floating)) and not math.isfinite(v) else sanitise(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return sanitise(obj.tolist())
+    return obj
+
+
+def dumps(obj, **kwargs) -> str:
+    """Strict JSON (no NaN / Infinity tokens): see :func:`sanitise`."""
+    return json.dumps(sanitise(obj), allow_nan=False, default=_jsonable, **kwargs)
+
+
+def check_writable(path: str | Path) -> None:
+    """Raise a DPFLError unless ``path`` can be created (or is a folder we can write in).
+
+    Probes the nearest existing ancestor with a temporary file that is removed at once, so a
+    read-only or full file system is found before a run starts and nothing is left behind.
+    """
+    path = Path(path)
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise DPFLError(f"cannot create {path}: {ancestor} is not a folder", field="--out")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dpfl-write-check-", dir=ancestor)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise DPFLError(f"cannot write in {ancestor} ({err.strerror or err})", field="--out") from None
+
+
 class RunRecord:
     @staticmethod
     def check_new(path: str | Path) -> None:
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise DPFLError(f"{path} already holds files; choose another --out", field="--out")
+        check_writable(path)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -74,11 +127,11 @@ class RunRecord:
 
     def add_round(self, record: dict) -> None:
         self.rounds.append(record)
-        self._rounds_file.write(json.dumps(record) + "\n")
+        self._rounds_file.write(dumps(record) + "\n")
         self._rounds_file.flush()
 
     def write_json(self, name: str, obj) -> None:
-        (self.path / name).write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+        (self.path / name).write_text(dumps(obj, indent=2) + "\n")
 
     def write_model(self, state_dict) -> None:
         import torch

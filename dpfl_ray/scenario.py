@@ -1,12 +1,15 @@
 """Scenario schema: one YAML file describes one experiment, and nothing else decides what runs.
 
 Unknown keys are errors, every field is type-checked, and every error names its field path
-(``data.partition.alpha``) so the CLI can print it on one line.
+(``data.partition.alpha``) so the CLI can print it on one line. Types are strict: an int field takes
+only an integer (not ``true``, ``'3'`` or ``3.0``), a bool only true/false, a float only a finite
+number; a key given twice, an empty file and an empty ``--set`` path segment are errors.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -15,7 +18,15 @@ from .errors import DPFLError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: YAML's `true` is not the int 1 and '3' is not 3; no inf/nan: a NaN learning rate
+    # "completes" a run with NaN loss
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+
+# seeds go to numpy's SeedSequence (no negatives) and torch.manual_seed / JSON readers (int64)
+MAX_SEED = 2**63 - 1
+# `name` becomes a directory under output.dir: one path component of plain characters
+SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
 class PartitionConfig(_Section):
@@ -52,7 +63,8 @@ class DataConfig(_Section):
 
 class ModelConfig(_Section):
     name: Literal["cnn", "mlp", "logistic"] = "cnn"
-    hidden: list[int] = Field(default_factory=lambda: [200, 200], description="mlp hidden sizes")
+    hidden: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [200, 200],
+                                                      description="mlp hidden sizes")
 
 
 class TrainingConfig(_Section):
@@ -323,9 +335,9 @@ class OutputConfig(_Section):
 
 
 class Scenario(_Section):
-    name: str = "unnamed"
+    name: str = Field("unnamed", description="letters, digits, '.', '_', '-' (it names the run's folder)")
     description: str = ""
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     training: TrainingConfig = TrainingConfig()
@@ -335,6 +347,14 @@ class Scenario(_Section):
     faults: FaultsConfig = FaultsConfig()
     resources: ResourcesConfig = ResourcesConfig()
     output: OutputConfig = OutputConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        if not re.fullmatch(SAFE_NAME, name):
+            raise ValueError(f"must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
+                             f"(it names the run's folder; got {name!r})")
+        return name
 
     @model_validator(mode="after")
     def _algorithm_checks(self):
@@ -390,10 +410,41 @@ def _format_validation_error(err: ValidationError) -> str:
     return f"{loc}: {msg}{extra}" if loc else f"{msg}{extra}"
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a key given twice in one mapping is an error (PyYAML keeps
+    the last one silently, so a scenario could say two things and mean one)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            continue
+        if duplicate:
+            raise DPFLError(f"line {key_node.start_mark.line + 1}: key {key!r} is given twice")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+# YAML 1.2 reads `1e-5` as a float; PyYAML (YAML 1.1) wants a dot and would hand strict float
+# fields the *string* '1e-5'. (`1e400` becomes inf, which the schema then refuses.)
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _parse_value(text: str) -> Any:
     # YAML scalars give the natural types (1 -> int, 0.3 -> float, true -> bool, [1,2] -> list).
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text)
     except yaml.YAMLError:
         return text
 
@@ -404,9 +455,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise DPFLError(f"override {item!r} must look like key.path=value", field="--set")
         key, value = item.split("=", 1)
-        parts = [p for p in key.strip().split(".") if p]
-        if not parts:
+        parts = key.strip().split(".")
+        if not key.strip():
             raise DPFLError(f"override {item!r} has an empty key", field="--set")
+        if any(not p.strip() for p in parts):
+            raise DPFLError(f"override {item!r} has an empty path segment", field="--set")
+        parts = [p.strip() for p in parts]
         node = raw
         for p in parts[:-1]:
             child = node.get(p)
@@ -434,9 +488,18 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
     if not path.is_file():
         raise DPFLError(f"no scenario file at {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DPFLError(f"{path}: not a text (UTF-8) file; a scenario is YAML") from None
+    try:
+        raw = _load_yaml(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise DPFLError(f"{path}: not valid YAML{where}") from None
+    except DPFLError as err:
+        raise DPFLError(f"{path}: {err}") from None
+    if raw is None or raw == {}:
+        # every default would run, as 'unnamed': almost certainly the wrong file
+        raise DPFLError(f"{path}: the scenario is empty")
     return scenario_from_dict(raw, overrides)

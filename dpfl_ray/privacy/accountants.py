@@ -9,10 +9,15 @@ Accountants (``accountant=``)
     Privacy-loss-distribution accounting with dp_accounting's PLD code, pessimistic estimates,
     ``value_discretization_interval`` = :data:`PLD_VALUE_DISCRETIZATION_INTERVAL` = 1e-4. 1e-4 keeps
     epsilon stable to two decimals out to 10^5 rounds of z=1, q=0.01 (1e-3 is about 0.02 off there)
-    and, being pessimistic, is always an upper bound. The tightest of the three. The ledger composes
-    with :class:`_CachedPLDAccountant`, which makes dp_accounting's PLD calls but builds each distinct
-    per-round distribution once (0.4 s each at 1e-4); the results equal ``PLDAccountant``'s. A round
-    with several Gaussians under one sampling is accounted as its single equivalent Gaussian.
+    and, being pessimistic, is always an upper bound. The tightest of the three. Composed by
+    :mod:`dpfl_ray.privacy.bounded_pld`'s accountant, which makes dp_accounting's PLD calls but
+    builds each distinct per-round distribution once (0.4 s each at 1e-4) and bounds every call:
+    the grid is picked from (z, q, rounds) before anything is built, coarser where 1e-4 would need
+    more than :data:`PLD_MAX_POINTS` / :data:`PLD_MAX_COMPOSED_POINTS` points (a tiny z, a huge
+    number of rounds; rdp answers there when it gives less), and where no grid on
+    :data:`PLD_GRID_LADDER` fits it falls back to 'rdp' and says so (``accountant_used``, ``note``).
+    Where 1e-4 fits, the results equal ``PLDAccountant``'s. A round with several Gaussians under one
+    sampling is accounted as its single equivalent Gaussian.
 ``"rdp"``
     dp_accounting's ``RdpAccountant`` with its default orders and its own (improved) conversion.
 ``"rdp-classic"``
@@ -26,7 +31,6 @@ Accountants (``accountant=``)
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Any
 
 import dp_accounting
@@ -34,14 +38,21 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy.bounded_pld import (  # noqa: F401 - re-exported: the names before the split
+    PLD_GRID_LADDER,
+    PLD_MAX_COMPOSED_POINTS,
+    PLD_MAX_POINTS,
+    PLD_VALUE_DISCRETIZATION_INTERVAL,
+    _BoundedPLDAccountant,
+    _CachedPLDAccountant,
+    pld_grid,
+)
 
 ACCOUNTANTS = ("pld", "rdp", "rdp-classic")
 DEFAULT_ACCOUNTANT = "pld"
-PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 CLASSIC_RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
 
 __all__ = ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "PLD_VALUE_DISCRETIZATION_INTERVAL", "CLASSIC_RDP_ORDERS"]
@@ -78,80 +89,6 @@ class _ClassicRdpAccountant(dp_accounting.rdp.RdpAccountant):
         return float(min(np.nanmin(deltas), 1.0))
 
 
-@lru_cache(maxsize=32)  # one entry is 1-4 MB at a 1e-4 interval
-def _poisson_gaussian_pld(noise_multiplier: float, sampling_prob: float, relation: NeighboringRelation,
-                          value_discretization_interval: float) -> pld_lib.PrivacyLossDistribution:
-    # Exactly the call dp_accounting's PLDAccountant makes for a PoissonSampledDpEvent of a Gaussian.
-    return pld_lib.from_gaussian_mechanism(
-        standard_deviation=noise_multiplier,
-        value_discretization_interval=value_discretization_interval,
-        sampling_prob=sampling_prob,
-        neighboring_relation=relation,
-    )
-
-
-class _CachedPLDAccountant(dp_accounting.PrivacyAccountant):
-    """The PoissonSampled-Gaussian subset of dp_accounting's ``PLDAccountant``, with a cache.
-
-    ``PLDAccountant.compose`` rebuilds the per-round PLD on every call (~0.4 s at a 1e-4 interval),
-    which makes a ledger of many similar rounds, a calibration search or a budget search slow. This
-    class makes the same dp_accounting calls (``from_gaussian_mechanism`` with the sampling
-    probability, ``self_compose``, ``compose``, ``get_epsilon_for_delta``) but memoises the
-    per-round distribution. It accepts only what the ledger produces (NoOp, NonPrivate, Composed /
-    SelfComposed, PoissonSampled(Gaussian)); anything else is reported as unsupported.
-    """
-
-    def __init__(self, neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
-                 value_discretization_interval: float = PLD_VALUE_DISCRETIZATION_INTERVAL):
-        super().__init__(neighboring_relation)
-        self._vdi = value_discretization_interval
-        self._pld: pld_lib.PrivacyLossDistribution | None = None
-        self._non_private = False
-
-    def _maybe_compose(self, event, count, do_compose):
-        details = dp_accounting.PrivacyAccountant.CompositionErrorDetails
-        if isinstance(event, dpe.NoOpDpEvent):
-            return None
-        if isinstance(event, dpe.NonPrivateDpEvent):
-            if do_compose:
-                self._non_private = True
-            return None
-        if isinstance(event, dpe.SelfComposedDpEvent):
-            return self._maybe_compose(event.event, event.count * count, do_compose)
-        if isinstance(event, dpe.ComposedDpEvent):
-            for e in event.events:
-                err = self._maybe_compose(e, count, do_compose)
-                if err is not None:
-                    return err
-            return None
-        if isinstance(event, dpe.PoissonSampledDpEvent) and isinstance(event.event, dpe.GaussianDpEvent):
-            if do_compose and count > 0 and event.sampling_probability > 0:
-                if event.event.noise_multiplier == 0:
-                    self._non_private = True
-                else:
-                    one = _poisson_gaussian_pld(float(event.event.noise_multiplier),
-                                                float(event.sampling_probability),
-                                                self.neighboring_relation, self._vdi)
-                    many = one.self_compose(count) if count > 1 else one
-                    self._pld = many if self._pld is None else self._pld.compose(many)
-            return None
-        return details(invalid_event=event, error_message="Unsupported event.")
-
-    def get_epsilon(self, target_delta: float) -> float:
-        if self._non_private:
-            return math.inf
-        if self._pld is None:
-            return 0.0
-        return float(self._pld.get_epsilon_for_delta(target_delta))
-
-    def get_delta(self, target_epsilon: float) -> float:
-        if self._non_private:
-            return 1.0
-        if self._pld is None:
-            return 0.0
-        return float(self._pld.get_delta_for_epsilon(target_epsilon))
-
-
 def _reference_accountant(name: str, relation: NeighboringRelation) -> dp_accounting.PrivacyAccountant:
     """The stock dp_accounting accountant whose ``supports()`` decides what ``name`` can account."""
     if name == "pld":
@@ -161,18 +98,29 @@ def _reference_accountant(name: str, relation: NeighboringRelation) -> dp_accoun
     return dp_accounting.rdp.RdpAccountant(orders=CLASSIC_RDP_ORDERS, neighboring_relation=relation)
 
 
-def _fresh_accountant(name: str, relation: NeighboringRelation) -> dp_accounting.PrivacyAccountant:
+def _fresh_accountant(name: str, relation: NeighboringRelation, budget: float = 1.0) -> dp_accounting.PrivacyAccountant:
+    """A new accountant; for 'pld', ``budget`` scales its point bounds (a search that makes many
+    calls gives each a share)."""
     if name == "pld":
-        return _CachedPLDAccountant(relation, PLD_VALUE_DISCRETIZATION_INTERVAL)
+        return _BoundedPLDAccountant(relation, budget)
     if name == "rdp":
         return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
     return _ClassicRdpAccountant(relation)
 
 
-def _accountant_details(name: str) -> dict:
+def _accountant_details(name: str, accountant: dp_accounting.PrivacyAccountant | None = None) -> dict:
+    """What computed the numbers: ``name`` as asked, and for 'pld' the grid it used or its fallback."""
     if name == "pld":
-        return {"name": "pld", "implementation": "dp_accounting PLD (pessimistic)",
-                "value_discretization_interval": PLD_VALUE_DISCRETIZATION_INTERVAL}
+        used = getattr(accountant, "accountant_used", "pld")
+        note = getattr(accountant, "note", "")
+        if used == "rdp":
+            return {"name": "rdp", "implementation": "dp_accounting RdpAccountant (fallback from pld)",
+                    "orders": [float(o) for o in rdp_privacy_accountant.DEFAULT_RDP_ORDERS],
+                    "conversion": "dp_accounting", "fallback_from": "pld", "note": note}
+        interval = getattr(accountant, "value_discretization_interval", PLD_VALUE_DISCRETIZATION_INTERVAL)
+        out = {"name": "pld", "implementation": "dp_accounting PLD (pessimistic)",
+               "value_discretization_interval": interval}
+        return {**out, "note": note} if note else out
     if name == "rdp":
         return {"name": "rdp", "implementation": "dp_accounting RdpAccountant",
                 "orders": [float(o) for o in rdp_privacy_accountant.DEFAULT_RDP_ORDERS],

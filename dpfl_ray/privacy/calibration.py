@@ -3,19 +3,40 @@ noise multiplier for a target epsilon."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import dp_accounting
 from dp_accounting import dp_event as dpe
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.accountants import DEFAULT_ACCOUNTANT, _accountable, _check_accountant, _fresh_accountant
+from dpfl_ray.privacy.accountants import (
+    DEFAULT_ACCOUNTANT,
+    PLD_VALUE_DISCRETIZATION_INTERVAL,
+    _accountable,
+    _check_accountant,
+    _fresh_accountant,
+    pld_grid,
+)
 from dpfl_ray.privacy.sampling import Sampling, _multipliers, _round_event, as_sampling
 from dpfl_ray.privacy.validation import _check_delta, _check_dropout, _check_epsilon, _check_int, _check_rounds
 
 DEFAULT_MAX_ROUNDS = 10**7
+# A calibration makes ~12 accountant calls; each gets this share of one call's point bounds, which
+# still keeps 1e-4 (and so the historical numbers) for z >= ~0.7 at q = 0.01.
+CALIBRATION_BUDGET = 0.45
+# Where even the RDP answer needs a coarse PLD grid (a tiny z, 10^6+ rounds, delta near 1) epsilon
+# barely depends on the grid (z=0.05, q=0.01, 100 rounds: 1464.0 at 1e-3 and at 0.1), while an
+# epsilon near delta=1 scans the whole distribution in Python: a smaller share keeps it to seconds.
+COARSE_CALIBRATION_BUDGET = 0.1
 
-__all__ = ["EpsilonCurve", "epsilon_for", "delta_for", "calibrate_noise_multiplier", "rounds_within_budget"]
+__all__ = ["AccountingPlan", "EpsilonCurve", "NoiseCalibration", "epsilon_for", "delta_for",
+           "calibrate_noise", "calibrate_noise_multiplier", "check_accounting_feasible", "rounds_within_budget"]
+
+
+def _used(name: str, accountant) -> tuple[str, str]:
+    """(the accountant that answered, why it differs from ``name`` or runs on a coarse grid)."""
+    return getattr(accountant, "accountant_used", name), getattr(accountant, "note", "")
 
 
 class EpsilonCurve:
@@ -39,16 +60,31 @@ class EpsilonCurve:
         self.event = _accountable(self.accountant, _round_event(self.effective_multipliers, self.sampling), relation)
         self._relation = relation
         self._cache: dict[int, float] = {}
+        self._used: dict[int, tuple[str, str]] = {}
 
     def _accountant_after(self, rounds: int) -> dp_accounting.PrivacyAccountant:
         return _fresh_accountant(self.accountant, self._relation).compose(self.event, rounds)
+
+    @property
+    def accountants_used(self) -> dict[int, tuple[str, str]]:
+        """(accountant, note) behind every epsilon computed so far, by number of rounds."""
+        return dict(self._used)
+
+    def accountant_used(self, rounds: int) -> tuple[str, str]:
+        """(accountant, note) behind :meth:`epsilon` (rounds): 'rdp' where 'pld' fell back; the note
+        says why, or which coarser grid 'pld' used ('' when nothing changed)."""
+        if rounds not in self._used:
+            self.epsilon(rounds)
+        return self._used[rounds]
 
     def epsilon(self, rounds: int) -> float:
         rounds = _check_rounds(rounds)
         if self.delta is None:
             raise DPFLError("this curve was built without a delta", field="delta")
         if rounds not in self._cache:
-            self._cache[rounds] = float(self._accountant_after(rounds).get_epsilon(self.delta))
+            acc = self._accountant_after(rounds)
+            self._cache[rounds] = float(acc.get_epsilon(self.delta))
+            self._used[rounds] = _used(self.accountant, acc)
         return self._cache[rounds]
 
     def delta_at(self, rounds: int, epsilon: float) -> float:
@@ -149,34 +185,20 @@ def rounds_within_budget(noise_multiplier: float | Sequence[float], sampling: Sa
     return curve.max_rounds(epsilon_budget, max_rounds)
 
 
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling: Sampling | float, rounds: int,
-                               accountant: str = DEFAULT_ACCOUNTANT, tol: float = 1e-5) -> float:
-    """The smallest noise multiplier (within ``tol``) whose epsilon after ``rounds`` rounds is <= target.
+@dataclass(frozen=True)
+class NoiseCalibration:
+    """The calibrated multiplier, the epsilon it gives, and which accountant gave it."""
 
-    Uses ``dp_accounting.calibrate_dp_mechanism``, which never returns a value above the target;
-    the bracket is found first so that z -> 0 (epsilon -> inf) never enters the root finder.
-    """
-    target = _check_epsilon(target_epsilon, "epsilon")
-    delta = _check_delta(delta)
-    samp = as_sampling(sampling)
-    rounds = _check_rounds(rounds)
-    name = _check_accountant(accountant)
-    tol = _check_epsilon(tol, "tol")
-    relation = samp.neighboring_relation
-    _accountable(name, _round_event((1.0,), samp), relation)
+    noise_multiplier: float
+    epsilon: float
+    accountant: str
+    accountant_used: str
+    note: str = ""
 
-    def make_event(z: float) -> dpe.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(_round_event((float(z),), samp), rounds)
 
-    seen: dict[float, float] = {}
-
-    def eps(z: float) -> float:
-        if z not in seen:
-            seen[z] = _fresh_accountant(name, relation).compose(make_event(z)).get_epsilon(delta)
-        return seen[z]
-
-    # Bracket [lo, hi] with eps(lo) > target >= eps(hi), by doubling / halving from z = 1.
-    hi = 1.0
+def _bracket(eps, target: float, rounds: int, start: float) -> tuple[float, float]:
+    """[lo, hi] with eps(lo) > target >= eps(hi), by doubling / halving from ``start``."""
+    hi = start
     while eps(hi) > target:
         hi *= 2.0
         if hi > 1e6:
@@ -188,7 +210,111 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling: Sa
         if lo < 1e-4:
             raise DPFLError(f"epsilon {target:g} is met even with a noise multiplier below 1e-4",
                             field="epsilon")
-    z = dp_accounting.calibrate_dp_mechanism(
-        lambda: _fresh_accountant(name, relation), make_event, target, delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tol)
-    return float(z)
+    return lo, hi
+
+
+def calibrate_noise(target_epsilon: float, delta: float, sampling: Sampling | float, rounds: int,
+                    accountant: str = DEFAULT_ACCOUNTANT, tol: float = 1e-5) -> NoiseCalibration:
+    """The smallest noise multiplier (within ``tol``) whose epsilon after ``rounds`` rounds is <= target.
+
+    Uses ``dp_accounting.calibrate_dp_mechanism`` (Brent's method), which never returns a value
+    above the target; the bracket is found first so that z -> 0 (epsilon -> inf) never enters the
+    root finder. For 'pld' the search starts from the 'rdp' answer (milliseconds, and PLD needs no
+    more noise than RDP), and every PLD call gets :data:`CALIBRATION_BUDGET` of the usual point
+    bounds (:data:`COARSE_CALIBRATION_BUDGET` where the rdp answer already needs a coarse grid), so
+    the whole search stays bounded; ``epsilon`` is computed under the same bounds, and
+    ``accountant_used`` / ``note`` say where rdp answered and why.
+    """
+    target = _check_epsilon(target_epsilon, "epsilon")
+    delta = _check_delta(delta)
+    samp = as_sampling(sampling)
+    rounds = _check_rounds(rounds)
+    name = _check_accountant(accountant)
+    tol = _check_epsilon(tol, "tol")
+    relation = samp.neighboring_relation
+    _accountable(name, _round_event((1.0,), samp), relation)
+    budget = CALIBRATION_BUDGET if name == "pld" else 1.0
+
+    def make_event(z: float) -> dpe.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(_round_event((float(z),), samp), rounds)
+
+    def make_accountant() -> dp_accounting.PrivacyAccountant:
+        return _fresh_accountant(name, relation, budget)
+
+    seen: dict[float, float] = {}
+
+    def eps(z: float) -> float:
+        if z not in seen:
+            seen[z] = make_accountant().compose(make_event(z)).get_epsilon(delta)
+        return seen[z]
+
+    start = 1.0
+    if name == "pld":
+        start = calibrate_noise(target, delta, samp, rounds, "rdp", tol).noise_multiplier
+        planned = _accountable(name, _round_event((start,), samp), relation)
+        if pld_grid(planned.event.noise_multiplier, planned.sampling_probability, rounds, relation,
+                    budget=budget) != PLD_VALUE_DISCRETIZATION_INTERVAL:
+            budget = COARSE_CALIBRATION_BUDGET
+    lo, hi = _bracket(eps, target, rounds, start)
+    z = float(dp_accounting.calibrate_dp_mechanism(
+        make_accountant, make_event, target, delta,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tol))
+    final = make_accountant().compose(make_event(z))
+    epsilon = float(final.get_epsilon(delta))
+    used, note = _used(name, final)
+    if name == "pld" and epsilon < 0.99 * target:
+        # eps(z) jumps where pld's bounds end (below: rdp, which needs more noise); say why z is not tight
+        note = "; ".join(filter(None, [note, f"pld cannot account a smaller z within its bounds, and rdp "
+                                              f"needs more noise for epsilon {target:g}"]))
+    return NoiseCalibration(z, epsilon, name, used, note)
+
+
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling: Sampling | float, rounds: int,
+                               accountant: str = DEFAULT_ACCOUNTANT, tol: float = 1e-5) -> float:
+    """:func:`calibrate_noise`'s multiplier alone."""
+    return calibrate_noise(target_epsilon, delta, sampling, rounds, accountant, tol).noise_multiplier
+
+
+@dataclass(frozen=True)
+class AccountingPlan:
+    """What accounts a planned run: the accountant asked for, the one that will answer, and why."""
+
+    accountant: str
+    accountant_used: str
+    value_discretization_interval: float | None = None
+    note: str = ""
+
+    @property
+    def fallback(self) -> bool:
+        return self.accountant_used != self.accountant
+
+
+def check_accounting_feasible(accountant: str, noise_multipliers: float | Sequence[float],
+                              sampling: Sampling | float, rounds: int, delta: float) -> AccountingPlan:
+    """Before a run starts: can ``accountant`` account ``rounds`` rounds of this mechanism within
+    bounds? Decided from (z, q, rounds) alone, with the rule the ledger's accountant applies
+    (:func:`~dpfl_ray.privacy.accountants.pld_grid`), so nothing is built or timed here.
+
+    Raises a DPFLError for settings no accountant can take (e.g. 'pld' with fixed-size cohorts);
+    returns the plan otherwise, with ``accountant_used`` 'rdp' where 'pld' would fall back.
+    """
+    name = _check_accountant(accountant)
+    samp = as_sampling(sampling)
+    rounds = _check_rounds(rounds)
+    _check_delta(delta)
+    zs = _multipliers(noise_multipliers, "noise_multiplier")
+    if zs is None:
+        raise DPFLError("needs at least one noise multiplier", field="noise_multiplier")
+    event = _accountable(name, _round_event(zs, samp), samp.neighboring_relation)
+    if name != "pld" or not isinstance(event, dpe.PoissonSampledDpEvent):
+        return AccountingPlan(name, name)
+    z, q = float(event.event.noise_multiplier), float(event.sampling_probability)
+    grid = pld_grid(z, q, rounds, samp.neighboring_relation)
+    if grid is None:
+        return AccountingPlan(name, "rdp", None, (
+            f"pld cannot account z={z:g}, q={q:g} over {rounds:,} rounds within its bounds (a tiny noise "
+            "multiplier or a huge number of rounds); accounting with rdp instead"))
+    note = "" if grid <= PLD_VALUE_DISCRETIZATION_INTERVAL else (
+        f"pld accounts z={z:g}, q={q:g} over {rounds:,} rounds on a {grid:g}-nat grid (not "
+        f"{PLD_VALUE_DISCRETIZATION_INTERVAL:g}) to stay within bounds; where rdp gives less, rdp answers")
+    return AccountingPlan(name, "pld", grid, note)

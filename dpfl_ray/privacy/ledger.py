@@ -393,6 +393,9 @@ class PrivacyLedger:
         }
         if include_epsilon:
             out["epsilon"] = fin(self.epsilon())
+            # for 'pld': the grid it used, or that 'rdp' answered (bounded accounting, issue #16)
+            out["accountant_details"] = _accountant_details(self.accountant, self._state("effective"))
+            out["accountant_used"] = out["accountant_details"]["name"]
             out["epsilon_covered_rounds"] = fin(self.epsilon(covered_only=True))
             out["epsilon_claimed"] = fin(self.claimed_epsilon())
         return out

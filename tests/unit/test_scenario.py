@@ -59,3 +59,69 @@ def test_bad_yaml_is_one_line(tmp_path):
         load_scenario(p)
     with pytest.raises(DPFLError, match="no scenario file"):
         load_scenario(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("override, field", [
+    ("training.lr=.inf", "training.lr: Input should be a finite number"),
+    ("training.lr=1e400", "training.lr: Input should be a finite number"),
+    ("training.lr=.nan", "training.lr"),
+    ("privacy.delta=-.inf", "privacy.delta"),
+    ("training.rounds=true", "training.rounds: Input should be a valid integer"),
+    ("training.rounds='3'", "training.rounds: Input should be a valid integer"),
+    ("training.rounds=3.0", "training.rounds"),
+    ("data.repeat=1", "data.repeat: Input should be a valid boolean"),
+    ("data.repeat='true'", "data.repeat"),
+    ("seed=-1", "seed: Input should be greater than or equal to 0"),
+    (f"seed={2**64}", "seed: Input should be less than or equal to"),
+    ("model.hidden=[-5]", "model.hidden.0: Input should be greater than or equal to 1"),
+    ("model.hidden=[0]", "model.hidden.0"),
+    ("name=../escaped", "name: must be 1-100 letters"),
+    ("name=a/b", "name"),
+    ("name=.hidden", "name"),
+    ("name=''", "name"),
+])
+def test_strict_types_and_ranges(override, field):
+    with pytest.raises(DPFLError) as err:
+        scenario_from_dict({}, [override])
+    assert str(err.value).startswith(field) and "\n" not in str(err.value)
+
+
+def test_strict_types_keep_what_yaml_means():
+    sc = scenario_from_dict({}, ["training.lr=1e-2", "training.server_lr=2e0", "training.rounds=3",
+                                 "seed=" + str(2**63 - 1), "name=paper-fig2_v1.3", "data.repeat=false", "data.n_max=5"])
+    assert sc.training.lr == 0.01 and sc.training.server_lr == 2.0 and sc.training.rounds == 3 and sc.seed == 2**63 - 1
+    assert sc.name == "paper-fig2_v1.3" and sc.data.repeat is False and sc.data.n_max == 5.0
+
+
+@pytest.mark.parametrize("override", ["training..rounds=2", ".training.rounds=2", "training.rounds.=2",
+                                      "training. .rounds=2", " =2"])
+def test_override_paths_have_no_empty_segments(override):
+    with pytest.raises(DPFLError, match="--set: override .* empty"):
+        scenario_from_dict({}, [override])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: a\ntraining:\n  rounds: 3\n  rounds: 4\n", "line 4: key 'rounds' is given twice"),
+    ("name: a\nname: b\n", "line 2: key 'name' is given twice"),
+    ("", "the scenario is empty"),
+    ("# only a comment\n", "the scenario is empty"),
+    ("{}\n", "the scenario is empty"),
+    ("training:\n  rounds: '3'\n", "training.rounds: Input should be a valid integer"),
+    ("- a\n- b\n", "a scenario must be a YAML mapping"),
+])
+def test_scenario_files_are_read_strictly(tmp_path, text, message):
+    p = tmp_path / "s.yaml"
+    p.write_text(text)
+    with pytest.raises(DPFLError, match=message):
+        load_scenario(p)
+
+
+def test_a_binary_scenario_file_is_one_line(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(DPFLError, match="not a text .UTF-8. file") as err:
+        load_scenario(p)
+    assert "\n" not in str(err.value)
+    p.write_bytes(b"name: a\x00b\n")  # valid UTF-8, but not YAML
+    with pytest.raises(DPFLError, match="not valid YAML"):
+        load_scenario(p)

@@ -1,0 +1,216 @@
+"""Issue #16's hostile-input sweep through the real ``dpfl`` in a subprocess (no Ray: everything here
+fails, or answers, before Ray would start): one ``error:`` line on stderr, exit 2, no traceback,
+nothing written. Plus the commands that used to run without bound, and strict JSON on disk."""
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.results import check_writable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "name": "hostile", "seed": 1,
+    "data": {"source": "synthetic", "num_clients": 12, "synthetic_examples": 400, "synthetic_features": 6},
+    "model": {"name": "mlp", "hidden": [8]},
+    "training": {"rounds": 2, "batch_size": 8, "lr": 0.3},
+    "sampling": {"mode": "fixed", "clients_per_round": 6},
+    "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
+}
+
+
+def dpfl(*args, cwd=ROOT, limit_bytes=None):
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(ROOT))
+    env.pop("DPFL_DEBUG", None)
+
+    def limit():  # an address-space limit, like `ulimit -v`
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, preexec_fn=limit if limit_bytes else None)
+
+
+def assert_one_error_line(res, needle=None):
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, (res.returncode, res.stderr, res.stdout)
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    if needle is not None:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def files_under(path: Path) -> set:
+    return {p.relative_to(path) for p in path.rglob("*")}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    raw = dict(TINY, output={"dir": str(tmp_path / "runs")})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("training.lr=.inf", "training.lr: Input should be a finite number"),
+    ("training.lr=1e400", "training.lr: Input should be a finite number"),
+    ("training.rounds=true", "training.rounds: Input should be a valid integer"),
+    ("training..rounds=2", "empty path segment"),
+    ("seed=-1", "seed: Input should be greater than or equal to 0"),
+    (f"seed={2**64 + 1}", "seed: Input should be less than or equal to"),
+    ("model.hidden=[-5]", "model.hidden.0"),
+    ("model.hidden=[0]", "model.hidden.0"),
+    ("name=../escaped", "name: must be"),
+    ("data.repeat=1", "data.repeat: Input should be a valid boolean"),
+])
+def test_run_overrides(tiny, tmp_path, override, needle):
+    before = files_under(tmp_path)
+    res = dpfl("run", tiny, "--set", override)  # no --out: name=../escaped would pick the folder
+    assert_one_error_line(res, needle)
+    assert files_under(tmp_path) == before and not (tmp_path / "escaped").exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    (yaml.safe_dump(TINY).replace("rounds: 2", "rounds: '3'"), "training.rounds: Input should be a valid integer"),
+    (yaml.safe_dump(TINY) + "seed: 2\n", "key 'seed' is given twice"),
+    ("", "the scenario is empty"),
+    (bytes(range(256)) * 8, "not a text (UTF-8) file"),
+])
+def test_run_scenario_files(tmp_path, content, needle):
+    path = tmp_path / "s.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    res = dpfl("run", path, "--out", tmp_path / "never")
+    assert_one_error_line(res, needle)
+    assert not (tmp_path / "never").exists()
+
+
+def test_unwritable_out_is_refused_before_ray_starts(tiny, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    res = dpfl("run", tiny, "--out", blocker / "run")
+    assert_one_error_line(res, "--out: cannot create")
+    assert "workers ->" not in res.stdout  # the banner printed once Ray is up
+    read_only = Path("/sys/dpfl-hostile-test")  # sysfs is read-only, even for root (chmod is not)
+    try:
+        check_writable(read_only)
+    except DPFLError:
+        res = dpfl("run", tiny, "--out", read_only)
+        assert_one_error_line(res, "--out: cannot write in /sys")
+        assert "workers ->" not in res.stdout and not read_only.exists()
+
+
+def _run_dir(path: Path, summary, rounds_text: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "summary.json").write_bytes(summary if isinstance(summary, bytes) else json.dumps(summary).encode())
+    (path / "rounds.jsonl").write_text(rounds_text)
+    return path
+
+
+@pytest.mark.parametrize("summary, rounds, needle", [
+    (bytes(range(256)), '{"round": 1}\n', "summary.json is not a text (UTF-8) file"),
+    ({"name": "x"}, '{"round": 1, "test_accuracy": "0.9"}\n', "rounds.jsonl line 1: test_accuracy must be a number"),
+    ({"name": "x", "final_accuracy": "high"}, '{"round": 1}\n', "summary.json: final_accuracy must be a number"),
+    ({"name": "x", "epsilon": True}, '{"round": 1}\n', "summary.json: epsilon must be a number"),
+])
+def test_report_on_broken_runs(tmp_path, summary, rounds, needle):
+    run = _run_dir(tmp_path / "run", summary, rounds)
+    res = dpfl("report", run, "--out", tmp_path / "report")
+    assert_one_error_line(res, needle)
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize("args, limit", [
+    (("--dim", "1000000000"), None),
+    (("--clients", "100000"), None),
+    (("--clients", "2000", "--dim", "100000"), 3 * 2**30),  # 8 GB under a 3 GB address-space limit
+])
+def test_bench_secagg_refuses_what_cannot_fit(args, limit):
+    res = dpfl("bench", "secagg", *args, "--json", limit_bytes=limit)
+    assert_one_error_line(res, "GiB is available")
+
+
+def test_any_exception_is_one_line(tmp_path):
+    # a report folder that is a file: the plots cannot be written (an OSError deep in matplotlib/csv)
+    run = _run_dir(tmp_path / "run", {"name": "x"}, '{"round": 1, "test_accuracy": 0.5}\n')
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    res = dpfl("report", run, "--out", blocker)
+    assert_one_error_line(res)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("epsilon", "--noise-multiplier", "0.01", "--sampling-rate", "0.01", "--rounds", "100", "--delta", "1e-5"),
+     "grid"),
+    (("epsilon", "--noise-multiplier", "0.01", "--sampling-rate", "1", "--rounds", "1", "--delta", "1e-5"), "grid"),
+    (("epsilon", "--noise-multiplier", "0.0001", "--sampling-rate", "0.01", "--rounds", "100", "--delta", "1e-5"),
+     "accountant_used=rdp"),
+    (("noise", "--epsilon", "1e6", "--sampling-rate", "0.01", "--rounds", "100", "--delta", "1e-5"), "grid"),
+    (("noise", "--epsilon", "8", "--sampling-rate", "0.01", "--rounds", "10000000", "--delta", "1e-5"), "rdp"),
+    (("noise", "--epsilon", "8", "--sampling-rate", "0.01", "--rounds", "100", "--delta", "0.999999"),
+     "smaller z"),
+])
+def test_privacy_commands_that_ran_without_bound_now_answer(args, needle):
+    res = dpfl("privacy", *args, "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert needle in data["accountant_note"] + f" accountant_used={data['accountant_used']}"
+    assert data["epsilon"] is None or math.isfinite(data["epsilon"])
+
+
+def test_privacy_table_shows_the_search_cap_as_a_bound():
+    res = dpfl("privacy", "table", "--budgets", "1e9", "--rounds", "1", "--dropout-rates", "0")
+    assert res.returncode == 0, res.stderr
+    assert ">= 1e7" in res.stdout and "10,000,000" not in res.stdout
+
+
+def test_validate_says_when_the_accountant_will_not_be_plain_pld():
+    res = dpfl("scenarios", "validate", ROOT / "scenarios" / "dp_fedavg_quickstart.yaml", "--no-data",
+               "--set", "privacy.noise_multiplier=0.01", "--set", "training.rounds=2")
+    assert res.returncode == 0 and "note: pld accounts z=0.01" in res.stdout
+    res = dpfl("scenarios", "validate", ROOT / "scenarios" / "dp_fedavg_quickstart.yaml", "--no-data",
+               "--set", "privacy.noise_multiplier=0.0001")
+    assert res.returncode == 0 and "accounting with rdp instead" in res.stdout
+
+
+def test_report_keeps_the_run_column_readable_at_80_columns(tmp_path):
+    runs = []
+    for i, name in enumerate(["quickstart", "dp_fedavg_quickstart", "baek2021_mnist_z1_drop30_calibrated"]):
+        runs.append(_run_dir(tmp_path / "runs" / f"{name}-20260101-12000{i}",
+                             {"name": name, "final_accuracy": 0.8, "rounds_completed": 2, "rounds_planned": 2,
+                              "stop_reason": "completed", "wall_seconds": 1.0, "epsilon": 1.5, "delta": 1e-5},
+                             '{"round": 1, "test_accuracy": 0.7, "epsilon": 1.0}\n'
+                             '{"round": 2, "test_accuracy": 0.8, "epsilon": 1.5}\n'))
+    env = dict(os.environ, COLUMNS="80", PYTHONPATH=str(ROOT))  # and stdout is a pipe, not a terminal
+    res = subprocess.run([sys.executable, "-m", "cli.main", "report", *map(str, runs), "--out", tmp_path / "rep"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert all(len(line) <= 80 for line in res.stdout.splitlines() if not line.startswith("wrote "))
+    for run in runs:
+        assert f"runs/{run.name}" in res.stdout  # every run's full label, unsquashed
+    assert res.stdout.count("0.8000") == 6 and res.stdout.count("1.500") == 3  # final and best accuracy
+
+
+def test_json_files_hold_no_nan_or_infinity(tmp_path):
+    from dpfl_ray.results import RunRecord
+
+    record = RunRecord(tmp_path / "run")
+    record.add_round({"round": 1, "test_loss": float("nan"), "test_accuracy": 0.1, "epsilon": float("inf")})
+    record.write_json("summary.json", {"final_loss": float("nan"), "history": [1.0, float("-inf")]})
+    record.close()
+    line = (tmp_path / "run" / "rounds.jsonl").read_text().strip()
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    for text in (line, summary):
+        assert "NaN" not in text and "Infinity" not in text
+        json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    row = json.loads(line)
+    assert row["test_loss"] is None and row["non_finite"] == {"test_loss": "nan", "epsilon": "inf"}
+    assert json.loads(summary)["non_finite"] == {"final_loss": "nan"} and json.loads(summary)["history"][1] is None
