@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from . import bench, privacy, scenarios
+from . import bench, jobs, privacy, scenarios, submit
 from . import report
 from . import run as run_cmd
 
@@ -11,9 +11,11 @@ app = typer.Typer(help="dpfl_ray: differentially private federated learning on R
                   pretty_exceptions_show_locals=False, add_completion=False)
 app.command("run")(run_cmd.run)
 app.command("report")(report.report)
+app.command("submit")(submit.submit)
 app.add_typer(scenarios.app, name="scenarios")
 app.add_typer(bench.app, name="bench")
 app.add_typer(privacy.app, name="privacy")
+app.add_typer(jobs.app, name="jobs")
 
 
 

@@ -22,7 +22,9 @@ def run(
     scenario: Path = typer.Argument(..., help="scenario YAML file"),
     set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: OUTPUT.DIR/NAME/TIMESTAMP)"),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default: a private local Ray)"),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="join a Ray cluster: HOST:PORT (its GCS), ray://HOST:10001 or auto (default: the "
+        "cluster RAY_ADDRESS names, as inside a Ray Job; else a private local Ray)"),
 ) -> None:
     """Train a federation as the scenario says and write its run directory."""
     from dpfl_ray.algorithms import make_algorithm
@@ -40,9 +42,10 @@ def run(
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     RunRecord.check_new(run_dir)
 
-    if not address:
-        # A private local Ray stays on the loopback interface (read by Ray at import time).
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from dpfl_ray.runtime.connect import recorded_address, resolve_target, stay_on_loopback
+
+    # A malformed address is one line before anything starts; loopback is read by Ray at import.
+    stay_on_loopback(resolve_target(address, recorded=recorded_address))
     import ray
 
     from dpfl_ray.runtime.driver import ensure_ray, run_scenario
