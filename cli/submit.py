@@ -24,7 +24,8 @@ def submit(
     """Submit SCENARIO as a Ray Job; prints its id. The job ships this project and the resolved
     scenario, runs `dpfl run` on the cluster, and packs the run directory into its log for
     `dpfl jobs fetch`."""
-    from dpfl_ray.runtime.jobs import Jobs, dashboard_address, entrypoint_command, job_runtime_env, submission_id
+    from dpfl_ray.runtime.jobs import (Jobs, dashboard_address, entrypoint_command, job_runtime_env, project_root,
+                                       submission_id)
     from dpfl_ray.scenario import load_scenario
 
     from .jobs import follow_job
@@ -34,7 +35,7 @@ def submit(
     jobs = Jobs(url)
     job_id = submission_id(name, sc.name)
     out = f"runs/{sc.name}/{job_id}"
-    jobs.submit(entrypoint_command(out), job_runtime_env(sc.to_yaml(), install), job_id,
+    jobs.submit(entrypoint_command(out), job_runtime_env(sc.to_yaml(), project_root(), install), job_id,
                 {"dpfl_scenario": sc.name, "dpfl_run_dir": out})
     typer.echo(job_id)  # alone on stdout, so `JOB=$(dpfl submit ...)` works
     err_console.print(f"submitted to {url}: `dpfl jobs logs {job_id} --follow`, then `dpfl jobs fetch {job_id}` "

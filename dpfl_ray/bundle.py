@@ -108,7 +108,10 @@ def unpack(bundle: Bundle, dest: str | Path) -> list[Path]:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(bundle.data), mode="r:gz") as tar:
-        tar.extractall(dest, filter="data")
+        try:
+            tar.extractall(dest, filter="data")
+        except tarfile.FilterError as err:
+            raise DPFLError(f"refused to unpack the job's run directory: {err}") from None
         names = [m.name for m in tar.getmembers() if m.isfile()]
     return [dest / n for n in names]
 

@@ -77,14 +77,14 @@ def install_requirements(root: Path | None = None) -> list[str]:
     return [f"torch=={torch}" if re.match(r"^torch\b", r) else r for r in reqs]
 
 
-def job_runtime_env(scenario_yaml: str, install: bool = False, root: Path | None = None) -> dict:
-    """The job's runtime_env: the project as working_dir (it lands on the job's PYTHONPATH, so the
-    job runs exactly this code), the resolved scenario as an environment variable, and with
-    ``install`` the dependencies through pip for nodes that lack them."""
+def job_runtime_env(scenario_yaml: str, root: Path | None, install: bool = False) -> dict:
+    """The job's runtime_env: the checkout ``root`` as working_dir (it lands first on the job's
+    PYTHONPATH, so the job runs exactly this code; without a checkout, the two installed packages),
+    the resolved scenario as an environment variable, and with ``install`` the dependencies through
+    pip for nodes that lack them."""
     import cli
     import dpfl_ray
 
-    root = root if root is not None else project_root()
     env: dict = {"env_vars": {SCENARIO_ENV: scenario_yaml}, "excludes": list(EXCLUDES)}
     if root is not None:
         env["working_dir"] = str(root)
