@@ -356,16 +356,19 @@ def _join(target: Target, kwargs: dict, timeout_s: float) -> None:
     except DPFLError:
         raise
     except Exception as err:  # ray.init's ConnectionError/RuntimeError/AuthenticationError, one line each
-        text = _last_line(err)
+        text = _one_line(err)
         if "auth" in type(err).__name__.lower() or "InvalidAuthToken" in text or "Authentication" in text:
             token = find_auth_token()
             raise DPFLError(rejected_token_message(where, token) if token else missing_token_message(where)) from None
         raise DPFLError(f"could not join the Ray cluster at {where}: {text}") from None
 
 
-def _last_line(err: BaseException) -> str:
+def _one_line(err: BaseException) -> str:
+    """Ray's multi-line errors (a server traceback) as one line: the headline and the cause."""
     lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else type(err).__name__
+    if not lines:
+        return type(err).__name__
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:400]
 
 
 def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.1):
