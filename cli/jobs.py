@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -134,7 +135,12 @@ def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
     from dpfl_ray.bundle import bundle_lines
     from dpfl_ray.runtime.jobs import SCENARIO_ENV
 
-    from . import run as run_cmd
+    try:  # recent Typer vendors its own copy of click
+        from typer._click.exceptions import Abort
+    except ImportError:  # pragma: no cover - older Typer on real click
+        from click.exceptions import Abort
+
+    from .main import app as dpfl
 
     text = os.environ.get(SCENARIO_ENV)
     if not text:
@@ -142,12 +148,14 @@ def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
     path = Path(".dpfl_job") / f"{out.name}.yaml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        # `ray job stop` sends SIGTERM: stop the run between rounds, like Ctrl-C, and still pack it
+        signal.signal(signal.SIGTERM, _interrupt)
     code = 0
-    try:
-        run_cmd.run(scenario=path, set_=[], out=out, address=None)
-    except typer.Exit as stop:
-        code = stop.exit_code
-    except KeyboardInterrupt:
+    try:  # exactly `dpfl run`, parsed as the command line would be
+        rv = dpfl(["run", str(path), "--out", str(out)], standalone_mode=False)
+        code = rv if isinstance(rv, int) else 0
+    except (KeyboardInterrupt, Abort):
         code = 130
     except Exception:  # a bug: keep its traceback in the job's log, still ship what was written
         traceback.print_exc()
@@ -158,6 +166,10 @@ def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
             sys.stdout.flush()
             print("\n".join(bundle_lines(out, name)), flush=True)
     raise typer.Exit(code)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _scenario_name(path: Path) -> str:

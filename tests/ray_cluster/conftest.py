@@ -115,7 +115,9 @@ def ray_head():
            f"--runtime-env-agent-port={env_agent}", f"--metrics-export-port={metrics}", f"--temp-dir={temp_dir}",
            "--num-cpus=2", "--disable-usage-stats"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=client_env(RAY_AUTH_TOKEN_PATH=str(token)), stdout=out,
+        # A stopped job gets 30 s, not Ray's 3, to write and pack its files on a loaded CI machine.
+        head_env = client_env(RAY_AUTH_TOKEN_PATH=str(token), RAY_JOB_STOP_WAIT_TIME_S="30")
+        proc = subprocess.Popen(cmd, env=head_env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     head = Head(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", token, temp_dir, proc)
     try:
