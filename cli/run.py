@@ -42,7 +42,7 @@ def run(
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     RunRecord.check_new(run_dir)
 
-    from dpfl_ray.runtime.connect import recorded_address, resolve_target, stay_on_loopback
+    from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
 
     # A malformed address is one line before anything starts; loopback is read by Ray at import.
     stay_on_loopback(resolve_target(address, recorded=recorded_address))

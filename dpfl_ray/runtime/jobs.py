@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import DPFLError
-from .connect import Token, find_auth_token, missing_token_message, rejected_token_message
+from .cluster import Token, find_auth_token, missing_token_message, rejected_token_message
 
 # (connect, read) seconds for every HTTP request to the dashboard.
 HTTP_TIMEOUT_S = (5.0, 60.0)

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent('''
 
     from dpfl_ray.data import build_federation
     from dpfl_ray.results import RunRecord
-    from dpfl_ray.runtime.connect import placement_summary
+    from dpfl_ray.runtime.cluster import placement_summary
     from dpfl_ray.runtime.driver import ensure_ray, run_scenario
     from dpfl_ray.scenario import scenario_from_dict
 

@@ -1,14 +1,15 @@
-"""Address forms, token discovery, bounded calls and the placement record (runtime/connect.py),
-and the Jobs helpers that need no cluster (runtime/jobs.py). No Ray is started."""
+"""Address forms, token discovery and the placement record (runtime/cluster.py), bounded calls
+(runtime/connect.py) and the Jobs helpers that need no cluster (runtime/jobs.py). No Ray is started."""
 import time
 from pathlib import Path
 
 import pytest
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.runtime.connect import (
-    Token, call_bounded, find_auth_token, placement_summary, recorded_address, resolve_target, stay_on_loopback,
+from dpfl_ray.runtime.cluster import (
+    Token, find_auth_token, placement_summary, recorded_address, resolve_target, stay_on_loopback,
 )
+from dpfl_ray.runtime.connect import call_bounded
 from dpfl_ray.runtime.jobs import EXCLUDES, SCENARIO_ENV, dashboard_address, job_runtime_env, submission_id
 
 
