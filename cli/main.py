@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from . import bench, privacy, scenarios
+from . import bench, jobs, privacy, scenarios, submit
 from . import report
 from . import run as run_cmd
 from . import audit
@@ -15,9 +15,11 @@ app.command("run")(run_cmd.run)
 app.command("report")(report.report)
 app.command("audit")(audit.audit)
 app.command("sweep")(sweep_cmd.sweep)
+app.command("submit")(submit.submit)
 app.add_typer(scenarios.app, name="scenarios")
 app.add_typer(bench.app, name="bench")
 app.add_typer(privacy.app, name="privacy")
+app.add_typer(jobs.app, name="jobs")
 
 
 

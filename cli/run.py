@@ -1,7 +1,6 @@
 """``dpfl run``: one scenario, locally or on a cluster, with live progress and a run directory."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,7 +22,9 @@ def run(
     scenario: Optional[Path] = typer.Argument(None, help="scenario YAML file (not with --resume)"),
     set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: OUTPUT.DIR/NAME/TIMESTAMP)"),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default: a private local Ray)"),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="join a Ray cluster: HOST:PORT (its GCS), ray://HOST:10001 or auto (default: the "
+        "cluster RAY_ADDRESS names, as inside a Ray Job; else a private local Ray)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory from its "
                                                                  "last checkpoint"),
 ) -> None:
@@ -55,9 +56,10 @@ def run(
         RunRecord.check_new(run_dir)
     preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
 
-    if not address:
-        # A private local Ray stays on the loopback interface (read by Ray at import time).
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
+
+    # A malformed address is one line before anything starts; loopback is read by Ray at import.
+    stay_on_loopback(resolve_target(address, recorded=recorded_address))
     import ray
 
     from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted

@@ -24,6 +24,7 @@ from ..scenario import Scenario
 from .privacy import RunPrivacy
 from .resources import assign_clients, assign_groups, plan_pool, summation_groups
 from .chaos import strike
+from .cluster import placement_summary
 from .messages import WorkerChaos
 from .secagg_round import real_deadline, secagg_round
 from .workers import make_worker_class
@@ -67,6 +68,7 @@ class Coordinator:
         self._nodes: dict = {}
         plan = plan_pool(self.sc.resources, ray.cluster_resources(), len(self.sizes))
         self._worker_cls = make_worker_class(plan.num_cpus, plan.num_gpus)
+        self._worker_cls_resources = (plan.num_cpus, plan.num_gpus)
         self._pool_size = plan.workers
         self.workers: list = list(workers or [])
         self.groups = summation_groups(int(self.theta.size))
@@ -146,7 +148,7 @@ class Coordinator:
         how many rounds they cover."""
         with self._lock:
             out = {"rounds": self.rounds_done, "theta": self.theta,
-                   "summary": {**self.algorithm.summary_fields(), "pool": self.pool},
+                   "summary": {**self.algorithm.summary_fields(), "placement": self.pool},
                    "checkpoint": self._checkpoint()}
             if self.privacy:
                 out["ledger"] = self.privacy.to_dict()
@@ -155,7 +157,7 @@ class Coordinator:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
         infos = self.start_pool()
-        self.pool = pool_summary(infos)
+        self.pool = placement_summary(infos, self._worker_cls_resources[0], self._worker_cls_resources[1])
         self._emit({"event": "start", "workers": len(self.workers), "pool": infos, "num_params": int(self.theta.size)})
         tr = self.sc.training
         stop_reason = "completed"
@@ -314,18 +316,6 @@ class Coordinator:
                 raise RuntimeError(f"{self.replacements} workers died or hung in this run; giving up "
                                    "(see the rounds' 'dropped' records)")
             self.workers[self.workers.index(w)] = self._new_worker()
-
-
-def pool_summary(infos: list[dict | None]) -> dict:
-    """How many workers run on each node, and the GPU ids Ray gave them (summary.json's 'pool')."""
-    nodes: dict[str, dict] = {}
-    for info in infos:
-        if info is None:
-            continue
-        node = nodes.setdefault(info["node"], {"workers": 0, "gpu_ids": []})
-        node["workers"] += 1
-        node["gpu_ids"].append(info["gpu_ids"])
-    return {"workers": len(infos), "nodes": nodes}
 
 
 def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,

@@ -3,14 +3,10 @@ a RunRecord. Everything that decides what happens lives in the coordinator and t
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from pathlib import Path
 from typing import Callable
 
 import ray
-
-import dpfl_ray
 
 from ..algorithms import algorithm_class
 from ..data import Federation
@@ -26,18 +22,11 @@ from .shutdown import Shutdown, kill_descendants
 
 
 def ensure_ray(address: str | None = None) -> bool:
-    """Connect to ``address`` or start a private local Ray bound to 127.0.0.1.
-    Returns True when this call started it (so the caller shuts it down)."""
-    if ray.is_initialized():
-        return False
-    kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="ERROR")
-    if address:
-        # A remote cluster may not have this package installed: ship it with the job.
-        ray.init(address=address, runtime_env={"py_modules": [str(Path(dpfl_ray.__file__).parent)]}, **kwargs)
-    else:
-        # address="local" always starts a private instance, never joins one found on the machine.
-        ray.init(address="local", num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1", **kwargs)
-    return True
+    """Join the cluster ``address`` (or RAY_ADDRESS) names, or start a private local Ray bound to
+    127.0.0.1 (runtime/connect.py). Returns True when this call connected (so the caller shuts it down)."""
+    from .connect import connect
+
+    return connect(address)
 
 
 def stop_ray() -> None:

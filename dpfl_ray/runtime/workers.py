@@ -179,4 +179,7 @@ class ClientWorker:
 
 
 def make_worker_class(num_cpus: float, num_gpus: float):
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(ClientWorker)
+    # SPREAD: on a cluster the pool covers every node, each worker with its GPU fraction, instead of
+    # filling the driver's node first (Ray's default); on one machine it changes nothing.
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
+                      scheduling_strategy="SPREAD")(ClientWorker)

@@ -1,0 +1,153 @@
+"""Address forms, token discovery and the placement record (runtime/cluster.py), bounded calls
+(runtime/connect.py) and the Jobs helpers that need no cluster (runtime/jobs.py). No Ray is started."""
+import time
+from pathlib import Path
+
+import pytest
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.runtime.cluster import (
+    Token, find_auth_token, placement_summary, recorded_address, resolve_target, stay_on_loopback,
+)
+from dpfl_ray.runtime.connect import call_bounded
+from dpfl_ray.runtime.jobs import EXCLUDES, SCENARIO_ENV, dashboard_address, job_runtime_env, submission_id
+
+
+@pytest.mark.parametrize("address, kind, host, port", [
+    ("10.0.0.5:6379", "gcs", "10.0.0.5", 6379),
+    (" head.example.org:7000 ", "gcs", "head.example.org", 7000),
+    ("[::1]:6379", "gcs", "::1", 6379),
+    ("ray://10.0.0.5:10001", "client", "10.0.0.5", 10001),
+    ("ray://10.0.0.5", "client", "10.0.0.5", 10001),
+])
+def test_address_forms(address, kind, host, port):
+    t = resolve_target(address, environ={})
+    assert (t.kind, t.host, t.port, t.source) == (kind, host, port, "--address")
+
+
+def test_address_strings_ray_init_receives():
+    assert resolve_target("10.0.0.5:6379", environ={}).address == "10.0.0.5:6379"
+    assert resolve_target("[::1]:6379", environ={}).address == "[::1]:6379"
+    assert resolve_target("ray://h", environ={}).address == "ray://h:10001"
+
+
+def test_no_address_joins_ray_address_else_runs_locally():
+    assert resolve_target(None, environ={}).kind == "local"
+    t = resolve_target(None, environ={"RAY_ADDRESS": "127.0.0.1:6380"})
+    assert (t.kind, t.port, t.source) == ("gcs", 6380, "RAY_ADDRESS")
+    assert resolve_target("local", environ={"RAY_ADDRESS": "127.0.0.1:6380"}).kind == "local"
+
+
+def test_inside_a_ray_job():
+    env = {"RAY_ADDRESS": "127.0.0.1:6380", "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
+    assert resolve_target(None, environ=env).inside_job
+    assert not resolve_target(None, environ={"RAY_ADDRESS": "127.0.0.1:6380"}).inside_job
+
+
+def test_auto_uses_ray_address_then_the_last_ray_start():
+    assert resolve_target("auto", environ={"RAY_ADDRESS": "10.1.1.1:6379"}).host == "10.1.1.1"
+    t = resolve_target("auto", environ={}, recorded=lambda: "10.2.2.2:6379")
+    assert (t.host, t.port) == ("10.2.2.2", 6379)
+    with pytest.raises(DPFLError, match="no Ray cluster was started on this machine"):
+        resolve_target("auto", environ={}, recorded=lambda: None)
+
+
+@pytest.mark.parametrize("address, message", [
+    ("http://127.0.0.1:8265", "dashboard .*dpfl submit"),
+    ("127.0.0.1", "give the port"),
+    ("127.0.0.1:http", "must be a number"),
+    ("127.0.0.1:0", "1..65535"),
+    ("tcp://h:1", "unknown scheme"),
+])
+def test_malformed_addresses_are_one_line(address, message):
+    with pytest.raises(DPFLError, match=message) as err:
+        resolve_target(address, environ={})
+    assert "\n" not in str(err.value) and str(err.value).startswith("--address:")
+
+
+def test_an_http_ray_address_names_the_variable():
+    with pytest.raises(DPFLError, match="^RAY_ADDRESS: http"):
+        resolve_target(None, environ={"RAY_ADDRESS": "http://127.0.0.1:8265"})
+
+
+def test_loopback_targets_keep_ray_on_127_0_0_1():
+    for address in (None, "127.0.0.1:6379", "localhost:6379", "[::1]:6379"):
+        env = {}
+        stay_on_loopback(resolve_target(address, environ={}), env)
+        assert env == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {}
+    stay_on_loopback(resolve_target("10.0.0.5:6379", environ={}), env)
+    assert env == {}
+
+
+def test_recorded_address_is_read_where_ray_start_writes_it(tmp_path):
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.3.3.3:6379\n")
+    assert recorded_address({"RAY_TMPDIR": str(tmp_path)}) == "10.3.3.3:6379"
+    assert recorded_address({"RAY_TMPDIR": str(tmp_path / "none")}) is None
+
+
+def test_token_precedence_follows_rays_loader(tmp_path):
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("from-home\nsecond line\n")
+    path = tmp_path / "tok"
+    path.write_text("  from-path  \n")
+    assert find_auth_token({}, home) == Token("from-home", str(home / ".ray" / "auth_token"))
+    assert find_auth_token({"RAY_AUTH_TOKEN_PATH": str(path)}, home) == Token("from-path", f"RAY_AUTH_TOKEN_PATH={path}")
+    assert find_auth_token({"RAY_AUTH_TOKEN": "from-env", "RAY_AUTH_TOKEN_PATH": str(path)}, home).value == "from-env"
+    assert find_auth_token({}, tmp_path / "nobody") is None
+
+
+def test_an_unreadable_token_path_is_one_line(tmp_path):
+    with pytest.raises(DPFLError, match="RAY_AUTH_TOKEN_PATH=.*cannot be read or is empty"):
+        find_auth_token({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")}, tmp_path)
+
+
+def test_call_bounded_returns_raises_and_gives_up():
+    assert call_bounded(lambda: 7, 5, "x") == 7
+    with pytest.raises(ZeroDivisionError):
+        call_bounded(lambda: 1 / 0, 5, "x")
+    t0 = time.monotonic()
+    with pytest.raises(DPFLError, match="slow thing did not finish within 0.2 s"):
+        call_bounded(lambda: time.sleep(0.6), 0.2, "slow thing")
+    assert time.monotonic() - t0 < 0.55
+    time.sleep(0.6)  # the abandoned call ends before this process does: no forced exit
+
+
+def test_placement_summary_counts_workers_and_gpu_ids_per_node():
+    pool = [{"node": "b", "gpu_ids": ["0"]}, {"node": "a", "gpu_ids": ["1"]}, {"node": "a", "gpu_ids": ["0"]}, None]
+    s = placement_summary(pool, 0.5, 0.25)
+    assert s["nodes"] == {"a": {"workers": 2, "gpu_ids": ["0", "1"]}, "b": {"workers": 1, "gpu_ids": ["0"]}}
+    assert (s["workers"], s["unreported"], s["num_gpus_per_worker"]) == (4, 1, 0.25)
+
+
+def test_dashboard_address_sources():
+    assert dashboard_address("http://h:8265/", {}) == "http://h:8265"
+    assert dashboard_address(None, {"RAY_API_SERVER_ADDRESS": "http://a:1"}) == "http://a:1"
+    assert dashboard_address(None, {"RAY_ADDRESS": "https://b:2"}) == "https://b:2"
+    with pytest.raises(DPFLError, match="dashboard"):
+        dashboard_address("h:6379", {})
+    with pytest.raises(DPFLError, match="--address http://HEAD:8265"):
+        dashboard_address(None, {"RAY_ADDRESS": "10.0.0.1:6379"})
+
+
+def test_submission_ids():
+    assert submission_id("my-run_1", "quickstart") == "my-run_1"
+    made = submission_id(None, "quick start", now=0)
+    assert made.startswith("quick-start-19") and made != submission_id(None, "quick start", now=0)
+    with pytest.raises(DPFLError, match="--name"):
+        submission_id("bad id/", "x")
+
+
+def test_job_runtime_env_ships_the_checkout_and_the_scenario():
+    root = Path(__file__).resolve().parents[2]
+    env = job_runtime_env("name: x\n", root)
+    assert env["working_dir"] == str(root) and env["env_vars"] == {SCENARIO_ENV: "name: x\n"}
+    assert {".venv", "runs", ".git", "**/__pycache__"} <= set(env["excludes"]) == set(EXCLUDES)
+    assert "pip" not in env and "py_modules" not in env
+    pip = job_runtime_env("name: x\n", root, install=True)["pip"]["packages"]
+    assert any(p.startswith("torch==") for p in pip) and any(p.startswith("ray[default]") for p in pip)
+    installed = job_runtime_env("name: x\n", None)  # no checkout: the two packages travel
+    assert "working_dir" not in installed
+    assert sorted(Path(p).name for p in installed["py_modules"]) == ["cli", "dpfl_ray"]
