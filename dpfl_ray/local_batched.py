@@ -12,6 +12,7 @@ same batch shapes; within a group each vmapped slot runs the same kernels on its
 CPU with a fixed thread count, PyTorch's vmapped kernels give bitwise the same result for a slot
 for every K >= 2, but a K = 1 vmap takes a different (ungrouped) convolution kernel, so a lone
 client is padded with a copy of itself (tests/unit/test_local_batched.py checks both facts).
+cuBLAS/cuDNN choose kernels by shape, so on CUDA every stack is padded to one fixed K.
 The batched result equals the sequential path to float tolerance, not bitwise: the vmapped
 kernels sum in a different order.
 """
@@ -94,7 +95,8 @@ def clients_per_batch(model: nn.Module, input_shape: Sequence[int], batch_size: 
 def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
                           *, epochs: int, batch_size: int, lr: float, clip_norm: float | None,
                           rngs: Sequence[np.random.Generator], torch_seeds: Sequence[int],
-                          max_clients: int = DEFAULT_MAX_CLIENTS) -> list[np.ndarray]:
+                          max_clients: int = DEFAULT_MAX_CLIENTS, fixed_shape: bool | None = None,
+                          fast_pool: bool = True) -> list[np.ndarray]:
     """Baek et al. 2021, Alg. 1 for each client i of ``xs``/``ys``/``rngs``: E epochs of minibatch
     SGD from theta in the order ``rngs[i]`` draws, the update clipped to C after every step
     (line 11). Returns each client's Delta_i = w_i - theta (float32), in input order.
@@ -102,6 +104,9 @@ def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.n
     Same result as :func:`local_update` per client, to float tolerance. Models that cannot be
     vmapped (:func:`can_batch`) take the sequential path, with ``torch_seeds`` for their
     stochastic layers; at most ``max_clients`` are stacked at once (:func:`clients_per_batch`).
+    ``fixed_shape`` pads every stack to ``max_clients`` (default: on CUDA, whose libraries pick
+    kernels by shape); otherwise only a lone client is padded, to 2 (see the module docstring).
+    ``fast_pool=False`` keeps the model's own max-pool kernel (for benchmarks).
     """
     if not (len(xs) == len(ys) == len(rngs) == len(torch_seeds)):
         raise ValueError("xs, ys, rngs and torch_seeds must have one entry per client")
@@ -116,25 +121,30 @@ def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.n
         by_size[len(y)].append(i)
     out: list[np.ndarray | None] = [None] * len(ys)
     chunk = max(2, int(max_clients))
+    if fixed_shape is None:
+        fixed_shape = next(model.parameters()).device.type == "cuda"
+    stack = chunk if fixed_shape else 2
     for members in by_size.values():
         for lo in range(0, len(members), chunk):
             part = members[lo:lo + chunk]
             # Each client's batch order, drawn epoch by epoch as the sequential path draws it.
             orders = [np.stack([rngs[i].permutation(len(ys[i])) for _ in range(epochs)]) for i in part]
             deltas = _train_group(model, start, [xs[i] for i in part], [ys[i] for i in part], orders,
-                                  batch_size=batch_size, lr=lr, clip_norm=clip_norm)
+                                  batch_size=batch_size, lr=lr, clip_norm=clip_norm, min_stack=stack,
+                                  fast_pool=fast_pool)
             for i, d in zip(part, deltas):
                 out[i] = d
     return out  # type: ignore[return-value]
 
 
 def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, orders, *, batch_size: int,
-                 lr: float, clip_norm: float | None) -> list[np.ndarray]:
+                 lr: float, clip_norm: float | None, min_stack: int, fast_pool: bool) -> list[np.ndarray]:
     """Local SGD of clients of equal size, stacked on a leading axis of K parameter copies."""
     k_real = len(xs)
-    if k_real == 1:
-        # A K = 1 vmap runs different kernels than K >= 2; a copy keeps the result independent of K.
-        xs, ys, orders = xs * 2, ys * 2, orders * 2
+    if k_real < min_stack:
+        # Copies of the first client fill the stack: kernels chosen by K never see another K.
+        pad = min_stack - k_real
+        xs, ys, orders = xs + xs[:1] * pad, ys + ys[:1] * pad, orders + orders[:1] * pad
     device = next(iter(start.values())).device
     x = torch.from_numpy(np.stack(xs)).to(device)
     y = torch.from_numpy(np.stack(ys)).to(device)
@@ -144,7 +154,7 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
     theta = {name: t.unsqueeze(0).expand(k, *t.shape) for name, t in start.items()}
     params = {name: t.clone() for name, t in theta.items()}
 
-    net = _twin(model)
+    net = _twin(model) if fast_pool else model
 
     def loss(p, xb, yb):
         return nn.functional.cross_entropy(functional_call(net, p, (xb,)), yb)

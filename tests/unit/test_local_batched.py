@@ -51,9 +51,9 @@ def _sequential(model, theta, xs, ys, ids, **kw):
             for x, y, g in zip(xs, ys, _rngs(ids))]
 
 
-def _batched(model, theta, xs, ys, ids, max_clients=64, **kw):
+def _batched(model, theta, xs, ys, ids, max_clients=64, fixed_shape=None, **kw):
     return batched_local_updates(model, theta, xs, ys, rngs=_rngs(ids), torch_seeds=[0] * len(ids),
-                                 max_clients=max_clients, **kw)
+                                 max_clients=max_clients, fixed_shape=fixed_shape, **kw)
 
 
 @pytest.mark.parametrize("name", ["cnn", "mlp", "logistic"])
@@ -84,14 +84,16 @@ def test_a_clients_update_does_not_depend_on_its_batch(name, clip_norm):
     xs, ys = _clients([10] * 9, seed=1)
     kw = dict(epochs=1, batch_size=5, lr=0.1, clip_norm=clip_norm)
 
-    def update_of_client_0(ids, max_clients=64):
-        out = _batched(model, theta, [xs[i] for i in ids], [ys[i] for i in ids], ids, max_clients, **kw)
+    def update_of_client_0(ids, max_clients=64, fixed_shape=None):
+        out = _batched(model, theta, [xs[i] for i in ids], [ys[i] for i in ids], ids, max_clients, fixed_shape,
+                       **kw)
         return out[ids.index(0)]
 
     alone = update_of_client_0([0])
-    for ids, max_clients in [([0, 1], 64), ([4, 2, 0], 64), (list(range(9)), 64), ([8, 7, 6, 5, 0], 2),
-                             (list(range(9)), 4)]:
-        assert np.array_equal(update_of_client_0(ids, max_clients), alone), (ids, max_clients)
+    for ids, max_clients, fixed in [([0, 1], 64, None), ([4, 2, 0], 64, None), (list(range(9)), 64, None),
+                                    ([8, 7, 6, 5, 0], 2, None), (list(range(9)), 4, None),
+                                    ([3, 0], 4, True), (list(range(9)), 4, True)]:
+        assert np.array_equal(update_of_client_0(ids, max_clients, fixed), alone), (ids, max_clients, fixed)
 
 
 def test_same_final_model_as_sequential_fedavg():
