@@ -56,6 +56,9 @@ def parse_rounds(rounds: list[dict]) -> dict:
                   for r in rounds)
     out = {"rounds": len(rounds), "train_seconds": train, "client_updates": updates,
            "updates_per_second": updates / train if train > 0 else None}
+    if any("eval_seconds" in r for r in rounds):  # the coordinator's test-set pass, which the floor does not make
+        out["eval_seconds"] = sum(float(r.get("eval_seconds") or 0.0) for r in rounds)
+        out["train_seconds_without_eval"] = train - out["eval_seconds"]
     secagg = [r["secagg_seconds"] for r in rounds if r.get("secagg_seconds")]
     if secagg:
         protocol = sum(v for s in secagg for k, v in s.items() if k != "advertise")
@@ -116,8 +119,10 @@ def summarize(samples: list[dict]) -> dict:
 def ratios(dpfl: dict, floor: dict) -> dict:
     """dpfl / floor of the medians of training and whole-process time."""
     out = {}
-    for name, key in (("train", "train_seconds"), ("process", "process_seconds")):
+    for name, key in (("train", "train_seconds"), ("process", "process_seconds"),
+                      ("train_without_eval", "train_seconds_without_eval")):
         a, b = dpfl.get(key), floor.get(key)
+        b = b or (floor.get("train_seconds") if name == "train_without_eval" else None)
         out[name] = a["median"] / b["median"] if a and b and b["median"] > 0 else None
     return out
 

@@ -134,7 +134,8 @@ def run_workloads(
 
 
 _ROWS = (  # (label, stats key, scale, digits)
-    ("training s", "train_seconds", 1, 2), ("whole process s", "process_seconds", 1, 2),
+    ("training s", "train_seconds", 1, 2), ("  of which evaluation s", "eval_seconds", 1, 2),
+    ("whole process s", "process_seconds", 1, 2),
     ("  imports + data s", "imports_and_data_seconds", 1, 2), ("  Ray start-up s", "ray_startup_seconds", 1, 2),
     ("  worker start-up s", "worker_startup_seconds", 1, 2), ("  finish (files, plots) s", "finish_seconds", 1, 2),
     ("  tear-down s", "teardown_seconds", 1, 2), ("client updates / s", "updates_per_second", 1, 0),
@@ -166,8 +167,11 @@ def _print_report(report: dict) -> None:
                                           ("floor: peak RSS MB", "peak_rss_bytes.floor", 1e-6, 0)):
             table.add_row(label, *(escape(_fmt(floors[n].get(key), scale, digits)) for n in names))
         table.add_section()
-        for label, key in (("dpfl / floor: training", "train"), ("dpfl / floor: whole process", "process")):
+        for label, key in (("dpfl / floor: training", "train"), ("  training without evaluation", "train_without_eval"),
+                           ("dpfl / floor: whole process", "process")):
             vals = [report["workloads"][n].get("ratio", {}).get(key) for n in names]
+            if key == "train_without_eval" and not any(vals):
+                continue
             table.add_row(f"[bold]{label}", *(f"[bold]{v:.2f}" if v else "-" for v in vals))
     console.print(table)
     for name, w in report["workloads"].items():

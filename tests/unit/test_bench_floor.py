@@ -78,7 +78,9 @@ def test_stats_and_summaries():
     assert "phases_derived" not in s  # booleans are not measurements
     floor = summarize([{"train_seconds": 6.0, "process_seconds": 10.0}, {"train_seconds": 8.0, "process_seconds": 12.0}])
     r = ratios({**s, "process_seconds": stats([13.0])}, floor)
-    assert r == {"train": pytest.approx(3.0 / 7.0), "process": pytest.approx(13.0 / 11.0)}
+    assert r == {"train": pytest.approx(3.0 / 7.0), "process": pytest.approx(13.0 / 11.0), "train_without_eval": None}
+    r = ratios({**s, "train_seconds_without_eval": stats([1.4])}, floor)
+    assert r["train_without_eval"] == pytest.approx(1.4 / 7.0)  # against the floor's training, which has no eval
     assert ratios(s, {})["train"] is None
 
 
@@ -97,6 +99,8 @@ def test_parse_rounds_counts_trained_clients_and_the_secagg_share():
     plain = parse_rounds([{"sampled": 10, "seconds": 0.5}])
     assert "secagg_share" not in plain and plain["client_updates"] == 10
     assert parse_rounds([])["updates_per_second"] is None
+    timed = parse_rounds([{"sampled": 10, "seconds": 0.5, "eval_seconds": 0.2}, {"sampled": 10, "seconds": 0.5}])
+    assert timed["eval_seconds"] == pytest.approx(0.2) and timed["train_seconds_without_eval"] == pytest.approx(0.8)
 
 
 def test_phases_from_timestamps_and_from_file_times():
