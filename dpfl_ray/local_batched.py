@@ -2,9 +2,12 @@
 
 When several clients share the model and the local hyperparameters, their local updates
 (Baek et al. 2021, Alg. 1, as :func:`dpfl_ray.local.local_update` runs it for one client) are the
-same program on different data. Stacking the K parameter copies along a leading axis and taking
-``vmap(grad(loss))`` turns K small forward/backward passes into one larger one, which removes the
-per-client Python and dispatch overhead that dominates small clients.
+same program on different data. Stacking the K parameter copies along a leading axis, the
+forward pass runs as ``vmap(functional_call(model, ...))`` and one backward pass of the summed
+per-client losses gives every client its own gradient. K small forward/backward passes become
+one larger one, which removes the per-client Python and dispatch overhead that dominates small
+clients. The stacked model's 2-d max-pools run channels-last (same values and gradients, a
+faster CPU kernel).
 
 Determinism: a client's update must not depend on which other clients share its batch (the
 worker pool size changes that). Clients are grouped by size, so every client in a group has the
@@ -26,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 
 from .local import local_update
 from .models import set_flat
@@ -90,6 +93,20 @@ def clients_per_batch(model: nn.Module, input_shape: Sequence[int], batch_size: 
             h.remove()
     per_client = 4 * (4 * params + 2 * sum(sizes))
     return int(max(1, min(max_clients, budget_bytes // per_client)))
+
+
+def warm_up(model: nn.Module, input_shape: Sequence[int], batch_size: int, num_classes: int) -> None:
+    """One throw-away batched step on two blank clients: vmap traces the model on its first call
+    (about a second), which otherwise lands in the first round's time. The model is restored."""
+    if not can_batch(model):
+        return
+    theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
+    x = np.zeros((batch_size, *input_shape), np.float32)
+    y = np.arange(batch_size, dtype=np.int64) % num_classes
+    g = np.random.default_rng(0)
+    batched_local_updates(model, theta, [x, x], [y, y], epochs=1, batch_size=batch_size, lr=0.0, clip_norm=None,
+                          rngs=[g, g], torch_seeds=[0, 0])
+    set_flat(model, theta)
 
 
 def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
@@ -157,9 +174,24 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
     net = _twin(model) if fast_pool else model
 
     def loss(p, xb, yb):
-        return nn.functional.cross_entropy(functional_call(net, p, (xb,)), yb)
+        # cross-entropy spelled out: vmap runs F.cross_entropy through a Python decomposition that
+        # imports sympy (a third of a second at a worker's first call)
+        logp = nn.functional.log_softmax(functional_call(net, p, (xb,)), dim=1)
+        return -logp.gather(1, yb.unsqueeze(1)).mean()
 
-    step = vmap(grad(loss))
+    names = list(params)
+    for p in params.values():
+        p.requires_grad_(True)
+    per_client_loss = vmap(loss)
+
+    def step(ps, xb, yb):
+        # Client k's loss depends only on its own slice of the stack, so the gradient of the sum
+        # is every client's own gradient. Plain autograd here rather than vmap(grad(...)):
+        # torch.func.grad imports torch._dynamo on its first call, 2-5 s of every worker's start.
+        with torch.enable_grad():
+            grads = torch.autograd.grad(per_client_loss(ps, xb, yb).sum(), [ps[nm] for nm in names])
+        return dict(zip(names, grads))
+
     for epoch in range(order.shape[1]):
         for lo in range(0, n, batch_size):
             batch = order[:, epoch, lo:lo + batch_size]

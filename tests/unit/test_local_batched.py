@@ -15,7 +15,7 @@ from torch import nn
 
 from dpfl_ray import rng as rngmod
 from dpfl_ray.local import local_update
-from dpfl_ray.local_batched import batched_local_updates, can_batch, clients_per_batch
+from dpfl_ray.local_batched import batched_local_updates, can_batch, clients_per_batch, warm_up
 from dpfl_ray.models import build_model, get_flat
 
 SHAPE = (1, 28, 28)
@@ -158,3 +158,27 @@ def test_mismatched_client_lists_are_refused():
     with pytest.raises(ValueError, match="one entry per client"):
         batched_local_updates(model, get_flat(model), xs, ys[:1], epochs=1, batch_size=2, lr=0.1,
                               clip_norm=None, rngs=_rngs([0, 1]), torch_seeds=[0, 0])
+
+
+def test_warm_up_leaves_the_model_and_later_results_unchanged():
+    model = _model("cnn")
+    theta = get_flat(model)
+    xs, ys = _clients([10, 10], seed=6)
+    kw = dict(epochs=1, batch_size=5, lr=0.1, clip_norm=None)
+    before = _batched(model, theta, xs, ys, [0, 1], **kw)
+    warm_up(model, SHAPE, batch_size=5, num_classes=10)
+    assert np.array_equal(get_flat(model), theta)
+    after = _batched(model, theta, xs, ys, [0, 1], **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_channels_last_pool_gives_the_same_bits():
+    """The stacked model's max-pool runs channels-last: same maxima, same argmax on ties (ReLU zeros)."""
+    model = _model("cnn")
+    theta = get_flat(model)
+    xs, ys = _clients([10, 10, 10], seed=7)
+    kw = dict(epochs=1, batch_size=5, lr=0.1, clip_norm=None, rngs=_rngs([0, 1, 2]), torch_seeds=[0] * 3)
+    fast = batched_local_updates(model, theta, xs, ys, fast_pool=True, **kw)
+    kw["rngs"] = _rngs([0, 1, 2])
+    own = batched_local_updates(model, theta, xs, ys, fast_pool=False, **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(fast, own))
