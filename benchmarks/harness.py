@@ -27,15 +27,19 @@ ROLES = ("driver", "coordinator", "workers", "ray_system", "floor")
 
 # -- pure parts ---------------------------------------------------------------------------------------
 def classify(cmdline: str, is_root: bool, root_role: str = "driver") -> str | None:
-    """The role of a process of the run's tree; None for an idle Ray worker (its role comes later)."""
+    """The role of a process of the run's tree from its command line (Ray renames its worker
+    processes ``ray::<Actor>``); None when it tells nothing yet: an idle Ray worker, a process
+    that is exiting (empty command line)."""
     if is_root:
         return root_role
-    if "ray::Coordinator" in cmdline:
-        return "coordinator"
-    if "ray::ClientWorker" in cmdline:
-        return "workers"
-    if "ray::" in cmdline or "default_worker.py" in cmdline:
-        return None  # a Ray worker process not (yet) hosting one of our actors
+    if not cmdline.strip():
+        return None
+    if cmdline.startswith("ray::"):
+        actor = cmdline[5:].split(".")[0].split()[0] if len(cmdline) > 5 else ""
+        return {"Coordinator": "coordinator", "ClientWorker": "workers", "IDLE": None}.get(actor, "ray_system")
+    argv = cmdline.split()
+    if len(argv) > 1 and argv[1].endswith("default_worker.py") or argv[0].endswith("default_worker.py"):
+        return None  # a Ray worker process before it hosts an actor
     return "ray_system"
 
 
@@ -167,8 +171,11 @@ class TreeSampler(threading.Thread):
     def _sample(self, p, psutil) -> None:
         try:
             info = self.procs.setdefault(p.pid, {"create_time": p.create_time(), "role": None, "peak_rss": 0})
-            role = classify(" ".join(p.cmdline()), p.pid == self.root_pid, self.root_role)
-            info["role"] = role or info["role"]
+            cmdline = " ".join(p.cmdline())
+            role = classify(cmdline, p.pid == self.root_pid, self.root_role)
+            if role and info["role"] not in ("coordinator", "workers"):  # an actor's process stays its actor's
+                info["role"] = role
+            info["command"] = cmdline[:80] or info.get("command", "")
             hwm = _vm_hwm(p.pid)
             info["peak_rss"] = max(info["peak_rss"], hwm if hwm is not None else p.memory_info().rss)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -185,6 +192,11 @@ class TreeSampler(threading.Thread):
             out[role] = max(out.get(role, 0), info["peak_rss"])
         out["worker_processes"] = sum(1 for i in self.procs.values() if i["role"] == "workers")
         return out
+
+    def processes(self) -> list[dict]:
+        """Every process seen, for the JSON report: role, peak RSS and the start of its command."""
+        return [{"pid": pid, "role": i["role"], "peak_rss_bytes": i["peak_rss"], "command": i.get("command", "")}
+                for pid, i in sorted(self.procs.items())]
 
     def first_start(self, role: str) -> float | None:
         times = [i["create_time"] for i in self.procs.values() if i["role"] == role]
@@ -261,6 +273,7 @@ def run_dpfl(name: str, overrides: list[str] | None = None, timeout: float = 120
         last_round_written=rounds_file.stat().st_mtime if rounds else None,
         finish_end=max(finish) if finish else None))
     sample["peak_rss_bytes"] = sampler.peak_rss()
+    sample["processes"] = sampler.processes()
     sample["final_accuracy"] = summary.get("final_accuracy")
     return sample
 

@@ -129,4 +129,8 @@ def test_processes_are_classified_by_role():
     assert classify("ray::ClientWorker.run_clients", False) == "workers"
     assert classify("ray::IDLE", False) is None
     assert classify("python /venv/lib/ray/_private/workers/default_worker.py --node-ip-address=1", False) is None
-    assert classify("/venv/lib/ray/core/src/ray/raylet/raylet --x", False) == "ray_system"
+    assert classify("", False) is None  # exiting: keeps the role it had
+    assert classify("ray::DashboardAgent", False) == "ray_system"
+    # the raylet's own arguments name default_worker.py and ray:: things; it is still a daemon
+    assert classify("/venv/ray/raylet/raylet --python_worker_command=python default_worker.py ray::x", False) \
+        == "ray_system"
