@@ -8,6 +8,11 @@ noise, clipping, secure aggregation, evaluation, Ray. Run it in its own process 
 whole-process time:
 
     python -m benchmarks.floor W1 --json
+
+Two workers' batched training compute, emulated without Ray (the slower share is the time):
+
+    taskset -c 0 python -m benchmarks.floor W1 --share 0/2 --batched &
+    taskset -c 1 python -m benchmarks.floor W1 --share 1/2 --batched; wait
 """
 from __future__ import annotations
 
@@ -22,9 +27,15 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 
-def train_floor(sc, fed) -> dict:
+def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False) -> dict:
     """Plain minibatch SGD (FedAvg, McMahan et al. 2017, Alg. 1 ClientUpdate) of every trained
-    client of every round of ``sc``; returns seconds, SGD steps and per-round mean training loss."""
+    client of every round of ``sc``; returns seconds, SGD steps and per-round mean training loss.
+
+    ``share=(i, n)`` trains only every n-th client of each round from the i-th, and ``batched``
+    trains them with dpfl_ray.local_batched: n such processes side by side emulate n workers'
+    training compute without Ray (no per-step losses then)."""
+    if batched:
+        return _train_share_batched(sc, fed, share)
     from dpfl_ray import rng as rngmod
     from dpfl_ray.models import build_model
 
@@ -42,7 +53,7 @@ def train_floor(sc, fed) -> dict:
     for t in range(tr.rounds):
         total = [torch.zeros_like(w) for w in global_w]
         weight_sum, losses = 0.0, []
-        for cid in trained_clients(sc, t):
+        for cid in trained_clients(sc, t)[share[0]::share[1]]:
             idx = torch.from_numpy(fed.client_indices(cid))
             x, y = x_all[idx], y_all[idx]
             with torch.no_grad():
@@ -75,7 +86,40 @@ def train_floor(sc, fed) -> dict:
             "rounds": tr.rounds, "round_mean_loss": round_losses}
 
 
-def run(name: str, overrides: list[str] | None = None) -> dict:
+def _train_share_batched(sc, fed, share: tuple[int, int]) -> dict:
+    from dpfl_ray import rng as rngmod
+    from dpfl_ray.local_batched import batched_local_updates, warm_up
+    from dpfl_ray.models import build_model, get_flat
+
+    from .workloads import trained_clients
+
+    torch.set_num_threads(1)
+    tr, ds = sc.training, fed.dataset
+    model = build_model(sc.model, ds.input_shape, ds.num_classes, sc.seed)
+    warm_up(model, ds.input_shape, tr.batch_size, ds.num_classes)  # a worker does this at start
+    theta = get_flat(model)
+    steps = updates = 0
+    t0 = time.perf_counter()
+    for t in range(tr.rounds):
+        ids = trained_clients(sc, t)[share[0]::share[1]]
+        if not ids:
+            continue
+        idx = [fed.client_indices(c) for c in ids]
+        deltas = batched_local_updates(
+            model, theta, [ds.x_train[i] for i in idx], [ds.y_train[i] for i in idx], epochs=tr.local_epochs,
+            batch_size=tr.batch_size, lr=tr.lr, clip_norm=tr.clip_norm,
+            rngs=[rngmod.generator(sc.seed, "batches", t, c) for c in ids],
+            torch_seeds=[rngmod.int_seed(sc.seed, "torch", t, c) for c in ids])
+        w = np.array([float(fed.weights[c]) for c in ids])
+        theta = (theta + tr.server_lr * np.tensordot(w, np.stack(deltas), axes=1) / w.sum()).astype(np.float32)
+        steps += sum(tr.local_epochs * -(-len(i) // tr.batch_size) for i in idx)
+        updates += len(ids)
+    return {"train_seconds": time.perf_counter() - t0, "sgd_steps": steps, "client_updates": updates,
+            "rounds": tr.rounds, "round_mean_loss": []}
+
+
+def run(name: str, overrides: list[str] | None = None, share: tuple[int, int] = (0, 1),
+        batched: bool = False) -> dict:
     from dpfl_ray.data import build_federation
 
     from .workloads import scenario
@@ -83,8 +127,8 @@ def run(name: str, overrides: list[str] | None = None) -> dict:
     sc = scenario(name, overrides)
     fed = build_federation(sc)
     setup = time.time() - _T0
-    out = train_floor(sc, fed)
-    return {"workload": name, "setup_seconds": setup, **out}
+    out = train_floor(sc, fed, share, batched)
+    return {"workload": name, "setup_seconds": setup, "share": list(share), "batched": batched, **out}
 
 
 def peak_rss_bytes() -> int:
@@ -101,8 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("workload")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="scenario override key=value")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--share", default="0/1", help="I/N: train only the I-th of N shares of each round's clients")
+    ap.add_argument("--batched", action="store_true", help="train the share with dpfl_ray.local_batched")
     args = ap.parse_args(argv)
-    out = run(args.workload, args.overrides)
+    i, n = (int(v) for v in args.share.split("/"))
+    if not 0 <= i < n:
+        ap.error(f"--share {args.share}: need 0 <= I < N")
+    out = run(args.workload, args.overrides, (i, n), args.batched)
     out["peak_rss_bytes"] = peak_rss_bytes()
     out["process_seconds_before_exit"] = time.time() - _T0
     if args.json:

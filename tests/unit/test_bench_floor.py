@@ -134,3 +134,12 @@ def test_processes_are_classified_by_role():
     # the raylet's own arguments name default_worker.py and ray:: things; it is still a daemon
     assert classify("/venv/ray/raylet/raylet --python_worker_command=python default_worker.py ray::x", False) \
         == "ray_system"
+
+
+def test_batched_shares_take_the_floors_steps_between_them():
+    sc = scenario("W2", FAST + ["training.rounds=2"])
+    fed = build_federation(sc)
+    whole = train_floor(sc, fed)
+    halves = [train_floor(sc, fed, share=(i, 2), batched=True) for i in range(2)]
+    assert sum(h["sgd_steps"] for h in halves) == whole["sgd_steps"] == implied_sgd_steps(sc, fed.sizes)
+    assert sum(h["client_updates"] for h in halves) == whole["client_updates"] == 200
