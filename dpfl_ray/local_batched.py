@@ -73,6 +73,18 @@ def can_batch(model: nn.Module) -> bool:
     return not any(True for _ in model.buffers()) and not any(isinstance(m, _UNBATCHABLE) for m in model.modules())
 
 
+def batching_pays(model: nn.Module, client_sizes: Sequence[int], cohort: float) -> bool:
+    """Whether a run should train batched: the model can be vmapped and a client expects to share
+    its stack (clients of its size in the same round) with at least one other. With sizes p_s the
+    fraction of clients of size s, that expected stack is cohort * sum_s p_s^2. Decided once per
+    scenario, never per round, so the choice cannot depend on the worker pool."""
+    if not can_batch(model) or len(client_sizes) == 0:
+        return False
+    _, counts = np.unique(np.asarray(client_sizes), return_counts=True)
+    shares = counts / counts.sum()
+    return float(cohort * np.sum(shares ** 2)) >= 2.0
+
+
 def clients_per_batch(model: nn.Module, input_shape: Sequence[int], batch_size: int,
                       budget_bytes: int, max_clients: int = DEFAULT_MAX_CLIENTS) -> int:
     """The largest K whose vmapped step fits ``budget_bytes``.

@@ -15,7 +15,7 @@ from torch import nn
 
 from dpfl_ray import rng as rngmod
 from dpfl_ray.local import local_update
-from dpfl_ray.local_batched import batched_local_updates, can_batch, clients_per_batch, warm_up
+from dpfl_ray.local_batched import batched_local_updates, batching_pays, can_batch, clients_per_batch, warm_up
 from dpfl_ray.models import build_model, get_flat
 
 SHAPE = (1, 28, 28)
@@ -182,3 +182,13 @@ def test_channels_last_pool_gives_the_same_bits():
     kw["rngs"] = _rngs([0, 1, 2])
     own = batched_local_updates(model, theta, xs, ys, fast_pool=False, **kw)
     assert all(np.array_equal(a, b) for a, b in zip(fast, own))
+
+
+def test_batching_pays_when_clients_share_sizes():
+    cnn = _model("cnn")
+    assert batching_pays(cnn, [50] * 100, cohort=10)  # W1: every client in one stack
+    assert not batching_pays(cnn, [50] * 100, cohort=1)  # one client a round: nothing to share
+    assert not batching_pays(cnn, list(range(1, 1001)), cohort=100)  # every size distinct
+    assert batching_pays(cnn, [5, 6] * 500, cohort=100)  # two sizes, 50 clients each per round
+    dropout = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(784, 10))
+    assert not batching_pays(dropout, [50] * 100, cohort=10)
