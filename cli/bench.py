@@ -106,7 +106,7 @@ def list_workloads() -> None:
 @user_errors
 def run_workloads(
     workloads: list[str] = typer.Argument(None, help="workload names (default: W1 W2); see `dpfl bench workloads`"),
-    repeat: int = typer.Option(1, "--repeat", help="runs of each; reports median [min-max]"),
+    repeat: int = typer.Option(1, "--repeat", help="runs of each; reports the median, min and max"),
     set_: list[str] = typer.Option([], "--set", help="override a scenario field of every workload (repeatable)"),
     timeout: float = typer.Option(1200.0, "--timeout", help="seconds allowed to each subprocess"),
     floor: bool = typer.Option(True, "--floor/--no-floor", help="also time the 1-thread PyTorch floor"),
