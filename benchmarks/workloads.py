@@ -58,7 +58,6 @@ WORKLOADS: dict[str, dict] = {
         "data": {"num_clients": 100_000, "examples_per_client": 10, "repeat": True},
         "training": {"rounds": 3, "batch_size": 10},
         "sampling": {"mode": "fixed", "clients_per_round": 10_000},
-        "output": {"eval_every": 1},
     },
 }
 
