@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.table import Table
 
-from .common import console, fail, user_errors
+from .common import console, err_console, fail, user_errors
 
 app = typer.Typer(help="Benchmarks (each reported next to a baseline measured in the same run).",
                   no_args_is_help=True)
@@ -117,3 +119,143 @@ def secagg(
                   f"{report['bytes_per_surviving_client']:,} B sent per surviving client "
                   f"(plain upload {report['plain_bytes_per_client']:,} B); server received "
                   f"{report['server_bytes_received']:,} B")
+
+
+# -- workloads against the compute floor (issue 14) -------------------------------------------------------
+def _fmt(stat: dict | None, scale: float = 1.0, digits: int = 2) -> str:
+    """'median [min-max]' of a stats entry, or '-'."""
+    if not stat:
+        return "-"
+    med, lo, hi = (stat[k] * scale for k in ("median", "min", "max"))
+    if stat["n"] == 1 or lo == hi:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+@app.command("workloads")
+def list_workloads() -> None:
+    """List the fixed workloads of ``dpfl bench run``."""
+    from benchmarks.workloads import WORKLOADS
+
+    table = Table("workload", "what")
+    for name, w in WORKLOADS.items():
+        table.add_row(name, w["description"])
+    console.print(table)
+
+
+@app.command("run")
+@user_errors
+def run_workloads(
+    workloads: list[str] = typer.Argument(None, help="workload names (default: W1 W2); see `dpfl bench workloads`"),
+    repeat: int = typer.Option(1, "--repeat", help="runs of each; reports the median, min and max"),
+    set_: list[str] = typer.Option([], "--set", help="override a scenario field of every workload (repeatable)"),
+    timeout: float = typer.Option(1200.0, "--timeout", help="seconds allowed to each subprocess"),
+    floor: bool = typer.Option(True, "--floor/--no-floor", help="also time the 1-thread PyTorch floor"),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="keep the runs' directories and report.json under this folder"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Run workloads through `dpfl run` and through the compute floor, each in its own process:
+    training and whole-process time (Ray start-up, worker start-up and tear-down apart), client
+    updates per second, peak RSS of every process, and the ratio dpfl/floor."""
+    from benchmarks.harness import measure
+
+    names = list(workloads) if workloads else ["W1", "W2"]
+
+    def progress(kind: str, s: dict) -> None:
+        if not as_json:
+            state = "ok" if s.get("rc") == 0 else f"FAILED ({s.get('error', s.get('rc'))})"
+            console.print(f"  {s['workload']} {kind}: train {s.get('train_seconds', 0):.2f}s, process "
+                          f"{s.get('process_seconds', 0):.2f}s {state}", highlight=False)
+
+    report = measure(names, repeat, set_, timeout, floor, keep, on_sample=progress)
+    if as_json:
+        print(json.dumps(report))
+        return
+    _print_report(report)
+
+
+_ROWS = (  # (label, stats key, scale, digits)
+    ("training s", "train_seconds", 1, 2), ("  of which evaluation s", "eval_seconds", 1, 2),
+    ("whole process s", "process_seconds", 1, 2),
+    ("  imports + data s", "imports_and_data_seconds", 1, 2), ("  Ray start-up s", "ray_startup_seconds", 1, 2),
+    ("  worker start-up s", "worker_startup_seconds", 1, 2), ("  finish (files, plots) s", "finish_seconds", 1, 2),
+    ("  tear-down s", "teardown_seconds", 1, 2), ("client updates / s", "updates_per_second", 1, 0),
+    ("SecAgg share of round time %", "secagg_share", 100, 0),
+    ("peak RSS driver MB", "peak_rss_bytes.driver", 1e-6, 0),
+    ("peak RSS coordinator MB", "peak_rss_bytes.coordinator", 1e-6, 0),
+    ("peak RSS worker (max) MB", "peak_rss_bytes.workers", 1e-6, 0),
+    ("peak RSS Ray daemons (max) MB", "peak_rss_bytes.ray_system", 1e-6, 0),
+)
+
+
+def _print_report(report: dict) -> None:
+    """One column per workload: dpfl's numbers, the floor's, and their ratios."""
+    from rich.markup import escape
+
+    names = list(report["workloads"])
+    derived = any(s.get("phases_derived") for w in report["workloads"].values() for s in w["dpfl"]["samples"])
+    table = Table("", *names, title=escape(f"dpfl bench: median [min-max] of {report['repeat']}"),
+                  caption="start-up phases derived from file times" if derived else None)
+    stats = {n: w["dpfl"]["stats"] for n, w in report["workloads"].items()}
+    floors = {n: w.get("floor", {}).get("stats", {}) for n, w in report["workloads"].items()}
+    for label, key, scale, digits in _ROWS:
+        if any(stats[n].get(key) for n in names):
+            table.add_row(label, *(escape(_fmt(stats[n].get(key), scale, digits)) for n in names))
+    if any(floors.values()):
+        table.add_section()
+        for label, key, scale, digits in (("floor: training s", "train_seconds", 1, 2),
+                                          ("floor: whole process s", "process_seconds", 1, 2),
+                                          ("floor: peak RSS MB", "peak_rss_bytes.floor", 1e-6, 0)):
+            table.add_row(label, *(escape(_fmt(floors[n].get(key), scale, digits)) for n in names))
+        table.add_section()
+        for label, key in (("dpfl / floor: training", "train"), ("  training without evaluation", "train_without_eval"),
+                           ("dpfl / floor: whole process", "process")):
+            vals = [report["workloads"][n].get("ratio", {}).get(key) for n in names]
+            if key == "train_without_eval" and not any(vals):
+                continue
+            table.add_row(f"[bold]{label}", *(f"[bold]{v:.2f}" if v else "-" for v in vals))
+    console.print(table)
+    for name, w in report["workloads"].items():
+        for s in w["dpfl"]["samples"] + w.get("floor", {}).get("samples", []):
+            if s.get("rc") != 0:
+                err_console.print(f"[bold red]{name}: a run failed:[/] {escape(str(s.get('error')))}")
+    m = report["machine"]
+    console.print(f"{report['date']}, {m['host']}: {m['cpus']} CPUs, torch {m['torch']}, load average "
+                  f"{m['load_average_1m']:.1f} at the start", highlight=False)
+
+
+@app.command("local")
+@user_errors
+def local_paths(
+    model: str = typer.Option("cnn", "--model", help="cnn | mlp | logistic"),
+    clients: int = typer.Option(5, "--clients", help="clients trained per call (K)"),
+    examples: int = typer.Option(50, "--examples", help="examples per client"),
+    batch_size: int = typer.Option(10, "--batch-size"),
+    epochs: int = typer.Option(1, "--epochs"),
+    repeats: int = typer.Option(10, "--repeats"),
+    data: str = typer.Option("mnist5k", "--data", help="mnist5k | random | PATH.npz"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Time K clients' local updates one after another and as one batched (vmapped) computation,
+    in this process with one thread. W1-like: --examples 50 --batch-size 10 --clients 5;
+    W2-like: --examples 5 --batch-size 5 --clients 50."""
+    import torch
+
+    from benchmarks.microbatch import time_paths
+
+    if model not in ("cnn", "mlp", "logistic"):
+        fail(f"--model: {model!r} is not cnn, mlp or logistic")
+    if min(clients, examples, batch_size, epochs, repeats) < 1:
+        fail("--clients, --examples, --batch-size, --epochs and --repeats must be >= 1")
+    torch.set_num_threads(1)
+    r = time_paths(model, clients, examples, batch_size, epochs, repeats, data=data)
+    if as_json:
+        print(json.dumps(r))
+        return
+    table = Table("path", "median ms", "min ms", "max |diff| to sequential",
+                  title=f"{model}: {clients} clients x {examples} examples, B={batch_size}, E={epochs}, 1 thread")
+    for name in ("sequential", "batched", "batched_own_pool"):
+        table.add_row(name, f"{r['seconds_median'][name] * 1e3:.1f}", f"{r['seconds_min'][name] * 1e3:.1f}",
+                      f"{r['max_abs_diff_to_sequential'][name]:.1e}")
+    console.print(table)
+    console.print(f"batched / sequential: {r['ratio_batched_to_sequential']:.2f} (median of {repeats})")

@@ -1,0 +1,234 @@
+"""Batched multi-client local training: K clients' SGD as one vectorised computation.
+
+When several clients share the model and the local hyperparameters, their local updates
+(Baek et al. 2021, Alg. 1, as :func:`dpfl_ray.local.local_update` runs it for one client) are the
+same program on different data. Stacking the K parameter copies along a leading axis, the
+forward pass runs as ``vmap(functional_call(model, ...))`` and one backward pass of the summed
+per-client losses gives every client its own gradient. K small forward/backward passes become
+one larger one, which removes the per-client Python and dispatch overhead that dominates small
+clients. The stacked model's 2-d max-pools run channels-last (same values and gradients, a
+faster CPU kernel).
+
+Determinism: a client's update must not depend on which other clients share its batch (the
+worker pool size changes that). Clients are grouped by size, so every client in a group has the
+same batch shapes; within a group each vmapped slot runs the same kernels on its own data. On
+CPU with a fixed thread count, PyTorch's vmapped kernels give bitwise the same result for a slot
+for every K >= 2, but a K = 1 vmap takes a different (ungrouped) convolution kernel, so a lone
+client is padded with a copy of itself (tests/unit/test_local_batched.py checks both facts).
+cuBLAS/cuDNN choose kernels by shape, so on CUDA every stack is padded to one fixed K.
+The batched result equals the sequential path to float tolerance, not bitwise: the vmapped
+kernels sum in a different order.
+"""
+from __future__ import annotations
+
+import copy
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from .local import local_update
+from .models import set_flat
+
+# Layers whose forward depends on state or randomness that vmap would have to split per client.
+_UNBATCHABLE = (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
+
+DEFAULT_MAX_CLIENTS = 64
+
+
+class _ChannelsLastMaxPool2d(nn.MaxPool2d):
+    """The same max-pool (same values, same argmax on ties, so the same gradients) computed on a
+    channels-last copy: PyTorch's CPU kernel for channels-first input is ~10x slower, and vmap
+    cannot be asked for a memory format, so the layout is made by permuting."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
+
+
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose 2-d max-pools run channels-last; parameters keep their names, so
+    functional_call drives it with the stacked parameters."""
+    if model not in _TWINS:
+        twin = copy.deepcopy(model)
+        for parent in twin.modules():
+            for name, child in parent.named_children():
+                if type(child) is nn.MaxPool2d:
+                    fast = _ChannelsLastMaxPool2d(child.kernel_size, child.stride, child.padding, child.dilation,
+                                                  child.return_indices, child.ceil_mode)
+                    setattr(parent, name, fast)
+        _TWINS[model] = twin
+    return _TWINS[model]
+
+
+def can_batch(model: nn.Module) -> bool:
+    """True when the model is a pure function of its parameters (no buffers, no dropout), so
+    K copies of it can be vmapped without sharing state between clients."""
+    return not any(True for _ in model.buffers()) and not any(isinstance(m, _UNBATCHABLE) for m in model.modules())
+
+
+def batching_pays(model: nn.Module, client_sizes: Sequence[int], cohort: float) -> bool:
+    """Whether a run should train batched: the model can be vmapped and a client expects to share
+    its stack (clients of its size in the same round) with at least one other. With sizes p_s the
+    fraction of clients of size s, that expected stack is cohort * sum_s p_s^2. Decided once per
+    scenario, never per round, so the choice cannot depend on the worker pool."""
+    if not can_batch(model) or len(client_sizes) == 0:
+        return False
+    _, counts = np.unique(np.asarray(client_sizes), return_counts=True)
+    shares = counts / counts.sum()
+    return float(cohort * np.sum(shares ** 2)) >= 2.0
+
+
+def clients_per_batch(model: nn.Module, input_shape: Sequence[int], batch_size: int,
+                      budget_bytes: int, max_clients: int = DEFAULT_MAX_CLIENTS) -> int:
+    """The largest K whose vmapped step fits ``budget_bytes``.
+
+    Per client the step holds the parameters, the start point theta, the gradients and one
+    temporary (4 copies of the model), plus each layer's activations for one minibatch kept for
+    the backward pass and their gradients (2x the forward activations, counted with hooks).
+    """
+    params = sum(p.numel() for p in model.parameters())
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel()))
+             for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(batch_size, *input_shape, device=next(model.parameters()).device))
+    finally:
+        for h in hooks:
+            h.remove()
+    per_client = 4 * (4 * params + 2 * sum(sizes))
+    return int(max(1, min(max_clients, budget_bytes // per_client)))
+
+
+def warm_up(model: nn.Module, input_shape: Sequence[int], batch_size: int, num_classes: int) -> None:
+    """One throw-away batched step on two blank clients, for a worker's start: the first batched
+    call of a process loads torch.func's machinery (0.04 s on the 2-core machine, 0.3 s on the
+    GPU host), which otherwise lands in the first round's time. The model is left as it was."""
+    if not can_batch(model):
+        return
+    theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
+    x = np.zeros((batch_size, *input_shape), np.float32)
+    y = np.arange(batch_size, dtype=np.int64) % num_classes
+    g = np.random.default_rng(0)
+    batched_local_updates(model, theta, [x, x], [y, y], epochs=1, batch_size=batch_size, lr=0.0, clip_norm=None,
+                          rngs=[g, g], torch_seeds=[0, 0])
+    set_flat(model, theta)
+
+
+def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
+                          *, epochs: int, batch_size: int, lr: float, clip_norm: float | None,
+                          rngs: Sequence[np.random.Generator], torch_seeds: Sequence[int],
+                          max_clients: int = DEFAULT_MAX_CLIENTS, fixed_shape: bool | None = None,
+                          fast_pool: bool = True) -> list[np.ndarray]:
+    """Baek et al. 2021, Alg. 1 for each client i of ``xs``/``ys``/``rngs``: E epochs of minibatch
+    SGD from theta in the order ``rngs[i]`` draws, the update clipped to C after every step
+    (line 11). Returns each client's Delta_i = w_i - theta (float32), in input order.
+
+    Same result as :func:`local_update` per client, to float tolerance. Models that cannot be
+    vmapped (:func:`can_batch`) take the sequential path, with ``torch_seeds`` for their
+    stochastic layers; at most ``max_clients`` are stacked at once (:func:`clients_per_batch`).
+    ``fixed_shape`` pads every stack to ``max_clients`` (default: on CUDA, whose libraries pick
+    kernels by shape); otherwise only a lone client is padded, to 2 (see the module docstring).
+    ``fast_pool=False`` keeps the model's own max-pool kernel (for benchmarks).
+    """
+    if not (len(xs) == len(ys) == len(rngs) == len(torch_seeds)):
+        raise ValueError("xs, ys, rngs and torch_seeds must have one entry per client")
+    if not can_batch(model):
+        return [local_update(model, theta, x, y, epochs=epochs, batch_size=batch_size, lr=lr,
+                             clip_norm=clip_norm, rng=g, torch_seed=s)
+                for x, y, g, s in zip(xs, ys, rngs, torch_seeds)]
+    set_flat(model, theta)
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    by_size: dict[int, list[int]] = defaultdict(list)
+    for i, y in enumerate(ys):
+        by_size[len(y)].append(i)
+    out: list[np.ndarray | None] = [None] * len(ys)
+    chunk = max(2, int(max_clients))
+    if fixed_shape is None:
+        fixed_shape = next(model.parameters()).device.type == "cuda"
+    stack = chunk if fixed_shape else 2
+    for members in by_size.values():
+        for lo in range(0, len(members), chunk):
+            part = members[lo:lo + chunk]
+            # Each client's batch order, drawn epoch by epoch as the sequential path draws it.
+            orders = [np.stack([rngs[i].permutation(len(ys[i])) for _ in range(epochs)]) for i in part]
+            deltas = _train_group(model, start, [xs[i] for i in part], [ys[i] for i in part], orders,
+                                  batch_size=batch_size, lr=lr, clip_norm=clip_norm, min_stack=stack,
+                                  fast_pool=fast_pool)
+            for i, d in zip(part, deltas):
+                out[i] = d
+    return out  # type: ignore[return-value]
+
+
+def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, orders, *, batch_size: int,
+                 lr: float, clip_norm: float | None, min_stack: int, fast_pool: bool) -> list[np.ndarray]:
+    """Local SGD of clients of equal size, stacked on a leading axis of K parameter copies."""
+    k_real = len(xs)
+    if k_real < min_stack:
+        # Copies of the first client fill the stack: kernels chosen by K never see another K.
+        pad = min_stack - k_real
+        xs, ys, orders = xs + xs[:1] * pad, ys + ys[:1] * pad, orders + orders[:1] * pad
+    device = next(iter(start.values())).device
+    x = torch.from_numpy(np.stack(xs)).to(device)
+    y = torch.from_numpy(np.stack(ys)).to(device)
+    order = torch.from_numpy(np.stack(orders)).to(device)  # (K, epochs, n)
+    k, n = order.shape[0], order.shape[2]
+    rows = torch.arange(k, device=device).unsqueeze(1)
+    theta = {name: t.unsqueeze(0).expand(k, *t.shape) for name, t in start.items()}
+    params = {name: t.clone() for name, t in theta.items()}
+
+    net = _twin(model) if fast_pool else model
+
+    def loss(p, xb, yb):
+        # cross-entropy spelled out: vmap runs F.cross_entropy through a Python decomposition that
+        # imports sympy (a third of a second at a worker's first call)
+        logp = nn.functional.log_softmax(functional_call(net, p, (xb,)), dim=1)
+        return -logp.gather(1, yb.unsqueeze(1)).mean()
+
+    names = list(params)
+    for p in params.values():
+        p.requires_grad_(True)
+    per_client_loss = vmap(loss)
+
+    def step(ps, xb, yb):
+        # Client k's loss depends only on its own slice of the stack, so the gradient of the sum
+        # is every client's own gradient. Plain autograd here rather than vmap(grad(...)):
+        # torch.func.grad imports torch._dynamo on its first call, 2-5 s of every worker's start.
+        with torch.enable_grad():
+            grads = torch.autograd.grad(per_client_loss(ps, xb, yb).sum(), [ps[nm] for nm in names])
+        return dict(zip(names, grads))
+
+    for epoch in range(order.shape[1]):
+        for lo in range(0, n, batch_size):
+            batch = order[:, epoch, lo:lo + batch_size]
+            grads = step(params, x[rows, batch], y[rows, batch])
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.add_(grads[name], alpha=-lr)
+                if clip_norm is not None:
+                    _clip_to(params, theta, clip_norm)
+    with torch.no_grad():
+        delta = torch.cat([(params[name] - theta[name]).reshape(k, -1) for name in start], dim=1)
+    return list(delta[:k_real].cpu().numpy().astype(np.float32))
+
+
+def _clip_to(params: dict, theta: dict, clip_norm: float) -> None:
+    """Alg. 1 line 11 for every stacked client: w_i <- theta + (w_i - theta) * min(1, C / ||w_i - theta||)."""
+    k = next(iter(params.values())).shape[0]
+    sq = sum(((p - theta[name]) ** 2).reshape(k, -1).sum(dim=1) for name, p in params.items())
+    norm = torch.sqrt(sq).double()
+    clipped = norm > clip_norm
+    # The factor in float64, then float32, as the sequential path's Python-float factor reaches the tensor.
+    factor = torch.where(clipped, clip_norm / norm, torch.ones_like(norm)).float()
+    for name, p in params.items():
+        t = theta[name]
+        shape = (k, *([1] * (p.dim() - 1)))
+        # An unclipped client keeps w exactly: t + (w - t) * 1 would round w.
+        p.copy_(torch.where(clipped.view(shape), t + (p - t) * factor.view(shape), p))
