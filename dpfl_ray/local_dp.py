@@ -33,8 +33,8 @@ from . import rng as rngmod
 from .errors import DPFLError
 from .models import set_flat
 
-__all__ = ["DPSGDConfig", "DPSGDResult", "dpsgd_update", "per_example_grads", "clip_and_sum",
-           "per_example_grad_norms", "noise_generator", "poisson_lots", "fixed_batches"]
+__all__ = ["DPSGDConfig", "DPSGDResult", "dpsgd_update", "per_example_grads", "per_example_grad_fn",
+           "clip_and_sum", "per_example_grad_norms", "noise_generator", "poisson_lots", "fixed_batches"]
 
 # Clipping scales by S / (norm * (1 + _CLIP_MARGIN)): float32 rounding could otherwise leave a
 # clipped gradient a few ulps above S, and the accountant relies on ||clip(g)|| <= S exactly.
@@ -142,11 +142,17 @@ def _loss_fn(model: nn.Module) -> Callable:
     return loss
 
 
+def per_example_grad_fn(model: nn.Module) -> Callable[[dict, torch.Tensor, torch.Tensor], dict]:
+    """``f(params, x, y) -> {name: (B, *shape)}``, built once per local update (not per step)."""
+    buffers = dict(model.named_buffers())
+    batched = vmap(grad(_loss_fn(model)), in_dims=(None, None, 0, 0))
+    return lambda params, x, y: batched(params, buffers, x, y)
+
+
 def per_example_grads(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
                       y: torch.Tensor) -> dict[str, torch.Tensor]:
     """{name: (B, *shape)}: the gradient of each example's cross-entropy at ``params``."""
-    buffers = {k: v for k, v in model.named_buffers()}
-    return vmap(grad(_loss_fn(model)), in_dims=(None, None, 0, 0))(params, buffers, x, y)
+    return per_example_grad_fn(model)(params, x, y)
 
 
 def clip_and_sum(grads: dict[str, torch.Tensor], clip_norm: float
@@ -240,11 +246,12 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     std = cfg.noise_multiplier * cfg.clip_norm
     opt = torch.optim.Adam([params[k] for k in names], lr=cfg.lr) if cfg.optimizer == "adam" else None
     norm_sums: list[torch.Tensor] = []
+    grads_of = per_example_grad_fn(model)
 
     for lot in lots:
         idx = torch.from_numpy(lot).to(device)
         if len(lot):
-            summed, norms = clip_and_sum(per_example_grads(model, params, xt[idx], yt[idx]), cfg.clip_norm)
+            summed, norms = clip_and_sum(grads_of(params, xt[idx], yt[idx]), cfg.clip_norm)
             flat = torch.cat([summed[k].reshape(-1) for k in names])
         else:  # an empty Poisson lot still releases its noise
             flat = torch.zeros(dim, device=device)

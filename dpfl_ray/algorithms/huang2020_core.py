@@ -50,7 +50,7 @@ from torch.func import functional_call
 
 from .. import rng as rngmod
 from ..errors import DPFLError
-from ..local_dp import clip_and_sum, noise_generator, per_example_grads
+from ..local_dp import clip_and_sum, noise_generator, per_example_grad_fn
 from ..models import set_flat
 
 __all__ = ["DPAGDConfig", "DPAGDResult", "HuangClientBudget", "budgets_by_size", "gaussian_noise_multiplier",
@@ -217,13 +217,14 @@ def dpagd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     eps_args: list[float] = []
     picks: list[int] = []
     steps = splits = 0
+    grads_of = per_example_grad_fn(model)
 
     def affordable(cost: float) -> bool:
         return spent + cost <= round_budget
 
     while affordable(eps_g + eps_n) and len(zs) < cfg.max_iterations:
         z = gaussian_noise_multiplier(eps_g, cfg.calibration, cfg.delta)  # lines 5-8
-        summed, _ = clip_and_sum(per_example_grads(model, params, xt, yt), cfg.clip_norm)
+        summed, _ = clip_and_sum(grads_of(params, xt, yt), cfg.clip_norm)
         grad = {k: (s + z * cfg.clip_norm * torch.randn(s.shape, generator=gen, device=device)) / n
                 for k, s in summed.items()}
         spent += eps_g
