@@ -19,6 +19,7 @@ round, client)``, so a client's update does not depend on which worker computed 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -65,13 +66,13 @@ class DPSGDConfig:
                 and self.noise_multiplier >= 0):
             raise DPFLError(f"must be a finite number >= 0, got {self.noise_multiplier!r}",
                             field="noise_multiplier")
-        if not isinstance(self.lot_size, int) or self.lot_size < 1:
+        if isinstance(self.lot_size, bool) or not isinstance(self.lot_size, numbers.Integral) or self.lot_size < 1:
             raise DPFLError(f"must be an integer >= 1, got {self.lot_size!r}", field="lot_size")
         if self.sampling not in ("poisson", "fixed"):
             raise DPFLError(f"must be 'poisson' or 'fixed', got {self.sampling!r}", field="sampling")
         if self.optimizer not in ("sgd", "adam"):
             raise DPFLError(f"must be 'sgd' or 'adam', got {self.optimizer!r}", field="optimizer")
-        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):
+        if self.steps is not None and (not isinstance(self.steps, numbers.Integral) or self.steps < 0):
             raise DPFLError(f"must be an integer >= 0, got {self.steps!r}", field="steps")
         if self.steps is None and not (math.isfinite(self.epochs) and self.epochs > 0):
             raise DPFLError(f"must be > 0, got {self.epochs!r}", field="epochs")
