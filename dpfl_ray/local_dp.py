@@ -265,7 +265,9 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
 
     with torch.no_grad():
         delta = torch.cat([(params[k] - start[k]).reshape(-1) for k in names])
-    sums = tuple(float(v) for v in torch.stack(norm_sums).cpu()) if cfg.release_norm_sum else None
+    # one transfer for all steps' norm sums, not one .item() sync per step
+    sums = tuple(torch.stack(norm_sums).cpu().tolist()) if norm_sums else ()
+    sums = sums if cfg.release_norm_sum else None
     return DPSGDResult(update=delta.cpu().numpy().astype(np.float32), steps=steps, sampling=cfg.sampling,
                        sampling_rate=q, noise_multiplier=float(cfg.noise_multiplier),
                        clip_norm=float(cfg.clip_norm), num_examples=n, lot_size=cfg.lot_size,

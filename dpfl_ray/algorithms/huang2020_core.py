@@ -128,6 +128,8 @@ class HuangClientBudget:
 
     def round_budget(self, total_rounds: int) -> float:
         """eps_k / T (eq. 11), never more than what is left."""
+        if isinstance(total_rounds, bool) or not isinstance(total_rounds, int) or total_rounds < 1:
+            raise DPFLError(f"must be an integer >= 1, got {total_rounds!r}", field="total_rounds")
         return max(0.0, min(self.epsilon / total_rounds, self.epsilon - self.spent))
 
     def exhausted(self, cfg: DPAGDConfig, total_rounds: int) -> bool:

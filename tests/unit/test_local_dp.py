@@ -186,6 +186,14 @@ def test_adam_first_step_moves_each_coordinate_by_about_lr():
     assert np.median(np.abs(res.update)) == pytest.approx(0.002, rel=1e-3)
 
 
+def test_zero_steps_release_nothing():
+    model, x, y = model_and_data("logistic", n=5)
+    cfg = DPSGDConfig(1.0, 1.0, 0.1, 2, steps=0, release_norm_sum=True)
+    res = dpsgd_update(model, get_flat(model), x, y, cfg, seed=0, round_idx=0, client_id=0)
+    assert not np.any(res.update) and res.noisy_norm_sums == () and res.lot_sizes == ()
+    assert isinstance(res.dp_event(), dp_accounting.NoOpDpEvent)
+
+
 def test_bad_configs_are_user_errors():
     with pytest.raises(DPFLError, match="clip_norm"):
         DPSGDConfig(clip_norm=0.0, noise_multiplier=1.0, lr=0.1, lot_size=4)
