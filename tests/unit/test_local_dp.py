@@ -50,12 +50,12 @@ def flat_params(model):
 
 @pytest.mark.parametrize("name", ["cnn", "mlp", "logistic"])
 def test_per_example_grads_equal_a_python_loop(name):
-    model, x, y = model_and_data(name)
+    model, x, y = model_and_data(name, n=8)
     ref = loop_grads(model, x, y)
     got = per_example_grads(model, flat_params(model), torch.from_numpy(x), torch.from_numpy(y))
     got = torch.cat([g.reshape(len(y), -1) for g in got.values()], dim=1)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
-    norms = per_example_grad_norms(model, get_flat(model), x, y, batch_size=5)
+    norms = per_example_grad_norms(model, get_flat(model), x, y, batch_size=5)  # two chunks
     np.testing.assert_allclose(norms, ref.norm(dim=1).numpy(), rtol=1e-4)
 
 
