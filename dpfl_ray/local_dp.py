@@ -1,0 +1,290 @@
+"""Record-level DP-SGD on one client (Abadi et al. 2016, Alg. 1), pure torch.
+
+Per-example gradients come from ``torch.func``: ``vmap`` over ``grad`` of a ``functional_call`` of
+the model, so a lot of B examples costs one batched forward/backward, not B of them. Each example's
+gradient is clipped to L2 norm ``clip_norm`` (S), the clipped gradients are summed, Gaussian noise
+N(0, sigma^2 S^2) is added to the sum, and the sum is divided by the *expected* lot size L (dividing
+by the realised size would make the sensitivity data-dependent).
+
+Lots are Poisson (each example independently with probability q = L/n: the sampled Gaussian
+mechanism that dp_accounting's ``PoissonSampledDpEvent`` describes) or fixed batches of a fresh
+permutation per epoch. :meth:`DPSGDResult.dp_event` is what the caller books on the client's own
+ledger (:mod:`dpfl_ray.privacy.client_ledgers`); the neighbouring relation is add/remove one record
+of this client.
+
+Randomness: the lots come from ``rng.generator(seed, "dpsgd_lots", round, client)`` and the noise
+from a ``torch.Generator`` on the model's device seeded with ``rng.int_seed(seed, "dpsgd_noise",
+round, client)``, so a client's update does not depend on which worker computed it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import dp_accounting
+import numpy as np
+import torch
+from dp_accounting import dp_event as dpe
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from . import rng as rngmod
+from .errors import DPFLError
+from .models import set_flat
+
+__all__ = ["DPSGDConfig", "DPSGDResult", "dpsgd_update", "per_example_grads", "per_example_grad_fn",
+           "clip_and_sum", "per_example_grad_norms", "noise_generator", "poisson_lots", "fixed_batches"]
+
+# Clipping scales by S / (norm * (1 + _CLIP_MARGIN)): float32 rounding could otherwise leave a
+# clipped gradient a few ulps above S, and the accountant relies on ||clip(g)|| <= S exactly.
+_CLIP_MARGIN = 1e-5
+
+
+@dataclass(frozen=True)
+class DPSGDConfig:
+    """DP-SGD hyperparameters, named as in Abadi et al. 2016 (S, sigma, L) and Fu et al. 2022."""
+
+    clip_norm: float                     # S: per-example L2 bound
+    noise_multiplier: float              # sigma: noise std on the clipped sum is sigma * S
+    lr: float                            # eta
+    lot_size: int                        # L: expected lot size (Poisson) or batch size (fixed)
+    sampling: Literal["poisson", "fixed"] = "poisson"
+    epochs: float = 1.0                  # steps = round(epochs * n / L) unless ``steps`` is set
+    steps: int | None = None
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    # Fu et al. 2022 eq. 6: also release sum_i min(||g_i||, S) + N(0, (sigma S)^2) per step.
+    release_norm_sum: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("clip_norm", "lr"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise DPFLError(f"must be a finite number > 0, got {v!r}", field=name)
+        if not (isinstance(self.noise_multiplier, (int, float)) and math.isfinite(self.noise_multiplier)
+                and self.noise_multiplier >= 0):
+            raise DPFLError(f"must be a finite number >= 0, got {self.noise_multiplier!r}",
+                            field="noise_multiplier")
+        if isinstance(self.lot_size, bool) or not isinstance(self.lot_size, numbers.Integral) or self.lot_size < 1:
+            raise DPFLError(f"must be an integer >= 1, got {self.lot_size!r}", field="lot_size")
+        if self.sampling not in ("poisson", "fixed"):
+            raise DPFLError(f"must be 'poisson' or 'fixed', got {self.sampling!r}", field="sampling")
+        if self.optimizer not in ("sgd", "adam"):
+            raise DPFLError(f"must be 'sgd' or 'adam', got {self.optimizer!r}", field="optimizer")
+        if self.steps is not None and (not isinstance(self.steps, numbers.Integral) or self.steps < 0):
+            raise DPFLError(f"must be an integer >= 0, got {self.steps!r}", field="steps")
+        if self.steps is None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise DPFLError(f"must be > 0, got {self.epochs!r}", field="epochs")
+
+    def num_steps(self, n: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        per_epoch = n / self.lot_size if self.sampling == "poisson" else math.ceil(n / self.lot_size)
+        return max(1, round(self.epochs * per_epoch))
+
+
+@dataclass(frozen=True)
+class DPSGDResult:
+    """One client's DP-SGD run: the update and what its ledger must book.
+
+    ``sampling_rate`` is q = L/n for Poisson lots (``None`` for fixed batches), ``noise_multiplier``
+    the sigma of every step, ``steps`` how many noisy sums were released. ``lot_sizes`` are the
+    realised lot sizes (data-dependent only through n, which the server is not shown: keep them on
+    the client). ``noisy_norm_sums``: Fu et al.'s released norm query per step, if asked for.
+    """
+
+    update: np.ndarray
+    steps: int
+    sampling: Literal["poisson", "fixed"]
+    sampling_rate: float | None
+    noise_multiplier: float
+    clip_norm: float
+    num_examples: int
+    lot_size: int
+    lot_sizes: tuple[int, ...]
+    noisy_norm_sums: tuple[float, ...] | None = None
+
+    def step_event(self) -> dpe.DpEvent:
+        """The dp_accounting event of one step (add/remove-one-record relation).
+
+        Poisson: ``PoissonSampled(q, Gaussian(sigma))``, with a second ``Gaussian(sigma)`` under the
+        same sampling when the norm sum was released (it has sensitivity S and noise std sigma S).
+        Fixed batches of a whole epoch's permutation are not amplified, and adding one record shifts
+        every later batch by one (one record in, one out), so each step's sum can move by 2S: it is
+        booked as ``Gaussian(sigma / 2)``; a batch that is the whole data set moves by S only.
+        """
+        if self.noise_multiplier == 0:
+            return dp_accounting.NonPrivateDpEvent()
+        gaussians = [dp_accounting.GaussianDpEvent(self.noise_multiplier)]
+        if self.noisy_norm_sums is not None:
+            gaussians.append(dp_accounting.GaussianDpEvent(self.noise_multiplier))
+        inner = gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
+        if self.sampling == "poisson":
+            return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, inner)
+        if self.lot_size >= self.num_examples:
+            return inner
+        halved = [dp_accounting.GaussianDpEvent(g.noise_multiplier / 2) for g in gaussians]
+        return halved[0] if len(halved) == 1 else dp_accounting.ComposedDpEvent(halved)
+
+    def dp_event(self) -> dpe.DpEvent:
+        """Every step of the run: ``SelfComposed(step_event, steps)``."""
+        if self.steps == 0:
+            return dp_accounting.NoOpDpEvent()
+        return dp_accounting.SelfComposedDpEvent(self.step_event(), self.steps)
+
+
+# --- per-example gradients -----------------------------------------------------------------------
+
+def _loss_fn(model: nn.Module) -> Callable:
+    def loss(params, buffers, x, y):
+        out = functional_call(model, (params, buffers), (x.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, y.unsqueeze(0))
+    return loss
+
+
+def per_example_grad_fn(model: nn.Module) -> Callable[[dict, torch.Tensor, torch.Tensor], dict]:
+    """``f(params, x, y) -> {name: (B, *shape)}``, built once per local update (not per step)."""
+    buffers = dict(model.named_buffers())
+    batched = vmap(grad(_loss_fn(model)), in_dims=(None, None, 0, 0))
+    return lambda params, x, y: batched(params, buffers, x, y)
+
+
+def per_example_grads(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
+                      y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: (B, *shape)}: the gradient of each example's cross-entropy at ``params``."""
+    return per_example_grad_fn(model)(params, x, y)
+
+
+def clip_and_sum(grads: dict[str, torch.Tensor], clip_norm: float
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """sum_i g_i / max(1, ||g_i|| / S) (Abadi et al. 2016, Alg. 1 'clip gradient') and the norms.
+
+    The norm is over all parameters of one example; scaling and summing is one contraction per
+    parameter tensor, so the clipped per-example gradients are never materialised.
+    """
+    norms = _norms(grads)
+    factor = (clip_norm / (norms * (1 + _CLIP_MARGIN))).clamp(max=1.0)
+    summed = {k: torch.tensordot(factor, g, dims=1) for k, g in grads.items()}
+    return summed, norms
+
+
+def _norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    # vector_norm per tensor then over tensors: no (B, d) temporaries (pow().sum() made one per tensor).
+    per_tensor = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1) for g in grads.values()]
+    return torch.linalg.vector_norm(torch.stack(per_tensor), dim=0)
+
+
+def per_example_grad_norms(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarray,
+                           batch_size: int = 256) -> np.ndarray:
+    """||grad loss(theta; x_i, y_i)||_2 for every example (no clipping, no noise)."""
+    set_flat(model, theta)
+    device = next(model.parameters()).device
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    out = []
+    for start in range(0, len(y), batch_size):
+        xb = torch.from_numpy(np.ascontiguousarray(x[start:start + batch_size])).to(device)
+        yb = torch.from_numpy(np.ascontiguousarray(y[start:start + batch_size])).to(device)
+        g = per_example_grads(model, params, xb, yb)
+        out.append(_norms(g))
+    return torch.cat(out).cpu().numpy().astype(np.float64) if out else np.zeros(0)
+
+
+# --- lots and noise ------------------------------------------------------------------------------
+
+def poisson_lots(n: int, sampling_rate: float, steps: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each step's lot: every example independently with probability q (lots may be empty)."""
+    return [np.flatnonzero(rng.random(n) < sampling_rate) for _ in range(steps)]
+
+
+def fixed_batches(n: int, batch_size: int, steps: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Consecutive batches of a fresh permutation per epoch (the last batch of an epoch may be short)."""
+    lots: list[np.ndarray] = []
+    while len(lots) < steps:
+        order = rng.permutation(n)
+        lots.extend(order[s:s + batch_size] for s in range(0, n, batch_size))
+    return lots[:steps]
+
+
+def noise_generator(device: torch.device | str, seed: int, round_idx: int, client_id: int,
+                    purpose: str = "dpsgd_noise") -> torch.Generator:
+    """A torch.Generator on ``device`` seeded from (seed, round, client, purpose)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(rngmod.int_seed(seed, purpose, round_idx, client_id))
+    return g
+
+
+# --- the local update ----------------------------------------------------------------------------
+
+def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarray, cfg: DPSGDConfig, *,
+                 seed: int, round_idx: int, client_id: int) -> DPSGDResult:
+    """Abadi et al. 2016, Alg. 1 on one client from ``theta``; returns Delta = w - theta (float32).
+
+    Each step: take a lot (line 'take a random sample'), per-example gradients, clip to S, add
+    N(0, sigma^2 S^2 I) to the sum, divide by L, descend (SGD, or Adam as Fu et al. 2022 use --
+    either is post-processing of the noisy gradient).
+    """
+    n = len(y)
+    if n == 0:
+        raise DPFLError("a client with no examples cannot run DP-SGD", field="data")
+    set_flat(model, theta)
+    device = next(model.parameters()).device
+    names = [k for k, _ in model.named_parameters()]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    start = {k: v.clone() for k, v in params.items()}
+    xt, yt = torch.from_numpy(np.ascontiguousarray(x)).to(device), torch.from_numpy(np.ascontiguousarray(y)).to(device)
+
+    steps = cfg.num_steps(n)
+    lot_rng = rngmod.generator(seed, "dpsgd_lots", round_idx, client_id)
+    if cfg.sampling == "poisson":
+        q = min(1.0, cfg.lot_size / n)
+        lots = poisson_lots(n, q, steps, lot_rng)
+    else:
+        q = None
+        lots = fixed_batches(n, cfg.lot_size, steps, lot_rng)
+    gen = noise_generator(device, seed, round_idx, client_id)
+    dim = sum(params[k].numel() for k in names)
+    std = cfg.noise_multiplier * cfg.clip_norm
+    opt = torch.optim.Adam([params[k] for k in names], lr=cfg.lr) if cfg.optimizer == "adam" else None
+    norm_sums: list[torch.Tensor] = []
+    grads_of = per_example_grad_fn(model)
+
+    for lot in lots:
+        idx = torch.from_numpy(lot).to(device)
+        if len(lot):
+            summed, norms = clip_and_sum(grads_of(params, xt[idx], yt[idx]), cfg.clip_norm)
+            flat = torch.cat([summed[k].reshape(-1) for k in names])
+        else:  # an empty Poisson lot still releases its noise
+            flat = torch.zeros(dim, device=device)
+            norms = torch.zeros(0, device=device)
+        noise = torch.randn(dim + cfg.release_norm_sum, generator=gen, device=device)
+        flat = (flat + std * noise[:dim]) / cfg.lot_size
+        if cfg.release_norm_sum:
+            norm_sums.append(norms.clamp(max=cfg.clip_norm).sum() + std * noise[dim])
+        _descend(params, names, flat, cfg.lr, opt)
+
+    with torch.no_grad():
+        delta = torch.cat([(params[k] - start[k]).reshape(-1) for k in names])
+    # one transfer for all steps' norm sums, not one .item() sync per step
+    sums = tuple(torch.stack(norm_sums).cpu().tolist()) if norm_sums else ()
+    sums = sums if cfg.release_norm_sum else None
+    return DPSGDResult(update=delta.cpu().numpy().astype(np.float32), steps=steps, sampling=cfg.sampling,
+                       sampling_rate=q, noise_multiplier=float(cfg.noise_multiplier),
+                       clip_norm=float(cfg.clip_norm), num_examples=n, lot_size=cfg.lot_size,
+                       lot_sizes=tuple(len(lot) for lot in lots), noisy_norm_sums=sums)
+
+
+@torch.no_grad()
+def _descend(params: dict[str, torch.Tensor], names: list[str], flat_grad: torch.Tensor, lr: float,
+             opt: torch.optim.Optimizer | None) -> None:
+    offset = 0
+    for k in names:
+        p = params[k]
+        g = flat_grad[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if opt is None:
+            p.sub_(g, alpha=lr)
+        else:
+            p.grad = g.clone()
+    if opt is not None:
+        opt.step()

@@ -1,0 +1,147 @@
+"""Fu et al. 2022 building blocks (no Ray): clipping recursion, noise decay, budget stop, partition."""
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting.rdp import RdpAccountant
+from scipy import stats
+
+from dpfl_ray import rng as rngmod
+from dpfl_ray.algorithms.adap_dpfl_core import (
+    MIN_CLIP_NORM,
+    claimed_ledgers,
+    client_config,
+    decayed_noise_multiplier,
+    initial_clip_threshold,
+    label_sorted_fragments,
+    next_clip_threshold,
+    round_events,
+)
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.local_dp import dpsgd_update, per_example_grad_norms
+from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.privacy.client_ledgers import ClientLedgers
+
+
+def problem(n=30, seed=0):
+    model = build_model(SimpleNamespace(name="mlp", hidden=[8]), (6,), 3, seed=seed)
+    g = np.random.default_rng(seed)
+    return model, g.normal(size=(n, 6)).astype(np.float32), g.integers(0, 3, n).astype(np.int64)
+
+
+def test_clipping_recursion_eq6_without_noise():
+    # q = 1 (L = n): the lot is the whole data, so eq. 6 can be checked against the loop norms.
+    model, x, y = problem()
+    theta, alpha, c = get_flat(model), 0.8, None
+    c = float(np.median(per_example_grad_norms(model, theta, x, y)))
+    for t in range(3):
+        norms = per_example_grad_norms(model, theta, x, y)
+        res = dpsgd_update(model, theta, x, y, replace(client_config(c, 1.0, 0.01, len(y), optimizer="sgd"),
+                                                          noise_multiplier=0.0),
+                           seed=0, round_idx=t, client_id=0)
+        assert res.sampling_rate == 1.0 and res.lot_sizes == (len(y),)
+        expected = alpha * np.minimum(norms, c).sum() / len(y)
+        c_next = next_clip_threshold(res, alpha)
+        assert c_next == pytest.approx(expected, rel=1e-4)
+        assert c_next <= alpha * c * (1 + 1e-6)  # a mean of values clipped to C, times alpha
+        theta, c = theta + res.update, c_next
+
+
+def test_clipping_recursion_takes_the_absolute_noisy_mean_and_never_reaches_zero():
+    model, x, y = problem()
+    res = dpsgd_update(model, get_flat(model), x, y, client_config(1.0, 2.0, 0.01, 10), seed=0, round_idx=0,
+                       client_id=0)
+    neg = replace(res, noisy_norm_sums=(-12.0,))
+    assert next_clip_threshold(neg, 0.5) == pytest.approx(0.5 * 12.0 / 10)
+    assert next_clip_threshold(replace(res, noisy_norm_sums=(0.0,)), 0.5) == MIN_CLIP_NORM
+    assert next_clip_threshold(replace(res, noisy_norm_sums=(4.0, 8.0)), 1.0) == pytest.approx(0.6)
+    with pytest.raises(DPFLError, match="release_norm_sum"):
+        next_clip_threshold(replace(res, noisy_norm_sums=None), 1.0)
+
+
+def test_norm_query_noise_has_std_sigma_times_c():
+    model = build_model(SimpleNamespace(name="logistic"), (2,), 2, seed=0)
+    x, y = np.zeros((3, 2), np.float32), np.zeros(3, np.int64)
+    c, sigma = 0.7, 1.5
+    theta = get_flat(model)
+    cfg = client_config(c, sigma, 0.01, 3, optimizer="sgd")
+    clean = dpsgd_update(model, theta, x, y, replace(cfg, noise_multiplier=0.0), seed=0, round_idx=0, client_id=0)
+    noise = np.array([dpsgd_update(model, theta, x, y, cfg, seed=0, round_idx=0, client_id=k).noisy_norm_sums[0]
+                      - clean.noisy_norm_sums[0] for k in range(200)])  # q = 1: the same lot each time
+    chi2 = (noise ** 2).sum() / (sigma * c) ** 2
+    assert stats.chi2.sf(chi2, len(noise)) > 1e-9 and stats.chi2.cdf(chi2, len(noise)) > 1e-9
+
+
+def test_initial_threshold_is_the_mean_norm_on_noise():
+    model, _, _ = problem()
+    c0 = initial_clip_threshold(model, get_flat(model), (6,), 3, 50, seed=4, client_id=2)
+    g = rngmod.generator(4, "fu_initial_clip", -1, 2)
+    x = g.random((50, 6), dtype=np.float32)
+    y = g.integers(0, 3, 50).astype(np.int64)
+    assert c0 == pytest.approx(per_example_grad_norms(model, get_flat(model), x, y).mean())
+    assert c0 > 0 and c0 == initial_clip_threshold(model, get_flat(model), (6,), 3, 50, seed=4, client_id=2)
+
+
+@pytest.mark.parametrize("losses, decays", [
+    ([], False), ([5.0], False), ([5.0, 4.0], False),
+    ([5.0, 4.0, 3.0], True),              # inf > 5 > 4 > 3: the padded history counts as the first drop
+    ([5.0, 4.0, 3.0, 3.0], False),        # equal is not a drop
+    ([5.0, 4.0, 3.0, 2.0], True),         # a sliding window: every further drop decays again
+    ([5.0, 4.0, 6.0, 5.0, 4.0], False),   # only two drops since the rise
+    ([5.0, 4.0, 6.0, 5.0, 4.0, 3.0], True),
+    ([1.0, 2.0, 3.0, 4.0], False),
+])
+def test_three_consecutive_drops_rule(losses, decays):
+    assert decayed_noise_multiplier(6.0, losses, 0.5) == (3.0 if decays else 6.0)
+
+
+def test_noise_decay_over_a_loss_trace():
+    losses = [9, 8, 7, 6, 7, 6, 5, 4, 4, 3, 2, 1]
+    sigma, trace = 6.0, []
+    for t in range(1, len(losses) + 1):
+        sigma = decayed_noise_multiplier(sigma, losses[:t], 0.9)
+        trace.append(sigma)
+    # decays after 7 (inf>9>8>7), 6, then 4 (6>5>4 after the rise to 7), then 1 (3>2>1)
+    assert trace == pytest.approx([6, 6, 5.4, 4.86, 4.86, 4.86, 4.86, 4.374, 4.374, 4.374, 4.374, 3.9366])
+    with pytest.raises(DPFLError, match="beta"):
+        decayed_noise_multiplier(1.0, [], 1.0)
+
+
+def test_budget_stop_through_the_clients_ledger():
+    q, budget, sigma = 0.05, 1.0, 2.0
+    eff, claimed = ClientLedgers(1e-5, num_clients=1), claimed_ledgers(1e-5, 1)
+    rounds = 0
+    while True:
+        effective_event, claimed_event = round_events(q, sigma)
+        if eff.would_exceed(0, effective_event, budget):
+            break
+        eff.record(0, effective_event, round=rounds)
+        claimed.record(0, claimed_event, round=rounds)
+        sigma = decayed_noise_multiplier(sigma, list(range(100, 100 - rounds - 1, -1)), 0.99)
+        rounds += 1
+    assert eff.epsilon(0) <= budget < eff.epsilon_after(0, round_events(q, sigma)[0])
+    # the effective event (gradient + norm query under one lot) is one Gaussian of sigma / sqrt(2)
+    direct = RdpAccountant()
+    for ev, n in eff.events(0):
+        inner = ev.event.events[0].noise_multiplier
+        direct.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(inner / math.sqrt(2))), n)
+    assert eff.epsilon(0) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-6)
+    # the paper's claim (eq. 10, gradient only) is smaller than what was actually released
+    assert claimed.epsilon(0) < eff.epsilon(0)
+    same, _ = round_events(q, 2.0, book_threshold_query=False)
+    assert same == dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(2.0))
+
+
+def test_label_sorted_fragments():
+    labels = np.repeat(np.arange(10), 120)  # 1200 examples: 400 fragments of 3
+    parts = label_sorted_fragments(labels, np.random.default_rng(0))
+    assert len(parts) == 10 and all(len(p) == 120 for p in parts)
+    assert len(np.unique(np.concatenate(parts))) == 1200  # disjoint, all used
+    for p in parts:  # 40 fragments, each of one label (120 per label = 40 whole fragments)
+        frags = p.reshape(40, 3)
+        assert all(len(np.unique(labels[f])) == 1 for f in frags)
+    with pytest.raises(DPFLError, match="fragments"):
+        label_sorted_fragments(labels, np.random.default_rng(0), num_clients=7)

@@ -1,0 +1,154 @@
+"""Huang et al. 2020 building blocks (no Ray): DPAGD budgets, split updates, the Laplace arg-max."""
+import math
+from types import SimpleNamespace
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting.rdp import RdpAccountant
+
+from dpfl_ray.algorithms.huang2020_core import (
+    DPAGDConfig,
+    HuangClientBudget,
+    argmax_dp_event,
+    argmax_epsilon,
+    budgets_by_size,
+    dpagd_update,
+    gaussian_noise_multiplier,
+    noisy_argmax,
+)
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.local_dp import clip_and_sum, per_example_grads
+from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.privacy.client_ledgers import ClientLedgers
+
+
+def problem(n=40, seed=0):
+    model = build_model(SimpleNamespace(name="logistic"), (4,), 3, seed=seed)
+    g = np.random.default_rng(seed)
+    y = g.integers(0, 3, n).astype(np.int64)
+    x = (g.normal(size=(n, 4)) + 2.0 * np.eye(4)[y]).astype(np.float32)  # separable-ish blobs
+    return model, x, y
+
+
+def cfg(**kw):
+    base = dict(clip_norm=1.0, step_sizes=(0.5, 1.0, 2.0), loss_clip=3.0, epsilon_gradient=0.05,
+                epsilon_selection=0.05, gamma=0.1)
+    return DPAGDConfig(**{**base, **kw})
+
+
+def test_dpagd_never_spends_beyond_the_clients_budget_over_rounds():
+    model, x, y = problem()
+    c = cfg()
+    budget, theta, rounds = HuangClientBudget(epsilon=1.0), get_flat(model), 8
+    ledger = ClientLedgers(1e-5, num_clients=1)
+    for r in range(40):
+        if budget.exhausted(c, rounds):
+            break
+        res = dpagd_update(model, theta, x, y, c, budget.round_budget(rounds), seed=1, round_idx=r, client_id=0)
+        assert res.spent <= budget.round_budget(rounds) and res.spent > 0
+        # zCDP reading: what was spent is exactly the rho of the mechanisms that ran
+        rho = sum(1 / (2 * z * z) for z in res.gradient_noise_multipliers) + sum(e * e / 2 for e in res.argmax_epsilons)
+        assert rho == pytest.approx(res.spent, rel=1e-9)
+        for ev, k in res.dp_events():
+            ledger.record(0, ev, k, round=r)
+        budget = budget.after(res.spent)
+        theta = theta + res.update
+    assert budget.exhausted(c, rounds) and budget.spent <= 1.0 + 1e-12
+    assert r >= rounds  # eps_k / T per round: at least T rounds before quitting
+    # dp_accounting on the booked Gaussians + zCDP selections equals a rho = spent zCDP mechanism
+    direct = RdpAccountant()
+    direct.compose(dp_accounting.ZCDpEvent(budget.spent))
+    assert ledger.epsilon(0) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_split_moves_by_gamma_while_no_candidate_improves():
+    model, x, y = problem()
+    # step sizes so large that every move is worse than staying; eps_n large: the arg-max is exact
+    c = cfg(step_sizes=(1e4,), epsilon_gradient=0.2, epsilon_selection=0.1, gamma=0.5, loss_clip=50.0)
+    res = dpagd_update(model, get_flat(model), x, y, c, 1.0, seed=0, round_idx=0, client_id=0)
+    # gradient 0.2, then selections of 0.1, 0.15, 0.225 (total 0.675); 0.3375 more would pass 1.0
+    assert res.selections == (0, 0, 0) and res.split_updates == 3 and res.steps_taken == 0
+    assert res.spent == pytest.approx(0.675)
+    assert res.epsilon_selection == pytest.approx(0.3375) and res.epsilon_gradient == pytest.approx(0.025)
+    assert res.argmax_epsilons == pytest.approx((math.sqrt(0.2), math.sqrt(0.3), math.sqrt(0.45)))
+    assert res.gradient_noise_multipliers == pytest.approx((1 / math.sqrt(0.4),))
+    assert not np.any(res.update)  # the gradient was never applied
+
+
+def test_an_improving_step_applies_the_noisy_gradient_with_the_chosen_size():
+    model, x, y = problem()
+    c = cfg(step_sizes=(0.05,), epsilon_gradient=50.0, epsilon_selection=500.0)  # tiny noise, exact arg-max
+    res = dpagd_update(model, get_flat(model), x, y, c, 550.0, seed=0, round_idx=0, client_id=0)
+    assert res.selections == (1,) and res.steps_taken == 1
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    summed, _ = clip_and_sum(per_example_grads(model, params, torch.from_numpy(x), torch.from_numpy(y)), 1.0)
+    expected = -0.05 * torch.cat([s.reshape(-1) for s in summed.values()]).numpy() / len(y)
+    z = res.gradient_noise_multipliers[0]  # 0.1: the noise is N(0, (0.1 * S / n)^2) per coordinate
+    assert np.max(np.abs(res.update - expected)) < 0.05 * 6 * z / len(y)
+    again = dpagd_update(model, get_flat(model), x, y, c, 550.0, seed=0, round_idx=0, client_id=0)
+    assert np.array_equal(again.update, res.update)
+
+
+def test_a_client_that_cannot_afford_one_iteration_is_exhausted():
+    c = cfg(epsilon_gradient=0.1, epsilon_selection=0.1)
+    assert HuangClientBudget(epsilon=4.0).round_budget(20) == pytest.approx(0.2)  # eq. 11: eps_k / T
+    assert not HuangClientBudget(epsilon=4.0).exhausted(c, 20)
+    assert HuangClientBudget(epsilon=3.0).exhausted(c, 20)  # 0.15 < 0.2
+    assert HuangClientBudget(epsilon=4.0, spent=3.9).exhausted(c, 20)
+    model, x, y = problem()
+    res = dpagd_update(model, get_flat(model), x, y, c, 0.15, seed=0, round_idx=0, client_id=0)
+    assert res.spent == 0 and res.selections == () and not np.any(res.update)
+
+
+def test_budgets_follow_size_categories():
+    sizes = [600, 100, 300, 100, 900, 300, 600, 900, 200, 200]
+    eps = budgets_by_size(sizes, [1, 2.75, 4.5, 6.25, 8])
+    assert list(eps) == [6.25, 1, 4.5, 1, 8, 4.5, 6.25, 8, 2.75, 2.75]
+    with pytest.raises(DPFLError, match="categories"):
+        budgets_by_size([1, 2], [1, 2, 3])
+
+
+def test_calibrations():
+    assert gaussian_noise_multiplier(0.5, "zcdp") == pytest.approx(1.0)  # rho = 1/(2 z^2)
+    assert gaussian_noise_multiplier(0.5, "eq3", 1e-5) == pytest.approx(math.sqrt(2 * math.log(1.25e5)) / 0.5)
+    assert argmax_epsilon(0.02) == pytest.approx(0.2)  # Alg. 1 line 12: sqrt(2 eps_n)
+    with pytest.raises(DPFLError, match="delta"):
+        cfg(calibration="eq3")
+    with pytest.raises(DPFLError, match="gamma"):
+        cfg(gamma=1.0)
+
+
+def test_laplace_argmax_uses_scale_sensitivity_over_epsilon():
+    # Two candidates d apart: the worse one wins iff L1 - L0 > d, which for i.i.d. Laplace(b) has
+    # probability exp(-d/b)(1 + d/(2b))/2.
+    sens, eps, d, n = 2.0, argmax_epsilon(0.08), 3.0, 40_000
+    rng = np.random.default_rng(3)
+    wins = sum(noisy_argmax(np.array([0.0, -d]), sens, eps, rng) for _ in range(n))
+    b = sens / eps
+    p = math.exp(-d / b) * (1 + d / (2 * b)) / 2
+    assert abs(wins - n * p) / math.sqrt(n * p * (1 - p)) < 6.1  # ~1e-9 two-sided
+    assert noisy_argmax(np.array([0.0, 5.0, 1.0]), 1.0, 1e9, rng) == 1
+
+
+def test_laplace_argmax_accounting():
+    # An eps'-DP selection is booked as rho = eps'^2 / 2 zCDP: for Huang's eps' = sqrt(2 eps_n) that is
+    # exactly eps_n, and dp_accounting's epsilon of k selections is that of one rho = k * eps_n.
+    eps_n, k = 0.03, 25
+    ev = argmax_dp_event(argmax_epsilon(eps_n))
+    assert isinstance(ev, dp_accounting.ZCDpEvent) and ev.rho == pytest.approx(eps_n) and ev.xi == 0
+    led = ClientLedgers(1e-5, num_clients=1)
+    led.record(0, ev, k)
+    direct = RdpAccountant()
+    direct.compose(dp_accounting.ZCDpEvent(k * eps_n))
+    assert led.epsilon(0) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    # the pure-DP view: k selections are at most k * eps' -- the zCDP booking is tighter here
+    assert led.epsilon(0) < k * argmax_epsilon(eps_n)
+    # a single selection's zCDP curve lies above a Laplace mechanism's at the same eps' (it must bound
+    # every eps'-DP mechanism, the Laplace one included)
+    lap = RdpAccountant()
+    lap.compose(dp_accounting.LaplaceDpEvent(1 / argmax_epsilon(eps_n)))
+    one = ClientLedgers(1e-5, num_clients=1)
+    one.record(0, ev)
+    assert np.all(one.rdp(0) >= lap.rdp - 1e-12)
