@@ -14,14 +14,18 @@ _PURPOSES = (
     "secagg", "graph", "encode", "clip", "layers",
     # fault injection (issue 12)
     "stragglers", "straggler_tiers", "crash", "node_failure", "corrupt",
+    # NbAFL's noise (issue 10); record-level DP-SGD, DPAGD and Adap DP-FL (issue 13)
+    "uplink", "downlink", "dpsgd_lots", "dpsgd_noise", "dpagd_noise", "dpagd_argmax", "fu_initial_clip",
 )
+# Ids of purposes not listed above start here, so listing a new purpose never moves another stream.
+_HASHED_BASE = 1 << 16
 
 
 def purpose_id(purpose: str) -> int:
     if purpose in _PURPOSES:
         return _PURPOSES.index(purpose)
     # Unknown purposes still get a stable, collision-resistant id.
-    return int.from_bytes(hashlib.sha256(purpose.encode()).digest()[:4], "little") + len(_PURPOSES)
+    return int.from_bytes(hashlib.sha256(purpose.encode()).digest()[:4], "little") + _HASHED_BASE
 
 
 def seed_sequence(seed: int, purpose: str, round_idx: int = -1, client_id: int = -1) -> np.random.SeedSequence:
