@@ -18,6 +18,7 @@ import torch
 from .. import rng as rngmod
 from ..algorithms import ClientSpec
 from ..local import local_update
+from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
 from ..models import build_model, evaluate, set_flat
 from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
@@ -28,6 +29,8 @@ from .messages import Encoding, LocalReply, PhaseReply, WorkerChaos
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
 # Alg. 2 line 22), for algorithms whose ClientNoise has one.
 WORKER_PHASES = PROTOCOL_PHASES + ("calibration",)
+# Memory a worker gives one batched training step (it sets K, the clients per stack).
+BATCH_BUDGET_BYTES = 256 << 20
 
 
 class ClientWorker:
@@ -43,6 +46,17 @@ class ClientWorker:
             timeout=600)
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"],
                                  self.sc.seed).to(self.device)
+        if use_cuda:  # a client's update must not depend on the kernels cuDNN picks for a stack
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        # Batched training is decided from the scenario alone (never from the pool), as is the
+        # stack size K, so every worker trains every client the same way.
+        tr, s = self.sc.training, self.sc.sampling
+        cohort = s.clients_per_round if s.mode == "fixed" else s.rate * (len(self.offsets) - 1)
+        self.batched = batching_pays(self.model, np.diff(self.offsets), cohort)
+        if self.batched:
+            self.stack = clients_per_batch(self.model, tuple(data["input_shape"]), tr.batch_size, BATCH_BUDGET_BYTES)
+            warm_up(self.model, tuple(data["input_shape"]), tr.batch_size, data["num_classes"])
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
@@ -57,17 +71,33 @@ class ClientWorker:
             rng=rngmod.generator(seed, "batches", round_idx, cid),
             torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid), prox_mu=spec.prox_mu)
 
-    def _checked_update(self, round_idx: int, theta: np.ndarray, cid: int, spec: ClientSpec,
-                        chaos: WorkerChaos) -> tuple[np.ndarray | None, str | None]:
-        """The client's local update, corrupted if the fault plan says so, and the server's check
+    def _train(self, round_idx: int, theta: np.ndarray, cids: list[int], spec: ClientSpec) -> dict[int, np.ndarray]:
+        """Local updates of ``cids``: K clients at a time as one vectorised computation when the
+        scenario batches (dpfl_ray.local_batched; same updates to float tolerance), else one by one."""
+        if not self.batched or spec.prox_mu or not cids:
+            return {cid: self._local(round_idx, theta, cid, spec) for cid in cids}
+        tr, seed = self.sc.training, self.sc.seed
+        parts = [self.indices[self.offsets[c]:self.offsets[c + 1]] for c in cids]
+        deltas = batched_local_updates(
+            self.model, theta, [self.x[i] for i in parts], [self.y[i] for i in parts], epochs=tr.local_epochs,
+            batch_size=tr.batch_size, lr=tr.lr, clip_norm=tr.clip_norm,
+            rngs=[rngmod.generator(seed, "batches", round_idx, c) for c in cids],
+            torch_seeds=[rngmod.int_seed(seed, "torch", round_idx, c) for c in cids], max_clients=self.stack)
+        return dict(zip(cids, deltas))
+
+    def _checked_updates(self, round_idx: int, theta: np.ndarray, cids: list[int], spec: ClientSpec,
+                         chaos: WorkerChaos) -> dict[int, tuple[np.ndarray | None, str | None]]:
+        """Each client's local update, corrupted if the fault plan says so, and the server's check
         of it (NaN, Inf, shape, absurd norm): (update, None) or (None, why it is refused). The
         check runs here, before the update is summed or masked, because after that no one can
         look at it alone."""
-        delta = self._local(round_idx, theta, cid, spec)
-        if cid in chaos.corrupt:
-            delta = corrupt(delta, chaos.corrupt[cid], corruption_rng(self.sc.seed, round_idx, cid))
-        reason = check_update(delta, theta.size, chaos.max_norm)
-        return (None, reason) if reason else (delta, None)
+        out = {}
+        for cid, delta in self._train(round_idx, theta, cids, spec).items():
+            if cid in chaos.corrupt:
+                delta = corrupt(delta, chaos.corrupt[cid], corruption_rng(self.sc.seed, round_idx, cid))
+            reason = check_update(delta, theta.size, chaos.max_norm)
+            out[cid] = (None, reason) if reason else (delta, None)
+        return out
 
     def run_clients(self, round_idx: int, theta: np.ndarray, groups: dict[int, list[int]],
                     undelivered: list[int], spec: ClientSpec, chaos: WorkerChaos = WorkerChaos()) -> LocalReply:
@@ -79,9 +109,10 @@ class ClientWorker:
         t0 = time.perf_counter()
         lost = set(undelivered)
         ids, uploads, sums, rejected = [], [], {}, {}
+        checked = self._checked_updates(round_idx, theta, [c for m in groups.values() for c in m], spec, chaos)
         for g, members in groups.items():
             for cid in members:
-                delta, reason = self._checked_update(round_idx, theta, cid, spec, chaos)
+                delta, reason = checked[cid]
                 if cid in lost:
                     continue
                 if reason:
@@ -120,8 +151,9 @@ class ClientWorker:
         self._sa = {"clients": {}, "inputs": {}, "cids": {}, "weights": {}, "spec": spec, "delay": chaos.delay,
                     "leave": {clients[c]: WORKER_PHASES.index(p) for c, p in leave.items() if c in clients}}
         clipped, rejected = 0, {}
+        checked = self._checked_updates(round_idx, theta, list(clients), spec, chaos)
         for cid, idx in clients.items():
-            delta, reason = self._checked_update(round_idx, theta, cid, spec, chaos)
+            delta, reason = checked[cid]
             if reason:  # refused before it is masked: the client never joins the protocol
                 rejected[cid] = reason
                 continue

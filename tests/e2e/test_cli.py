@@ -93,7 +93,7 @@ def test_scenarios_list_and_validate(tiny):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (("run",), "Missing argument"),
+    (("run",), "give a scenario file, or --resume RUN_DIR"),
     (("run", "x.yaml", "--bogus"), "No such option"),
     (("privacy", "epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--rounds", "abc",
       "--delta", "1e-5"), "--rounds"),
