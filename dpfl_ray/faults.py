@@ -39,9 +39,10 @@ CRASH = "crash"              # its worker died in that phase
 NODE_LOST = "node_lost"      # its worker's node was removed
 REJECTED = "rejected"        # its update failed check_update (NaN, Inf, wrong shape, absurd norm)
 UNAVAILABLE = "unavailable"  # the availability trace says the device was offline
-CAUSES = (DROPOUT, STRAGGLER, CRASH, NODE_LOST, REJECTED, UNAVAILABLE)
+EXHAUSTED = "exhausted"      # its own privacy budget is spent: it quits (record-level algorithms)
+CAUSES = (DROPOUT, STRAGGLER, CRASH, NODE_LOST, REJECTED, UNAVAILABLE, EXHAUSTED)
 # When two causes hit one client in the same phase, the record names the first of these.
-_PRECEDENCE = (UNAVAILABLE, NODE_LOST, CRASH, DROPOUT, STRAGGLER, REJECTED)
+_PRECEDENCE = (UNAVAILABLE, EXHAUSTED, NODE_LOST, CRASH, DROPOUT, STRAGGLER, REJECTED)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ _PURPOSES = (
     "stragglers", "straggler_tiers", "crash", "node_failure", "corrupt",
     # NbAFL's noise (issue 10); record-level DP-SGD, DPAGD and Adap DP-FL (issue 13)
     "uplink", "downlink", "dpsgd_lots", "dpsgd_noise", "dpagd_noise", "dpagd_argmax", "fu_initial_clip",
+    "validation",
 )
 # Ids of purposes not listed above start here, so listing a new purpose never moves another stream.
 _HASHED_BASE = 1 << 16

@@ -49,6 +49,8 @@ class DataConfig(_Section):
     repeat: bool = Field(False, description="allow reusing examples to reach examples_per_client")
     n_max: float | None = Field(None, gt=0, description="weight cap: w_i = min(n_i / n_max, 1)")
     partition: PartitionConfig = PartitionConfig()
+    validation_fraction: float = Field(0.0, ge=0, lt=0.5, description="hold this fraction of the training "
+                                       "examples out of every client as the server's validation split")
     # synthetic source only
     synthetic_examples: int = Field(2000, ge=10)
     synthetic_features: int = Field(20, ge=1)

@@ -2,8 +2,8 @@
 maps a scenario's ``training.algorithm`` to its class. Nothing outside this package asks which
 algorithm runs."""
 from .base import (
-    Abort, Aggregate, Algorithm, CalibrationSum, ClientNoise, ClientSpec, Mechanism, RoundOutcome, UnmaskPlan,
-    weighted_sum,
+    Abort, Aggregate, Algorithm, CalibrationSum, ClientNoise, ClientReport, ClientSpec, LocalProcedure, Mechanism,
+    RoundOutcome, UnmaskPlan, weighted_sum,
 )
 from .baek import Baek
 from .dp_fedavg import DPFedAvg
@@ -24,5 +24,6 @@ def make_algorithm(scenario, weights, noise_multiplier: float | None = None, siz
                                      sizes=sizes)
 
 
-__all__ = ["REGISTRY", "NbAFL", "algorithm_class", "Abort", "Aggregate", "Algorithm", "Baek", "CalibrationSum", "ClientNoise", "ClientSpec",
+__all__ = ["REGISTRY", "NbAFL", "algorithm_class", "Abort", "Aggregate", "Algorithm", "Baek", "CalibrationSum",
+           "ClientNoise", "ClientReport", "ClientSpec", "LocalProcedure",
            "DPFedAvg", "FedAvg", "Mechanism", "RoundOutcome", "UnmaskPlan", "make_algorithm", "weighted_sum"]

@@ -60,6 +60,29 @@ class ClientNoise(ABC):
 
 
 @dataclass(frozen=True)
+class ClientReport:
+    """What a client's local procedure reports beside its update (record-level DP): the
+    dp_accounting events its own ledger books, as (event, count) pairs; what the paper's own
+    accounting books (``claimed_events``) or spends in its units (``spent``); and named values the
+    algorithm keeps for the client (e.g. its next clipping threshold)."""
+
+    events: tuple = ()
+    claimed_events: tuple = ()
+    spent: float | None = None
+    values: Mapping[str, float] = field(default_factory=dict)
+
+
+class LocalProcedure(ABC):
+    """A client's local training other than Baek et al.'s Alg. 1 SGD (per-example DP-SGD, DPAGD).
+    Runs on workers: subclasses are frozen dataclasses of public settings (per client if need be)."""
+
+    @abstractmethod
+    def run(self, model, theta: np.ndarray, x: np.ndarray, y: np.ndarray, *, seed: int, round_idx: int,
+            client_id: int) -> tuple[np.ndarray, ClientReport]:
+        """The client's update Delta = w - theta (float32) and its report."""
+
+
+@dataclass(frozen=True)
 class ClientSpec:
     """What a worker does with a client's local update before it leaves, for one round.
 
@@ -70,6 +93,7 @@ class ClientSpec:
     ``prox_mu``: local training minimises F_i(w) + mu/2 ||w - theta||^2 (Alg. 1 line 6).
     ``per_client``: the server needs each client's upload (e.g. the median of their norms); by
     default workers send only partial sums of w_i * upload (the aggregation tree).
+    ``local``: the client trains with this procedure instead of Alg. 1 SGD, and reports.
     """
 
     clip_norm: float | None = None
@@ -78,6 +102,7 @@ class ClientSpec:
     send_parameters: bool = False
     prox_mu: float = 0.0
     per_client: bool = False
+    local: LocalProcedure | None = None
 
     @property
     def extra_dims(self) -> int:
@@ -154,6 +179,7 @@ class RoundOutcome:
     layer_seeds: Mapping[int, Mapping[int, bytes]] | None = None
     aborted: str | None = None
     theta: np.ndarray | None = None
+    reports: Mapping[int, ClientReport] = field(default_factory=dict)
 
     @property
     def released(self) -> bool:
@@ -195,6 +221,8 @@ class Algorithm(ABC):
     reports_claimed_epsilon: ClassVar[bool] = False
     #: the round has a calibration phase after unmasking (a dropout phase of the fault plan)
     has_calibration_phase: ClassVar[bool] = False
+    #: privacy is per record of each client, booked on one ledger per client from ClientReports
+    record_level: ClassVar[bool] = False
 
     @classmethod
     def check_scenario(cls, sc) -> None:
@@ -213,6 +241,11 @@ class Algorithm(ABC):
 
     def begin_round(self, round_idx: int, sampled) -> Abort | None:
         return None
+
+    def withdrawals(self, round_idx: int, sampled) -> dict[int, str]:
+        """Sampled clients that will not take part this round, with the dropout cause
+        (dpfl_ray.faults vocabulary), e.g. 'exhausted' once a client's budget is spent."""
+        return {}
 
     def client_spec(self) -> ClientSpec:
         return ClientSpec()
@@ -237,6 +270,10 @@ class Algorithm(ABC):
     def summary_fields(self) -> dict:
         """Scenario facts worth a column in summary.json and ``dpfl report``."""
         return {}
+
+    def observe(self, round_idx: int, metrics: Mapping[str, float | None]) -> None:
+        """The round's evaluation once the model is updated: test_loss, test_accuracy and, when the
+        scenario holds out a validation split, validation_loss (Fu et al.'s noise decay reads it)."""
 
     def state_dict(self) -> dict:
         """What the algorithm carries from round to round (JSON-able), for checkpoints."""

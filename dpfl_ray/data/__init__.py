@@ -1,7 +1,7 @@
 """Data: sources, partitions and the :class:`Federation` that ties them to clients."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +23,7 @@ class Federation:
     indices: np.ndarray
     offsets: np.ndarray
     weights: np.ndarray
+    validation: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # held out of every client
 
     @property
     def num_clients(self) -> int:
@@ -62,13 +63,22 @@ def make_partition(labels: np.ndarray, data_cfg, seed: int) -> list[np.ndarray]:
 
 def build_federation(scenario) -> Federation:
     dataset = load_source(scenario.data, scenario.seed)
-    parts = make_partition(dataset.y_train, scenario.data, scenario.seed)
+    pool, validation = np.arange(len(dataset.y_train)), np.zeros(0, dtype=np.int64)
+    if scenario.data.validation_fraction > 0:
+        # a seeded, stratified hold-out that no client ever trains on (Fu et al.'s validation split)
+        g = rngmod.generator(scenario.seed, "validation")
+        held = [g.permutation(np.flatnonzero(dataset.y_train == label))
+                for label in np.unique(dataset.y_train)]
+        validation = np.sort(np.concatenate([h[:int(round(len(h) * scenario.data.validation_fraction))]
+                                             for h in held])).astype(np.int64)
+        pool = np.setdiff1d(pool, validation)
+    parts = [pool[p] for p in make_partition(dataset.y_train[pool], scenario.data, scenario.seed)]
     sizes = np.array([len(p) for p in parts], dtype=np.int64)
     if sizes.min() < 1:
         raise DPFLError("some client received no examples", field="data.partition")
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     weights = P.client_weights(sizes, scenario.data.n_max)
-    return Federation(dataset, np.concatenate(parts).astype(np.int64), offsets, weights)
+    return Federation(dataset, np.concatenate(parts).astype(np.int64), offsets, weights, validation)
 
 
 __all__ = ["Dataset", "Federation", "build_federation", "load_source", "make_partition"]

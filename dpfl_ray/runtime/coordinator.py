@@ -21,7 +21,7 @@ from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
 from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
 from ..scenario import Scenario
-from .privacy import RunPrivacy
+from .privacy import ClientPrivacy, RunPrivacy
 from .resources import assign_clients, assign_groups, plan_pool, summation_groups
 from .chaos import strike
 from .cluster import placement_summary
@@ -53,7 +53,10 @@ class Coordinator:
         self.sizes = np.diff(offsets)
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
         self.theta = get_flat(self.model)
-        self.privacy = RunPrivacy(self.sc, self.weights, self.sizes) if algorithm_class(self.sc).private else None
+        cls = algorithm_class(self.sc)
+        privacy_cls = ClientPrivacy if cls.record_level else RunPrivacy
+        self.privacy = privacy_cls(self.sc, self.weights, self.sizes) if cls.private else None
+        self.has_validation = data.get("num_validation", 0) > 0
         self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None,
                                         sizes=self.sizes)
         if self.privacy:
@@ -88,7 +91,7 @@ class Coordinator:
                  "algorithm": self.algorithm.state_dict(), "arrays": {"theta": self.theta}}
         if self.privacy:
             privacy = self.privacy.state_dict(self.rounds_done)
-            state["arrays"]["server_precision"] = privacy.pop("arrays")["server_precision"]
+            state["arrays"].update({f"privacy.{k}": v for k, v in privacy.pop("arrays").items()})
             state["privacy"] = privacy
         return state
 
@@ -98,8 +101,8 @@ class Coordinator:
         self.last_eval = tuple(state["last_eval"])
         self.algorithm.load_state_dict(state["algorithm"])
         if self.privacy:
-            self.privacy.load_state_dict({**state["privacy"],
-                                          "arrays": {"server_precision": state["arrays"]["server_precision"]}})
+            arrays = {k.removeprefix("privacy."): v for k, v in state["arrays"].items() if k.startswith("privacy.")}
+            self.privacy.load_state_dict({**state["privacy"], "arrays": arrays})
 
     # -- the pool -------------------------------------------------------------------------------
     def _new_worker(self):
@@ -178,6 +181,9 @@ class Coordinator:
         faults = self.faults.plan(t, sampled, len(self.workers))
         active = [int(c) for c in sampled if faults.dropped.get(int(c)) != "training"]
         dropped = {c: d.label for c, d in faults.dropouts().items()}
+        for c, cause in alg.withdrawals(t, sampled).items():  # e.g. a client whose budget is spent
+            dropped.setdefault(int(c), f"{cause}@training")
+        active = [c for c in active if not dropped.get(c, "").endswith("@training")]
         extra, rejected = {}, {}
         abort = alg.begin_round(t, sampled)
         spec = alg.client_spec() if abort is None else None
@@ -200,20 +206,26 @@ class Coordinator:
                 dropped = {c: p for c, p in dropped.items() if not p.endswith("@calibration")}
         else:
             theta_ref = ray.put(self.theta)
-            survivors, total, updates, rejected = self._plain_round(t, theta_ref, active, faults, dropped, spec)
+            survivors, total, updates, rejected, reports = self._plain_round(t, theta_ref, active, faults, dropped,
+                                                                             spec)
             plan = self._after_upload(survivors)
             if isinstance(plan, Abort):
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
             else:
-                outcome = RoundOutcome(t, survivors=tuple(survivors), updates=updates, total=total)
+                outcome = RoundOutcome(t, survivors=tuple(survivors), updates=updates, total=total, reports=reports)
         if outcome.released:
             agg = alg.finish(dataclasses.replace(outcome, theta=self.theta), self.theta.size)
         else:  # nothing was released: the model stays
             agg = Aggregate(np.zeros_like(self.theta), 0.0)
         theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         acc, loss = last_eval
+        metrics = {}
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
             acc, loss = self._evaluate(theta)
+            metrics = {"test_accuracy": acc, "test_loss": loss}
+        if self.has_validation:
+            metrics["validation_loss"] = extra["validation_loss"] = self._evaluate(theta, "validation")[1]
+        alg.observe(t, metrics)
         dropped.update({c: f"{REJECTED}@upload" for c in rejected})
         tallied = tally(dropped)
         if rejected:
@@ -221,7 +233,7 @@ class Coordinator:
         why = extra.get("round_aborted") or extra.get("secagg_aborted") or "nothing released"
         with self._lock:  # commit: ledger, model and event together
             if self.privacy:
-                extra.update(self.privacy.account(t, outcome.survivors, outcome.released, why, tallied["dropped"]))
+                extra.update(self.privacy.account(t, outcome, why, tallied["dropped"]))
                 self.privacy.exhausted |= why == BUDGET_REFUSAL
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
@@ -275,7 +287,7 @@ class Coordinator:
         struck.update(self._strike(faults, "upload"))
         ready, late = ray.wait(list(calls), num_returns=len(calls),
                                timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])
-        survivors, sums, updates, rejected = [], {}, {} if spec.per_client else None, {}
+        survivors, sums, updates, rejected, reports = [], {}, {} if spec.per_client else None, {}, {}
         for ref in ready:
             w, groups = calls[ref]
             try:
@@ -290,6 +302,7 @@ class Coordinator:
             survivors += reply.client_ids
             sums.update(reply.sums)
             rejected.update(reply.rejected)
+            reports.update(reply.reports)
             if updates is not None:
                 updates.update(zip(reply.client_ids, reply.updates))
         for ref in late:  # it hangs past the deadline: dropped, and the stuck worker is replaced
@@ -298,13 +311,15 @@ class Coordinator:
             ray.kill(w, no_restart=True)
             self._replace([w])
         total = sum(sums[g] for g in sorted(sums)) if sums else None
-        return sorted(survivors), total, updates, rejected
+        return sorted(survivors), total, updates, rejected, reports
 
-    def _evaluate(self, theta: np.ndarray) -> tuple[float, float]:
-        """On a worker (the coordinator reserves no CPU); here only if no worker answers."""
+    def _evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
+        """On a worker (the coordinator reserves no CPU); the test split here only if no worker answers."""
         try:
-            return tuple(ray.get(self.workers[0].evaluate.remote(theta), timeout=CALL_TIMEOUT_SECONDS))
+            return tuple(ray.get(self.workers[0].evaluate.remote(theta, split), timeout=CALL_TIMEOUT_SECONDS))
         except (RayActorError, GetTimeoutError, IndexError):
+            if split != "test":
+                raise
             set_flat(self.model, theta)
             return evaluate(self.model, self.x_test, self.y_test)
 

@@ -42,7 +42,9 @@ def put_federation(fed: Federation) -> dict:
     ds = fed.dataset
     return {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train), "x_test": ray.put(ds.x_test),
             "y_test": ray.put(ds.y_test), "indices": ray.put(fed.indices), "offsets": ray.put(fed.offsets),
-            "weights": ray.put(fed.weights), "input_shape": list(ds.input_shape), "num_classes": ds.num_classes}
+            "weights": ray.put(fed.weights), "x_val": ray.put(ds.x_train[fed.validation]),
+            "y_val": ray.put(ds.y_train[fed.validation]), "num_validation": int(len(fed.validation)),
+            "input_shape": list(ds.input_shape), "num_classes": ds.num_classes}
 
 
 # How long a stopped run waits for the round in flight before it writes what was committed.

@@ -29,6 +29,7 @@ class LocalReply:
     updates: np.ndarray | None = None
     sums: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)  # client id -> why its update was refused
+    reports: dict = field(default_factory=dict)  # client id -> ClientReport of its local procedure
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,4 @@ class PhaseReply:
     bytes_sent: dict = field(default_factory=dict)  # protocol index -> bytes
     aborted: str | None = None
     rejected: dict = field(default_factory=dict)  # client id -> why its update was refused
+    reports: dict = field(default_factory=dict)  # client id -> ClientReport of its local procedure

@@ -11,6 +11,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from ..algorithms import Mechanism, make_algorithm
 from ..privacy import PoissonSampling, PrivacyLedger, calibrate_noise_multiplier
+from ..privacy.client_ledgers import FU_EQ10_ORDERS, ClientLedgers
 
 SERVER_SEES_UPDATES = "central DP: the server sees each client's update before it adds the noise"
 
@@ -75,11 +76,12 @@ class RunPrivacy:
         trial.record_round(mech.noise_multipliers, mech.sampling, reason="trial")
         return trial.epsilon() <= p.target_epsilon
 
-    def account(self, t: int, survivors, released: bool, why: str, dropped: dict | None = None) -> dict:
+    def account(self, t: int, outcome, why: str, dropped: dict | None = None) -> dict:
         """Ledger event of round t; the figures that go into its rounds.jsonl row. The effective
         multipliers are what protects the release after this round's dropouts; the claimed ones
         what the mechanism's paper states."""
         p = self.sc.privacy
+        survivors, released = outcome.survivors, outcome.released
         if released:
             mech = self.algorithm.mechanism()
             self.ledger.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description,
@@ -144,5 +146,88 @@ class RunPrivacy:
         booked = self.algorithm.planned_mechanism().noise_multipliers
         out["noise_multiplier_booked"] = list(booked)
         out["randomness"] = self.sc.privacy.randomness
+        out["epsilon_vs_server"], out["epsilon_vs_server_note"] = self.epsilon_vs_server()
+        return out
+
+
+class ClientPrivacy:
+    """Record-level bookkeeping (Huang et al. 2020, Fu et al. 2022): one RDP ledger per client,
+    fed by the dp_accounting events each client's local procedure reports (ClientReport), only for
+    clients whose update reached the server. The run's epsilon is the worst client's; rows also
+    carry the median and the best. The papers' own accounting runs beside it: claimed events on
+    ledgers of their own, or budget units spent, composed as the papers compose them."""
+
+    def __init__(self, scenario, weights, sizes=None):
+        self.sc = scenario
+        k = len(weights)
+        self.ledgers = ClientLedgers(scenario.privacy.delta, num_clients=k)
+        self.claimed = ClientLedgers(scenario.privacy.delta, num_clients=k, orders=FU_EQ10_ORDERS,
+                                     conversion="classic")
+        self.spent = np.zeros(k)
+        self.noise_multiplier = scenario.privacy.noise_multiplier
+        self.exhausted = False  # per-client budgets stop clients, never the run
+        self.algorithm = None
+        self.num_rounds = 0
+
+    def bind(self, algorithm) -> None:
+        self.algorithm = algorithm
+
+    def next_round_fits(self, t: int) -> bool:
+        return True
+
+    def release_fits(self, mech) -> bool:
+        return True
+
+    def account(self, t: int, outcome, why: str, dropped: dict | None = None) -> dict:
+        self.num_rounds = t + 1
+        for c in outcome.survivors if outcome.released else ():
+            report = outcome.reports.get(c)
+            if report is None:
+                continue
+            for event, count in report.events:
+                self.ledgers.record(c, event, count, round=t + 1)
+            for event, count in report.claimed_events:
+                self.claimed.record(c, event, count, round=t + 1)
+            if report.spent is not None:
+                self.spent[c] += report.spent
+        s = self.ledgers.summary()
+        row = {"epsilon": s["epsilon_max"], "epsilon_median": s["epsilon_median"], "epsilon_min": s["epsilon_min"],
+               "dp_covered": True}
+        claimed = self.claimed_epsilon()
+        if claimed is not None:
+            row["epsilon_claimed"] = claimed
+        return row
+
+    def claimed_epsilon(self) -> float | None:
+        """The worst client's claim: its paper's ledger if it books events, else its budget spent."""
+        if self.claimed.clients:
+            return self.claimed.summary()["epsilon_max"]
+        return float(self.spent.max()) if self.spent.any() else None
+
+    def epsilon_vs_server(self) -> tuple[float | None, str]:
+        return self.ledgers.summary()["epsilon_max"], ("record level: each client draws its own lots, which "
+                                                        "the server never learns, so its epsilon holds against it")
+
+    def state_dict(self, rounds_done: int) -> dict:
+        return {"ledgers": self.ledgers.to_dict(include_epsilon=False), "num_rounds": self.num_rounds,
+                "claimed": self.claimed.to_dict(include_epsilon=False), "arrays": {"spent": self.spent}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ledgers = ClientLedgers.from_dict(state["ledgers"])
+        self.claimed = ClientLedgers.from_dict(state["claimed"])
+        self.num_rounds = state["num_rounds"]
+        self.spent = np.array(state["arrays"]["spent"], dtype=np.float64)
+
+    def to_dict(self) -> dict:
+        out = {"record_level": True, "accountant": "rdp", "delta": self.sc.privacy.delta,
+               "clients": self.ledgers.to_dict(), "epsilon": self.ledgers.summary()["epsilon_max"],
+               "epsilon_claimed": self.claimed_epsilon(), "per_client_epsilon": {
+                   str(c): e for c, e in self.ledgers.epsilons().items()},
+               "noise_multiplier": self.noise_multiplier, "randomness": self.sc.privacy.randomness,
+               "fully_covered": True, "num_rounds": self.num_rounds}
+        if self.claimed.clients:
+            out["claimed_clients"] = self.claimed.to_dict()
+        if self.spent.any():
+            out["budget_spent"] = {str(c): float(v) for c, v in enumerate(self.spent) if v}
         out["epsilon_vs_server"], out["epsilon_vs_server_note"] = self.epsilon_vs_server()
         return out

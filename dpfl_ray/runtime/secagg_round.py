@@ -65,6 +65,7 @@ class _Phases:
         self.lost: dict[int, str] = {}
         self.dead: list = []
         self.rejected: dict[int, str] = {}
+        self.reports: dict = {}
 
     def call(self, phase: str, make_call) -> list[PhaseReply]:
         struck = {}
@@ -86,6 +87,7 @@ class _Phases:
             self.dead.append(refs[ref])
         for r in replies:
             self.rejected.update(r.rejected)
+            self.reports.update(r.reports)
         aborted = [r.aborted for r in replies if r.aborted]
         if aborted:
             raise SecAggAbort(f"abort in phase {phase!r}: {aborted[0]}", phase=phase)
@@ -183,7 +185,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     if plan.layers_from is not None:
         layer_seeds = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
     outcome = RoundOutcome(t, survivors=survivors, total=decode(total, bits=sa.bits, scale=sa.resolved_scale),
-                           calibration=calibration, layer_seeds=layer_seeds)
+                           calibration=calibration, layer_seeds=layer_seeds,
+                           reports={c: phases.reports[c] for c in survivors if c in phases.reports})
     return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None,
                        rejected=phases.rejected)
 

@@ -41,9 +41,9 @@ class ClientWorker:
         use_cuda = self.sc.resources.num_gpus_per_worker > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda" if use_cuda else "cpu")
         # Arrays from the object store are read-only shared memory: read them, never copy whole.
-        self.x, self.y, self.indices, self.offsets, self.weights, self.x_test, self.y_test = ray.get(
-            [data[k] for k in ("x_train", "y_train", "indices", "offsets", "weights", "x_test", "y_test")],
-            timeout=600)
+        (self.x, self.y, self.indices, self.offsets, self.weights, self.x_test, self.y_test, self.x_val,
+         self.y_val) = ray.get([data[k] for k in ("x_train", "y_train", "indices", "offsets", "weights", "x_test",
+                                                  "y_test", "x_val", "y_val")], timeout=600)
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"],
                                  self.sc.seed).to(self.device)
         if use_cuda:  # a client's update must not depend on the kernels cuDNN picks for a stack
@@ -72,8 +72,18 @@ class ClientWorker:
             torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid), prox_mu=spec.prox_mu)
 
     def _train(self, round_idx: int, theta: np.ndarray, cids: list[int], spec: ClientSpec) -> dict[int, np.ndarray]:
-        """Local updates of ``cids``: K clients at a time as one vectorised computation when the
-        scenario batches (dpfl_ray.local_batched; same updates to float tolerance), else one by one."""
+        """Local updates of ``cids``: the algorithm's own procedure if it has one (its reports are
+        kept in ``self._reports``), else Alg. 1 SGD -- K clients at a time as one vectorised
+        computation when the scenario batches (dpfl_ray.local_batched; same updates to float
+        tolerance), else one by one."""
+        self._reports = {}
+        if spec.local is not None:
+            out = {}
+            for cid in cids:
+                idx = self.indices[self.offsets[cid]:self.offsets[cid + 1]]
+                out[cid], self._reports[cid] = spec.local.run(self.model, theta, self.x[idx], self.y[idx],
+                                                              seed=self.sc.seed, round_idx=round_idx, client_id=cid)
+            return out
         if not self.batched or spec.prox_mu or not cids:
             return {cid: self._local(round_idx, theta, cid, spec) for cid in cids}
         tr, seed = self.sc.training, self.sc.seed
@@ -128,15 +138,18 @@ class ClientWorker:
         stacked = (np.stack(uploads) if uploads else np.zeros((0, len(theta)), np.float32)) if spec.per_client else None
         if chaos.delay:  # the slowest on-time client of this worker holds the reply back, for real
             time.sleep(chaos.delay)
-        return LocalReply(ids, time.perf_counter() - t0, updates=stacked, sums=sums, rejected=rejected)
+        return LocalReply(ids, time.perf_counter() - t0, updates=stacked, sums=sums, rejected=rejected,
+                          reports={c: self._reports[c] for c in ids if c in self._reports})
 
-    def evaluate(self, theta: np.ndarray) -> tuple[float, float]:
-        """Test accuracy and loss of ``theta``, with one thread so the figures never depend on the pool."""
+    def evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
+        """Accuracy and loss of ``theta`` on the test split (or the held-out validation split), with
+        one thread so the figures never depend on the pool."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             set_flat(self.model, theta)
-            return evaluate(self.model, self.x_test, self.y_test)
+            x, y = (self.x_test, self.y_test) if split == "test" else (self.x_val, self.y_val)
+            return evaluate(self.model, x, y)
         finally:
             torch.set_num_threads(threads)
 
@@ -169,7 +182,9 @@ class ClientWorker:
             self._sa["inputs"][idx] = enc.data
             self._sa["clients"][idx] = SecAggClient(idx, config)
             self._sa["cids"][idx], self._sa["weights"][idx] = cid, float(weights[cid])
-        return PhaseReply(self._phase("advertise", lambda c: c.advertise_keys()), clipped=clipped, rejected=rejected)
+        reports = {c: self._reports[c] for c in clients if c in self._reports and c not in rejected}
+        return PhaseReply(self._phase("advertise", lambda c: c.advertise_keys()), clipped=clipped, rejected=rejected,
+                          reports=reports)
 
     def _phase(self, phase: str, call, only=None) -> list:
         """Call ``call`` for each client still online in ``phase`` (and in ``only``, if given)."""
