@@ -126,6 +126,16 @@ class NbaflConfig(_Section):
                               "an observer of the broadcast models (uplink noise in the average + downlink noise)")
 
 
+class AuditConfig(_Section):
+    """Andrew et al. 2024: canary clients whose updates are seeded random directions, and as many
+    held out, measure epsilon from below in the same run (docs/audit.md)."""
+
+    canaries: int = Field(..., ge=2, description="k canary clients joining the population (k more held out)")
+    threat_model: Literal["final_model", "all_iterates", "server_view"] = "final_model"
+    seed: int | None = Field(None, ge=0, description="canary directions (default: the scenario seed)")
+    dropouts: bool = Field(False, description="canaries drop out like other clients (default: they never do)")
+
+
 class PrivacyConfig(_Section):
     """Client-level DP (training.algorithm: dp_fedavg or baek). Every epsilon comes from the ledger."""
 
@@ -141,6 +151,7 @@ class PrivacyConfig(_Section):
     target_epsilon: float | None = Field(None, gt=0, description="budget: stop before exceeding it")
     geyer: GeyerRuleConfig | None = None
     nbafl: NbaflConfig | None = None
+    audit: AuditConfig | None = None
     calibration: Literal["none", "baek", "baek-extended", "layered"] = Field(
         "none", description="baek: what happens to the distributed noise after dropouts (docs/baek2021.md)")
     min_weight_fraction: float = Field(
@@ -363,15 +374,21 @@ class Scenario(_Section):
         # Each algorithm states what it needs from a scenario (algorithms/<name>.py).
         from .algorithms import REGISTRY
 
-        REGISTRY[self.training.algorithm].check_scenario(self)
+        cls = REGISTRY[self.training.algorithm]
+        cls.check_scenario(self)
+        if self.privacy.audit is not None and (not cls.private or cls.record_level):
+            raise ValueError(f"privacy.audit: canary clients audit client-level mechanisms; "
+                             f"{self.training.algorithm} has none to audit")
         return self
 
     @model_validator(mode="after")
     def _cross_checks(self):
-        if self.sampling.mode == "fixed" and self.sampling.clients_per_round > self.data.num_clients:
+        canaries = self.privacy.audit.canaries if self.privacy.audit else 0  # audit canaries join the population
+        if self.sampling.mode == "fixed" and self.sampling.clients_per_round > self.data.num_clients + canaries:
+            extra = f" + {canaries} audit canaries" if canaries else ""
             raise ValueError(
                 f"sampling.clients_per_round={self.sampling.clients_per_round} exceeds "
-                f"data.num_clients={self.data.num_clients}")
+                f"data.num_clients={self.data.num_clients}{extra}")
         return self
 
     @model_validator(mode="after")

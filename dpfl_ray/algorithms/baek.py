@@ -30,7 +30,8 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 
 from ..privacy.dropouts import (
-    calibrates, effective_noise_multipliers, layer_variances, planned_noise_multipliers, tolerated_dropouts,
+    calibrates, effective_noise_multipliers, layer_variances, planned_noise_multipliers, server_view,
+    tolerated_dropouts,
 )
 from ..privacy.randomness import ChaChaNormal, DPRandomness
 from ..privacy.sampling import sampling_of
@@ -156,6 +157,7 @@ class Baek(Algorithm):
         self.n0 = self.min_fraction * self.expected_weight if self.mode == "baek-extended" else None
         self.plan: RoundPlan | None = None
         self._current: Mechanism | None = None
+        self._views = None
 
     # -- what the ledger books -------------------------------------------------------------------
     def _mechanism(self, z_effective: float) -> Mechanism:
@@ -175,6 +177,13 @@ class Baek(Algorithm):
 
     def summary_fields(self) -> dict:
         return {"calibration": self.mode}
+
+    def canary_norm(self) -> float:
+        return self.clip_norm
+
+    def server_views(self):
+        """The first aggregate A beside the release R when a calibration ran (docs/baek2021.md)."""
+        return self._views
 
     # -- phases of the round ---------------------------------------------------------------------
     def begin_round(self, round_idx: int, sampled) -> Abort | None:
@@ -228,6 +237,7 @@ class Baek(Algorithm):
         released = np.asarray(total, dtype=np.float64).copy()
         n_prime = float(self.weights[list(outcome.survivors)].sum())
         w_cal_dropped, info = 0.0, {}
+        self._views = None
         if plan.unmask.calibration_n_prime is not None:
             senders = sorted(outcome.calibration.clients) if outcome.calibration else []
             if senders:
@@ -248,6 +258,9 @@ class Baek(Algorithm):
         claimed, effective = effective_noise_multipliers(
             self.z, self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)
         self._current = self._mechanism(effective)
+        view = server_view(self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)
+        if view.cov.shape[0] == 2:  # the server also saw the first aggregate
+            self._views = ([np.asarray(total, dtype=np.float64) / n_prime, released / n_prime], view.cov)
         info.update(calibration=self.mode, noise_multiplier=claimed, noise_multiplier_effective=effective,
                     weight_sampled=plan.n, weight_survived=n_prime, clip_norm=self.clip_norm)
         return released, info

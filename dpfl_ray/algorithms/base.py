@@ -271,6 +271,17 @@ class Algorithm(ABC):
         """Scenario facts worth a column in summary.json and ``dpfl report``."""
         return {}
 
+    def canary_norm(self) -> float | None:
+        """How far one protected unit can move what it sends when it is added (the add/remove
+        contribution bound this round): the norm of an audit canary's update. None: the
+        algorithm cannot be audited with canary clients."""
+        return None
+
+    def server_views(self) -> tuple[list[np.ndarray], np.ndarray] | None:
+        """Every view of the last released round's sum the server holds beyond the release (on the
+        release's scale), with their noise covariance; None when the release is its only view."""
+        return None
+
     def observe(self, round_idx: int, metrics: Mapping[str, float | None]) -> None:
         """The round's evaluation once the model is updated: test_loss, test_accuracy and, when the
         scenario holds out a validation split, validation_loss (Fu et al.'s noise decay reads it)."""

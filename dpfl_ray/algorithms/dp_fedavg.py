@@ -117,6 +117,9 @@ class DPFedAvg(Algorithm):
     def summary_fields(self) -> dict:
         return {"denominator": self.denominator}
 
+    def canary_norm(self) -> float:
+        return self.clip_norm
+
     def state_dict(self) -> dict:
         """The clipping bound S moves with adaptive (and median) clipping."""
         return {"clip_norm": self.clip_norm}

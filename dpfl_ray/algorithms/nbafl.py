@@ -165,6 +165,11 @@ class NbAFL(Algorithm):
     def mechanism(self) -> Mechanism:
         return self._current or self.planned_mechanism()
 
+    def canary_norm(self) -> float:
+        """One record moves its client's clipped parameters by at most C / m when it is added
+        (Delta s_U = 2C/m under replacement): a canary is one record's worth."""
+        return self.clip / self.min_size
+
     def summary_fields(self) -> dict:
         return {"nbafl_sigma_uplink": self.sigma_u, "nbafl_sigma_downlink": self.sigma_d,
                 "nbafl_exposures": self.exposures, "nbafl_min_size": self.min_size,

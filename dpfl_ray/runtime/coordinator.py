@@ -21,6 +21,8 @@ from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
 from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
 from ..scenario import Scenario
+from ..privacy.audit import AuditAccumulator
+from .messages import Canaries
 from .privacy import ClientPrivacy, RunPrivacy
 from .resources import assign_clients, assign_groups, plan_pool, summation_groups
 from .chaos import strike
@@ -51,14 +53,25 @@ class Coordinator:
         self.x_test, self.y_test, offsets, self.weights = ray.get(
             [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
         self.sizes = np.diff(offsets)
+        self.num_real = len(self.sizes)
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
         self.theta = get_flat(self.model)
+        audit = self.sc.privacy.audit
+        self.audit = None
+        alg_sizes = self.sizes
+        if audit is not None:
+            # Andrew et al. 2024: k canary clients join the population (their weight, 1, is in the
+            # federation's weights); they have no data: one example each, for load balancing only
+            self.audit = AuditAccumulator(int(self.theta.size), audit.canaries,
+                                          self.sc.seed if audit.seed is None else audit.seed)
+            alg_sizes = np.concatenate([self.sizes, np.full(audit.canaries, self.sizes.max())])
+            self.sizes = np.concatenate([self.sizes, np.ones(audit.canaries, dtype=self.sizes.dtype)])
         cls = algorithm_class(self.sc)
         privacy_cls = ClientPrivacy if cls.record_level else RunPrivacy
-        self.privacy = privacy_cls(self.sc, self.weights, self.sizes) if cls.private else None
+        self.privacy = privacy_cls(self.sc, self.weights, alg_sizes) if cls.private else None
         self.has_validation = data.get("num_validation", 0) > 0
         self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None,
-                                        sizes=self.sizes)
+                                        sizes=alg_sizes)
         if self.privacy:
             self.privacy.bind(self.algorithm)
         self._events: list[dict] = []
@@ -93,6 +106,10 @@ class Coordinator:
             privacy = self.privacy.state_dict(self.rounds_done)
             state["arrays"].update({f"privacy.{k}": v for k, v in privacy.pop("arrays").items()})
             state["privacy"] = privacy
+        if self.audit is not None:
+            audit = self.audit.state_dict()
+            state["audit"] = {k: v for k, v in audit.items() if not isinstance(v, np.ndarray)}
+            state["arrays"].update({f"audit.{k}": v for k, v in audit.items() if isinstance(v, np.ndarray)})
         return state
 
     def _restore(self, state: dict) -> None:
@@ -103,6 +120,9 @@ class Coordinator:
         if self.privacy:
             arrays = {k.removeprefix("privacy."): v for k, v in state["arrays"].items() if k.startswith("privacy.")}
             self.privacy.load_state_dict({**state["privacy"], "arrays": arrays})
+        if self.audit is not None:
+            arrays = {k.removeprefix("audit."): v for k, v in state["arrays"].items() if k.startswith("audit.")}
+            self.audit.load_state_dict({**state["audit"], **arrays})
 
     # -- the pool -------------------------------------------------------------------------------
     def _new_worker(self):
@@ -153,6 +173,10 @@ class Coordinator:
             out = {"rounds": self.rounds_done, "theta": self.theta,
                    "summary": {**self.algorithm.summary_fields(), "placement": self.pool},
                    "checkpoint": self._checkpoint()}
+            if self.audit is not None and self.audit.rounds:
+                delta, tm = self.sc.privacy.delta, self.sc.privacy.audit.threat_model
+                out["audit"] = self.audit.to_record(delta)
+                out["epsilon_empirical"] = self.audit.estimate(delta, tm).to_dict()
             if self.privacy:
                 out["ledger"] = self.privacy.to_dict()
             return out
@@ -179,6 +203,10 @@ class Coordinator:
         sc, alg = self.sc, self.algorithm
         sampled = sample_clients(self.sampling, len(self.sizes), sc.seed, t)
         faults = self.faults.plan(t, sampled, len(self.workers))
+        if self.audit is not None and not sc.privacy.audit.dropouts:  # canaries never drop out
+            faults = dataclasses.replace(faults, dropped={c: p for c, p in faults.dropped.items() if c < self.num_real},
+                                         causes={c: v for c, v in faults.causes.items() if c < self.num_real},
+                                         corrupt={c: v for c, v in faults.corrupt.items() if c < self.num_real})
         active = [int(c) for c in sampled if faults.dropped.get(int(c)) != "training"]
         dropped = {c: d.label for c, d in faults.dropouts().items()}
         for c, cause in alg.withdrawals(t, sampled).items():  # e.g. a client whose budget is spent
@@ -187,6 +215,9 @@ class Coordinator:
         extra, rejected = {}, {}
         abort = alg.begin_round(t, sampled)
         spec = alg.client_spec() if abort is None else None
+        canaries = None
+        if abort is None and self.audit is not None:
+            canaries = Canaries(self.audit.seed, self.num_real, float(alg.canary_norm()))
         if abort is None and not active and spec.noise is not None:
             # the noise lives with the clients: with none of them left there is none to release
             abort = Abort("every sampled client dropped before uploading")
@@ -197,7 +228,7 @@ class Coordinator:
             assignment = self.assign(active)
             res = secagg_round(self, t, theta_ref, active, len(sampled) - len(active), faults, spec,
                                self._after_upload, self._chaos(faults, assignment),
-                               lambda phase: self._strike(faults, phase))
+                               lambda phase: self._strike(faults, phase), canaries)
             dropped.update(res.lost)
             rejected = res.rejected
             self._replace(res.dead)
@@ -207,7 +238,7 @@ class Coordinator:
         else:
             theta_ref = ray.put(self.theta)
             survivors, total, updates, rejected, reports = self._plain_round(t, theta_ref, active, faults, dropped,
-                                                                             spec)
+                                                                             spec, canaries)
             plan = self._after_upload(survivors)
             if isinstance(plan, Abort):
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
@@ -238,6 +269,10 @@ class Coordinator:
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
                       "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
+            if self.audit is not None and outcome.released:
+                views = alg.server_views()
+                self.audit.add_round(theta.astype(np.float64) - self.theta,
+                                     **({} if views is None else {"views": views[0], "view_cov": views[1]}))
             self.theta = theta
             self.rounds_done = t + 1
             self.last_eval = (acc, loss)
@@ -272,7 +307,7 @@ class Coordinator:
             self._nodes = {w: info["node"] for w, info in zip(self.workers, self.worker_info()) if info}
         return strike(self.workers, self._nodes, faults, phase, {ray.get_runtime_context().get_node_id()})
 
-    def _plain_round(self, t, theta_ref, active, faults, dropped, spec):
+    def _plain_round(self, t, theta_ref, active, faults, dropped, spec, canaries=None):
         """Local training without SecAgg, one message per worker: the survivors, and the sum of
         w_i * upload_i over them (the workers' partial sums, added in group order) -- or each
         upload, when the algorithm needs them -- and the refused updates with their reasons."""
@@ -283,7 +318,7 @@ class Coordinator:
         for w, groups in zip(self.workers, assignment):
             if groups:
                 lost = [c for ids in groups.values() for c in ids if not faults.delivers(c)]
-                calls[w.run_clients.remote(t, theta_ref, groups, lost, spec, chaos[w])] = (w, groups)
+                calls[w.run_clients.remote(t, theta_ref, groups, lost, spec, chaos[w], canaries)] = (w, groups)
         struck.update(self._strike(faults, "upload"))
         ready, late = ray.wait(list(calls), num_returns=len(calls),
                                timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])

@@ -6,6 +6,7 @@ import contextlib
 import time
 from typing import Callable
 
+import numpy as np
 import ray
 
 from ..algorithms import algorithm_class
@@ -38,11 +39,13 @@ def stop_ray() -> None:
     kill_descendants()
 
 
-def put_federation(fed: Federation) -> dict:
+def put_federation(fed: Federation, canaries: int = 0) -> dict:
+    """The federation in the object store; ``canaries`` audit clients join it with weight 1."""
     ds = fed.dataset
+    weights = np.concatenate([fed.weights, np.ones(canaries)]) if canaries else fed.weights
     return {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train), "x_test": ray.put(ds.x_test),
             "y_test": ray.put(ds.y_test), "indices": ray.put(fed.indices), "offsets": ray.put(fed.offsets),
-            "weights": ray.put(fed.weights), "x_val": ray.put(ds.x_train[fed.validation]),
+            "weights": ray.put(weights), "x_val": ray.put(ds.x_train[fed.validation]),
             "y_val": ray.put(ds.y_train[fed.validation]), "num_validation": int(len(fed.validation)),
             "input_shape": list(ds.input_shape), "num_classes": ds.num_classes}
 
@@ -69,7 +72,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     record.write_scenario(scenario.to_yaml())
     coord, seen, stop_reason, error = None, 0, "completed", None
     try:
-        data = put_federation(fed)
+        audit = scenario.privacy.audit
+        data = put_federation(fed, audit.canaries if audit else 0)
         coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients), resume,
                                  FaultPlan.from_scenario(scenario))
         run_ref = coord.run.remote()
@@ -176,6 +180,12 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall) -> dic
                 summary[key] = last[key]
     if state is not None and "checkpoint" in state and scenario.output.checkpoint_every:
         write_checkpoint(record.path, state["checkpoint"])
+    if state is not None and "audit" in state:  # the canaries' statistics: `dpfl audit` reads them
+        record.write_json("audit.json", state["audit"])
+        summary["epsilon_empirical"] = state["epsilon_empirical"]
+        if ledger is not None:
+            ledger["epsilon_empirical"] = state["epsilon_empirical"]
+            record.write_json("ledger.json", ledger)
     if state is not None:
         summary.update(state["summary"])
         model = build_model(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed)

@@ -19,6 +19,16 @@ class WorkerChaos:
 
 
 @dataclass(frozen=True)
+class Canaries:
+    """Audit canary clients (dpfl_ray.privacy.audit): clients ``first_id`` and up have no data and
+    send ``norm`` * u_j, u_j the seeded unit direction j = id - first_id, instead of an update."""
+
+    seed: int
+    first_id: int
+    norm: float
+
+
+@dataclass(frozen=True)
 class LocalReply:
     """One worker's round: the clients whose upload arrived, and either their uploads stacked in
     ``client_ids`` order (ClientSpec.per_client) or, per summation group, sum_i w_i * upload_i

@@ -104,7 +104,7 @@ def _messages(replies: list[PhaseReply]):
 
 def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, faults, spec: ClientSpec,
                  after_upload: Callable[[list[int]], UnmaskPlan | Abort], chaos: dict | None = None,
-                 strike=None) -> SecAggRound:
+                 strike=None, canaries=None) -> SecAggRound:
     """Securely sum w_i * spec.vector(Delta_i) (+ the client's noise) over ``active`` clients (those
     that trained; ``absent`` more were sampled). ``after_upload(survivors)`` sees who uploaded
     before unmasking and returns what the unmask request carries, or an Abort. ``chaos``: each
@@ -150,7 +150,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     try:
         replies = timed("advertise", lambda: phases.call("advertise", lambda w, ids: w.secagg_start.remote(
             t, theta_ref, {c: index[c] for c in ids}, {c: leave[c] for c in ids if c in leave}, config,
-            {c: weights[c] for c in ids}, encoding, spec, chaos.get(w, WorkerChaos()))))
+            {c: weights[c] for c in ids}, encoding, spec, chaos.get(w, WorkerChaos()), canaries)))
         record["secagg_clipped"] = sum(r.clipped for r in replies)
         keys = timed("advertise_server", lambda: server.receive_keys(_messages(replies)))
         replies = timed("share", lambda: phases.call("share", lambda w, ids: w.secagg_share.remote(keys, absent)))

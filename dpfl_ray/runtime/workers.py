@@ -24,7 +24,8 @@ from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import EncodingError, SecAggClient, encode, presum_masked
 from ..faults import check_update, corrupt, corruption_rng
-from .messages import Encoding, LocalReply, PhaseReply, WorkerChaos
+from ..privacy.audit import canary_update
+from .messages import Canaries, Encoding, LocalReply, PhaseReply, WorkerChaos
 
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
 # Alg. 2 line 22), for algorithms whose ClientNoise has one.
@@ -46,6 +47,7 @@ class ClientWorker:
                                                   "y_test", "x_val", "y_val")], timeout=600)
         self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"],
                                  self.sc.seed).to(self.device)
+        self._canaries: Canaries | None = None
         if use_cuda:  # a client's update must not depend on the kernels cuDNN picks for a stack
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -71,12 +73,21 @@ class ClientWorker:
             rng=rngmod.generator(seed, "batches", round_idx, cid),
             torch_seed=rngmod.int_seed(seed, "torch", round_idx, cid), prox_mu=spec.prox_mu)
 
-    def _train(self, round_idx: int, theta: np.ndarray, cids: list[int], spec: ClientSpec) -> dict[int, np.ndarray]:
+    def _train(self, round_idx: int, theta: np.ndarray, cids: list[int], spec: ClientSpec,
+               with_canaries: bool = True) -> dict[int, np.ndarray]:
         """Local updates of ``cids``: the algorithm's own procedure if it has one (its reports are
         kept in ``self._reports``), else Alg. 1 SGD -- K clients at a time as one vectorised
         computation when the scenario batches (dpfl_ray.local_batched; same updates to float
         tolerance), else one by one."""
-        self._reports = {}
+        if with_canaries:
+            self._reports = {}
+        canaries = self._canaries if with_canaries else None
+        if canaries is not None:  # canary clients send their direction and train nothing
+            real = [c for c in cids if c < canaries.first_id]
+            out = self._train(round_idx, theta, real, spec, with_canaries=False) if real else {}
+            out.update({c: canary_update(canaries.seed, c - canaries.first_id, theta.size, canaries.norm)
+                        for c in cids if c >= canaries.first_id})
+            return out
         if spec.local is not None:
             out = {}
             for cid in cids:
@@ -110,13 +121,15 @@ class ClientWorker:
         return out
 
     def run_clients(self, round_idx: int, theta: np.ndarray, groups: dict[int, list[int]],
-                    undelivered: list[int], spec: ClientSpec, chaos: WorkerChaos = WorkerChaos()) -> LocalReply:
+                    undelivered: list[int], spec: ClientSpec, chaos: WorkerChaos = WorkerChaos(),
+                    canaries: Canaries | None = None) -> LocalReply:
         """The uploads of the clients in ``groups`` (summation group -> client ids in id order):
         their local updates from ``theta``, prepared as ``spec`` says, summed per group as
         w_i * upload_i unless the algorithm needs each one. Clients in ``undelivered`` train but
         their upload never arrives (the fault plan), so nothing of theirs returns; refused
         updates come back as reasons."""
         t0 = time.perf_counter()
+        self._canaries = canaries
         lost = set(undelivered)
         ids, uploads, sums, rejected = [], [], {}, {}
         checked = self._checked_updates(round_idx, theta, [c for m in groups.values() for c in m], spec, chaos)
@@ -155,12 +168,14 @@ class ClientWorker:
 
     # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
     def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict, config,
-                     weights: dict, encoding: Encoding, spec: ClientSpec, chaos: WorkerChaos = WorkerChaos()) -> PhaseReply:
+                     weights: dict, encoding: Encoding, spec: ClientSpec, chaos: WorkerChaos = WorkerChaos(),
+                     canaries: Canaries | None = None) -> PhaseReply:
         """Train, encode w_i * vector (+ the client's noise) into Z_2^b, and advertise keys
         (Bonawitz et al. Round 0).
 
         ``clients`` maps client id -> protocol index; ``leave`` maps client id -> the worker phase
         (WORKER_PHASES) from which that client sends nothing (the fault plan)."""
+        self._canaries = canaries
         self._sa = {"clients": {}, "inputs": {}, "cids": {}, "weights": {}, "spec": spec, "delay": chaos.delay,
                     "leave": {clients[c]: WORKER_PHASES.index(p) for c, p in leave.items() if c in clients}}
         clipped, rejected = 0, {}
