@@ -152,7 +152,8 @@ class Baek(Algorithm):
         self.clip_norm = float(p.clipping.norm)
         self.z = float(noise_multiplier)
         self.weights = np.asarray(weights, dtype=np.float64)
-        self.sampling, frac = sampling_of(scenario.sampling, len(weights))
+        # Baek's 2C already covers an overcommitted cohort's displacement (one in, one out)
+        self.sampling, frac, _ = sampling_of(scenario.sampling, len(weights))
         self.expected_weight = frac * float(np.sum(self.weights))
         self.n0 = self.min_fraction * self.expected_weight if self.mode == "baek-extended" else None
         self.plan: RoundPlan | None = None

@@ -45,14 +45,16 @@ def split_noise_multiplier(z: float, count_noise_multiplier: float) -> float:
     return (z ** -2 - count_z ** -2) ** -0.5
 
 
-def booked_multipliers(update_z: float, count_sigma: float | None, relation, units: float = 1.0) -> tuple[float, ...]:
+def booked_multipliers(update_z: float, count_sigma: float | None, relation, units: float = 1.0,
+                       displacement: float = 1.0) -> tuple[float, ...]:
     """What the ledger books for one round: the update's Gaussian -- noise std update_z * units
     against the add/remove sensitivity units (units of S; 1 for the expected denominator,
     2 / F for the bounded one) -- and, with adaptive clipping, the clipped count's (std sigma_b,
-    contribution 1/2), both through the sensitivity rule of the sampling's relation."""
-    zs = [booked_noise_multiplier(update_z * units, l2_sensitivity(units, relation))]
+    contribution 1/2), both through the sensitivity rule of the sampling's relation, times the
+    displacement factor of an overcommitted cohort (privacy.sampling.sampling_of)."""
+    zs = [booked_noise_multiplier(update_z * units, l2_sensitivity(units, relation) * displacement)]
     if count_sigma is not None:
-        zs.append(booked_noise_multiplier(count_sigma, l2_sensitivity(COUNT_CONTRIBUTION, relation)))
+        zs.append(booked_noise_multiplier(count_sigma, l2_sensitivity(COUNT_CONTRIBUTION, relation) * displacement))
     return tuple(zs)
 
 
@@ -76,7 +78,7 @@ class DPFedAvg(Algorithm):
         self.denominator = p.denominator or "expected"
         self.z = float(noise_multiplier)
         k = len(weights)
-        self.sampling, frac = sampling_of(scenario.sampling, k)
+        self.sampling, frac, self.displacement = sampling_of(scenario.sampling, k)
         self.expected_weight = frac * float(np.sum(weights))
         self.floor = p.min_weight_fraction * self.expected_weight
         self.expected_count = frac * k
@@ -109,7 +111,7 @@ class DPFedAvg(Algorithm):
         sensitivity under the sampling's relation. Noise is central and added after the dropouts,
         so the planned round is the round."""
         zs = booked_multipliers(self.update_z, self.count_sigma, self.sampling.neighboring_relation,
-                                self._update_sensitivity_units())
+                                self._update_sensitivity_units(), self.displacement)
         covered = self.clipping.mode != "median" and self.denominator != "actual"
         return Mechanism(zs, self.sampling, f"dp_fedavg, clipping={self.clipping.mode}, "
                          f"denominator={self.denominator}", covered=covered)

@@ -184,10 +184,22 @@ def event_to_dict(event: dpe.DpEvent) -> dict:
     return out
 
 
-def sampling_of(sampling_cfg, num_clients: int) -> tuple[Sampling, float]:
-    """The ledger's sampling for a scenario's ``sampling`` section, and the expected sampled
-    fraction of the population (q, or m / K)."""
+def sampling_of(sampling_cfg, num_clients: int) -> tuple[Sampling, float, float]:
+    """The ledger's sampling for a scenario's ``sampling`` section, the expected fraction of the
+    population whose updates are kept (q, or m / K), and the displacement factor of the sensitivity.
+
+    With ``overcommit`` > 1 (Bonawitz et al. 2019) the runtime samples oc * q (or ceil(oc * m) of K)
+    and keeps the first q K (or m) to report; who reports first does not depend on the data. The
+    ledger books the larger sampling, which bounds every client's inclusion, and under Poisson
+    sampling doubles the sensitivity: an added client can push another out of the capped cohort
+    (one in, one out). Under fixed-size cohorts the population and its ids are fixed, so replacing
+    one client's data never changes who is kept: the replace-one sensitivity already covers it."""
+    oc = float(getattr(sampling_cfg, "overcommit", 1.0))
     if sampling_cfg.mode == "poisson":
-        return PoissonSampling(sampling_cfg.rate), float(sampling_cfg.rate)
-    fixed = FixedSizeSampling(sampling_cfg.clients_per_round, num_clients)
-    return fixed, fixed.rate
+        rate = float(sampling_cfg.rate)
+        if oc > 1:
+            return PoissonSampling(min(1.0, rate * oc)), rate, 2.0
+        return PoissonSampling(rate), rate, 1.0
+    m = sampling_cfg.clients_per_round
+    drawn = min(num_clients, math.ceil(m * oc - 1e-9)) if oc > 1 else m
+    return FixedSizeSampling(drawn, num_clients), m / num_clients, 1.0

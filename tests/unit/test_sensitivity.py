@@ -159,3 +159,14 @@ def test_chacha_normals_are_standard_normal():
     _check_std(x, 1.0)
     assert abs(x.mean()) * math.sqrt(len(x)) < 6.1
     assert stats.kstest(x[:200_000], "norm").pvalue > 1e-9
+
+
+def test_overcommitted_cohorts_book_the_larger_sampling_and_the_displacement():
+    """Bonawitz et al. 2019's overcommit: oc * q sampled, the first q K kept. The kept set never
+    depends on the data, but under add/remove an added client can push another out: 2S."""
+    poisson = DPFedAvg(_dp_fedavg({**POISSON, "overcommit": 1.5}), np.ones(100), 1.0).planned_mechanism()
+    assert poisson.sampling.rate == pytest.approx(0.15) and poisson.noise_multipliers == (0.5,)
+    fixed = DPFedAvg(_dp_fedavg({**FIXED, "overcommit": 1.3}), np.ones(100), 1.0).planned_mechanism()
+    assert fixed.sampling.clients_per_round == 13 and fixed.noise_multipliers == (0.5,)  # replace-one: 2S already
+    expected_weight = DPFedAvg(_dp_fedavg({**POISSON, "overcommit": 1.5}), np.ones(100), 1.0).expected_weight
+    assert expected_weight == pytest.approx(10.0)  # the kept cohort, q K, divides the sum
