@@ -18,7 +18,7 @@ from dpfl_ray.privacy.accountants import (
     _fresh_accountant,
     pld_grid,
 )
-from dpfl_ray.privacy.sampling import Sampling, _multipliers, _round_event, as_sampling
+from dpfl_ray.privacy.sampling import Sampling, _multipliers, _round_event, as_sampling, effective_noise_multiplier
 from dpfl_ray.privacy.validation import _check_delta, _check_dropout, _check_epsilon, _check_int, _check_rounds
 
 DEFAULT_MAX_ROUNDS = 10**7
@@ -55,7 +55,7 @@ class EpsilonCurve:
         zs = _multipliers(noise_multiplier, "noise_multiplier")
         assert zs is not None
         self.noise_multipliers = zs
-        self.effective_multipliers = tuple(z * math.sqrt(1.0 - self.dropout_rate) for z in zs)
+        self.effective_multipliers = tuple(effective_noise_multiplier(z, self.dropout_rate) for z in zs)
         relation = self.sampling.neighboring_relation
         self.event = _accountable(self.accountant, _round_event(self.effective_multipliers, self.sampling), relation)
         self._relation = relation

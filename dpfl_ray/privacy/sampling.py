@@ -160,12 +160,11 @@ def _round_event(zs: tuple[float, ...] | None, sampling: Sampling | None) -> dpe
 
 
 def effective_noise_multiplier(noise_multiplier: float, dropout_rate: float = 0.0) -> float:
-    """The multiplier that survives dropouts: ``z * sqrt(1 - R)`` (Baek et al., section IV.B).
+    """The multiplier that survives dropouts when nothing re-calibrates: z * sqrt(1 - R) (Baek et
+    al., section IV.B) -- the server's view of :mod:`dpfl_ray.privacy.dropouts`, mode 'none'."""
+    from dpfl_ray.privacy.dropouts import planned_noise_multipliers
 
-    Noise calibrated for n clients but summed over the n' = (1 - R) n survivors without
-    re-calibration has variance n'/n of the planned one.
-    """
-    return _check_noise(noise_multiplier) * math.sqrt(1.0 - _check_dropout(dropout_rate))
+    return planned_noise_multipliers(_check_noise(noise_multiplier), "none", _check_dropout(dropout_rate))[1]
 
 
 def event_to_dict(event: dpe.DpEvent) -> dict:
