@@ -131,12 +131,14 @@ class RunRecord:
         self._rounds_file.flush()
 
     def write_json(self, name: str, obj) -> None:
-        (self.path / name).write_text(dumps(obj, indent=2) + "\n")
+        """Atomically: a reader (or a run killed mid-write) sees the old file or the new, never half."""
+        text = dumps(obj, indent=2) + "\n"
+        _atomic(self.path / name, lambda tmp: tmp.write_text(text))
 
     def write_model(self, state_dict) -> None:
         import torch
 
-        torch.save(state_dict, self.path / "model.pt")
+        _atomic(self.path / "model.pt", lambda tmp: torch.save(state_dict, tmp))
 
     def plot_accuracy(self) -> None:
         rows = [r for r in self.rounds if r.get("test_accuracy") is not None]
@@ -174,6 +176,16 @@ class RunRecord:
     def close(self) -> None:
         if not self._rounds_file.closed:
             self._rounds_file.close()
+
+
+def _atomic(path: Path, write) -> None:
+    """``write(tmp)`` then rename over ``path`` (same directory, so the rename is atomic)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _pyplot():

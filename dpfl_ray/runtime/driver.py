@@ -175,6 +175,12 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall) -> dic
                        epsilon_vs_server=ledger.get("epsilon_vs_server"),
                        epsilon_vs_server_note=ledger.get("epsilon_vs_server_note"),
                        randomness=ledger.get("randomness"))
+        if ledger.get("accountant_used"):
+            # bounded accounting (privacy/bounded_pld.py): which accountant gave the figure, and why
+            summary["accountant_used"] = ledger["accountant_used"]
+            note = (ledger.get("accountant_details") or {}).get("note")
+            if note:
+                summary["accountant_note"] = note
         for key in ("epsilon_nominal", "epsilon_claimed"):
             if key in last:
                 summary[key] = last[key]

@@ -31,6 +31,7 @@ def test_reported_epsilon_is_what_the_accountant_gives(ray_session, tmp_path):
     assert summary["epsilon"] == rounds[-1]["epsilon"] and summary["stop_reason"] == "completed"
     ledger = json.loads((tmp_path / "dp" / "ledger.json").read_text())
     assert ledger["accountant"] == "pld" and len(ledger["rounds"]) == 6 and ledger["fully_covered"]
+    assert summary["accountant_used"] == ledger["accountant_used"] == "pld"
     assert (tmp_path / "dp" / "privacy.png").read_bytes()[:4] == b"\x89PNG"
 
 
