@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
 from ..faults import CRASH, SECAGG_PHASE, STRAGGLER
-from ..secagg import SecAggAbort, SecAggConfig, SecAggServer, decode, rounding_error_bound
+from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound
 from .messages import Encoding, PhaseReply, WorkerChaos
 
 # The deadline of a round's phases when the scenario sets none: long enough for any honest round
@@ -116,7 +116,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
         threshold = n // 2 + 1 if sa.protocol == "secagg" else None
     else:
         threshold = min(sa.threshold, n) if sa.threshold else None
-    config = SecAggConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold, round_id=t,
+    config = SecAggRoundConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold, round_id=t,
                           graph_seed=sc.seed, degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
                           dim=int(coord.theta.size) + spec.extra_dims, dropout_fraction=sa.dropout_tolerance,
                           failure_log2=sa.failure_log2)
@@ -191,5 +191,5 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
                        rejected=phases.rejected)
 
 
-def server_threshold(config: SecAggConfig) -> int:
+def server_threshold(config: SecAggRoundConfig) -> int:
     return int(min(config.graph.thresholds)) if config.graph.thresholds else 0

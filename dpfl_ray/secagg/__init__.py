@@ -8,7 +8,7 @@ ChaCha20-Poly1305, ChaCha20 PRG), :mod:`.graph` (neighbours, thresholds, connect
 :mod:`.server` (state machines), :mod:`.protocol` (:func:`secure_sum`), :mod:`.errors`.
 """
 from dpfl_ray.secagg.client import SecAggClient
-from dpfl_ray.secagg.config import PHASES, SecAggConfig, wire_size
+from dpfl_ray.secagg.config import PHASES, SecAggRoundConfig, wire_size
 from dpfl_ray.secagg.encoding import (
     ClipEvent, EncodedVector, FixedPointEncoder, decode, encode, max_abs_value, rounding_error_bound,
 )
@@ -25,7 +25,7 @@ from dpfl_ray.secagg.server import SecAggServer
 
 __all__ = [
     "PHASES", "DEFAULT_DEGREE_FACTOR",
-    "SecAggClient", "SecAggServer", "SecAggConfig", "SecAggResult", "NeighbourGraph",
+    "SecAggClient", "SecAggServer", "SecAggRoundConfig", "SecAggResult", "NeighbourGraph",
     "secure_sum", "presum_masked", "wire_size", "build_graph", "default_threshold", "majority_threshold",
     "secagg_plus_degree", "secagg_plus_parameters", "SecAggPlusParameters",
     "encode", "decode", "max_abs_value", "rounding_error_bound", "FixedPointEncoder", "EncodedVector", "ClipEvent",

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from dpfl_ray.secagg import shamir
-from dpfl_ray.secagg.config import SecAggConfig, as_ring_vector, check_round, wire_size
+from dpfl_ray.secagg.config import SecAggRoundConfig, as_ring_vector, check_round, wire_size
 from dpfl_ray.secagg.errors import SecAggAbort, SecAggProtocolError, ShareAuthenticationError, UnmaskRefused
 from dpfl_ray.secagg.keys import (
     PURPOSE_ENCRYPTION, PURPOSE_MASK, KeyPair, add_prg, check_public_key, derive_keys, generate_keypair,
@@ -51,7 +51,7 @@ def _is_int(value: object) -> bool:
 class SecAggClient:
     """One user ``u``; call the four round methods in order, each at most once (``unmask`` may repeat)."""
 
-    def __init__(self, client_id: int, config: SecAggConfig):
+    def __init__(self, client_id: int, config: SecAggRoundConfig):
         if not 0 <= client_id < config.n_clients:
             raise SecAggProtocolError(f"client id {client_id} outside 0..{config.n_clients - 1}")
         self.id = int(client_id)

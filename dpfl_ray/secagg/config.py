@@ -19,7 +19,7 @@ ID_BYTES = 4  # client ids and round ids on the wire
 
 
 @dataclass(frozen=True)
-class SecAggConfig:
+class SecAggRoundConfig:
     """Everything public about one round; server and every client must hold an equal copy.
 
     ``dim`` is optional: when given, clients and server reject vectors of another length.
@@ -73,7 +73,7 @@ class SecAggConfig:
         return np.dtype(np.uint32 if self.bits == 32 else np.uint64)
 
 
-def as_ring_vector(vector: object, config: SecAggConfig, what: str = "input") -> np.ndarray:
+def as_ring_vector(vector: object, config: SecAggRoundConfig, what: str = "input") -> np.ndarray:
     """A fresh 1-D array of dtype uint{bits}; refuses floats and values outside [0, 2^bits)."""
     arr = np.asarray(vector)
     if arr.ndim != 1 or arr.size == 0:
@@ -89,7 +89,7 @@ def as_ring_vector(vector: object, config: SecAggConfig, what: str = "input") ->
     return arr.astype(config.dtype, copy=True)
 
 
-def check_round(message: Mapping, config: SecAggConfig) -> None:
+def check_round(message: Mapping, config: SecAggRoundConfig) -> None:
     if not isinstance(message, Mapping):
         raise SecAggProtocolError(f"a message must be a dict, got {type(message).__name__}")
     if message.get("round_id") != config.round_id:

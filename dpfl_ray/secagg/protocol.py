@@ -15,10 +15,10 @@ import numpy as np
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.secagg.client import SecAggClient
-from dpfl_ray.secagg.config import PHASES, SecAggConfig, as_ring_vector
+from dpfl_ray.secagg.config import PHASES, SecAggRoundConfig, as_ring_vector
 from dpfl_ray.secagg.server import SecAggServer
 
-__all__ = ["PHASES", "SecAggClient", "SecAggConfig", "SecAggResult", "SecAggServer", "presum_masked", "secure_sum"]
+__all__ = ["PHASES", "SecAggClient", "SecAggRoundConfig", "SecAggResult", "SecAggServer", "presum_masked", "secure_sum"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def secure_sum(vectors: Sequence[np.ndarray], *, bits: int, protocol: str = "sec
     dims = {np.shape(v) for v in vectors}
     if len(dims) != 1:
         raise DPFLError(f"all vectors must have one shape, got {sorted(dims)}", "vectors")
-    config = SecAggConfig(n_clients=n, bits=bits, protocol=protocol, threshold=threshold, round_id=round_id,
+    config = SecAggRoundConfig(n_clients=n, bits=bits, protocol=protocol, threshold=threshold, round_id=round_id,
                           graph_seed=graph_seed, degree=degree, dim=int(np.shape(vectors[0])[0]),
                           dropout_fraction=dropout_fraction, failure_log2=failure_log2)
     inputs = [as_ring_vector(v, config, "vectors") for v in vectors]

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from dpfl_ray.secagg import shamir
-from dpfl_ray.secagg.config import SecAggConfig, check_round, wire_size
+from dpfl_ray.secagg.config import SecAggRoundConfig, check_round, wire_size
 from dpfl_ray.secagg.errors import SecAggAbort, SecAggProtocolError, ShamirError
 from dpfl_ray.secagg.keys import PURPOSE_MASK, add_prg, check_public_key, derive_keys, public_key_of
 
@@ -33,7 +33,7 @@ from dpfl_ray.secagg.keys import PURPOSE_MASK, add_prg, check_public_key, derive
 class SecAggServer:
     """Call ``receive_keys``, ``receive_shares``, ``receive_masked``, ``receive_unmask`` in order."""
 
-    def __init__(self, config: SecAggConfig):
+    def __init__(self, config: SecAggRoundConfig):
         self.config = config
         self.graph = config.graph
         self.phase = "created"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dpfl_ray.secagg import (
-    SecAggAbort, SecAggClient, SecAggConfig, SecAggProtocolError, SecAggServer, UnmaskRefused, shamir,
+    SecAggAbort, SecAggClient, SecAggRoundConfig, SecAggProtocolError, SecAggServer, UnmaskRefused, shamir,
 )
 
 SEALED_OVERHEAD = 12 + 16  # ChaCha20-Poly1305 nonce + tag
@@ -52,7 +52,7 @@ class Round:
 
 
 def test_server_recovers_exactly_the_layers_above_the_dropout_count():
-    r = Round(SecAggConfig(n_clients=8, bits=32, threshold=5), n_layers=5, absent=1, drop=(6,))
+    r = Round(SecAggRoundConfig(n_clients=8, bits=32, threshold=5), n_layers=5, absent=1, drop=(6,))
     total = r.finish(layers_from=3)  # N = 9, d = 1 absent + 1 dropped = 2
     np.testing.assert_array_equal(total, expected_sum(r.vectors, r.survivors))
     assert r.server.layer_seeds == r.layers(r.survivors, 3)
@@ -60,14 +60,14 @@ def test_server_recovers_exactly_the_layers_above_the_dropout_count():
 
 
 def test_two_dropouts_raise_the_first_revealed_layer():
-    r = Round(SecAggConfig(n_clients=8, bits=32, threshold=4), n_layers=5, absent=1, drop=(2, 5))
+    r = Round(SecAggRoundConfig(n_clients=8, bits=32, threshold=4), n_layers=5, absent=1, drop=(2, 5))
     total = r.finish(layers_from=4)  # d = 1 + 2 = 3
     np.testing.assert_array_equal(total, expected_sum(r.vectors, r.survivors))
     assert r.server.layer_seeds == r.layers(r.survivors, 4)
 
 
 def test_survivor_vanishing_during_unmask_still_has_its_layers_reconstructed():
-    r = Round(SecAggConfig(n_clients=7, bits=32, threshold=4), n_layers=3, absent=1, drop=(0,))
+    r = Round(SecAggRoundConfig(n_clients=7, bits=32, threshold=4), n_layers=3, absent=1, drop=(0,))
     total = r.finish(layers_from=3, vanish=(4,))  # d = 2; client 4 sent y_4, then vanished
     np.testing.assert_array_equal(total, expected_sum(r.vectors, r.survivors))
     assert 4 in r.server.layer_seeds and r.server.layer_seeds == r.layers(r.survivors, 3)
@@ -75,7 +75,7 @@ def test_survivor_vanishing_during_unmask_still_has_its_layers_reconstructed():
 
 def test_clients_with_different_numbers_of_layers_mix():
     counts = [0, 1, 2, 3, 4, 5]
-    r = Round(SecAggConfig(n_clients=6, bits=32, threshold=4), layer_counts=counts, absent=0)
+    r = Round(SecAggRoundConfig(n_clients=6, bits=32, threshold=4), layer_counts=counts, absent=0)
     total = r.finish(layers_from=1)  # nobody missing: d = 0
     np.testing.assert_array_equal(total, expected_sum(r.vectors, range(6)))
     assert r.server.layer_seeds == r.layers(range(6), 1)
@@ -86,7 +86,7 @@ def test_clients_with_different_numbers_of_layers_mix():
 
 
 def test_secagg_plus_with_layers():
-    config = SecAggConfig(n_clients=10, bits=32, protocol="secagg+", degree=6)
+    config = SecAggRoundConfig(n_clients=10, bits=32, protocol="secagg+", degree=6)
     r = Round(config, n_layers=4, absent=2, drop=(3,))
     total = r.finish(layers_from=4, vanish=(8,))  # d = 2 + 1 = 3
     np.testing.assert_array_equal(total, expected_sum(r.vectors, r.survivors))
@@ -96,7 +96,7 @@ def test_secagg_plus_with_layers():
 
 
 def test_without_layers_nothing_changes_on_the_wire():
-    config = SecAggConfig(n_clients=3, bits=32, threshold=2)
+    config = SecAggRoundConfig(n_clients=3, bits=32, threshold=2)
     clients = [SecAggClient(u, config) for u in range(3)]
     server = SecAggServer(config)
     keys = server.receive_keys([c.advertise_keys() for c in clients])
@@ -117,7 +117,7 @@ def test_without_layers_nothing_changes_on_the_wire():
 
 
 def test_layer_seeds_and_absent_are_validated():
-    config = SecAggConfig(n_clients=3, bits=32, threshold=2)
+    config = SecAggRoundConfig(n_clients=3, bits=32, threshold=2)
     server = SecAggServer(config)
     clients = [SecAggClient(u, config) for u in range(3)]
     keys = server.receive_keys([c.advertise_keys() for c in clients])
@@ -131,7 +131,7 @@ def test_layer_seeds_and_absent_are_validated():
 @pytest.fixture()
 def masked_round():
     # n = 8, absent = 1, client 7 dropped before its masked input: N = 9, d = 2.
-    return Round(SecAggConfig(n_clients=8, bits=32, threshold=4), n_layers=5, absent=1, drop=(7,))
+    return Round(SecAggRoundConfig(n_clients=8, bits=32, threshold=4), n_layers=5, absent=1, drop=(7,))
 
 
 def test_client_refuses_layers_that_the_remaining_noise_needs(masked_round):
@@ -203,7 +203,7 @@ def collect(replies, field, owner, layer=None):
 
 @pytest.mark.parametrize("lied_to", [(0, 1, 2, 3), (0, 1, 2), (0, 1), (3,), ()])
 def test_a_lie_about_who_dropped_never_yields_both_layer_1_and_the_dropped_clients_s_sk(lied_to):
-    r, lying, honest = lying_then_honest(SecAggConfig(n_clients=5, bits=32, threshold=3))
+    r, lying, honest = lying_then_honest(SecAggRoundConfig(n_clients=5, bits=32, threshold=3))
     replies = []
     for u in r.survivors:  # each client gets one request first, then the other
         for request in ((lying, honest) if u in lied_to else (honest, lying)):
@@ -233,7 +233,7 @@ def test_a_lie_about_who_dropped_never_yields_both_layer_1_and_the_dropped_clien
 
 
 def test_honest_request_first_then_the_lie_is_refused_and_layer_1_stays_secret():
-    r, lying, honest = lying_then_honest(SecAggConfig(n_clients=5, bits=32, threshold=3))
+    r, lying, honest = lying_then_honest(SecAggRoundConfig(n_clients=5, bits=32, threshold=3))
     replies = [r.clients[u].unmask(honest) for u in r.survivors]
     for u in r.survivors:
         with pytest.raises(UnmaskRefused):
@@ -305,7 +305,7 @@ def test_request_layers_validates_layers_from(masked_round, layers_from):
 
 
 def test_secagg_plus_holder_outside_the_neighbourhood_is_rejected():
-    config = SecAggConfig(n_clients=10, bits=32, protocol="secagg+", degree=6)
+    config = SecAggRoundConfig(n_clients=10, bits=32, protocol="secagg+", degree=6)
     r = Round(config, n_layers=2, absent=0)
     outsider = next(v for v in range(10) if v not in config.graph.holders(0))
     with pytest.raises(SecAggProtocolError):

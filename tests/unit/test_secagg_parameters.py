@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.scenario import SecAggConfig as SecAggSection
 from dpfl_ray.scenario import load_scenario
-from dpfl_ray.secagg import SecAggConfig, build_graph, secagg_plus_parameters, secure_sum
+from dpfl_ray.secagg import SecAggRoundConfig, build_graph, secagg_plus_parameters, secure_sum
 from dpfl_ray.secagg.parameters import disconnection_bound, evaluate, shortfall_bound
 
 # (n, gamma) -> (k, t) as picked for failure <= 2^-20; also the table of docs/secagg.md.
@@ -88,7 +88,7 @@ def test_disconnection_bound_is_exact_for_two_gaps_on_a_ring():
 
 
 def test_random_dropouts_at_the_tolerance_never_split_or_starve_a_round_of_1000():
-    config = SecAggConfig(n_clients=1000, bits=32, protocol="secagg+", dropout_fraction=0.3, graph_seed=11)
+    config = SecAggRoundConfig(n_clients=1000, bits=32, protocol="secagg+", dropout_fraction=0.3, graph_seed=11)
     graph = config.graph
     assert (len(graph.neighbours[0]), graph.thresholds[0]) == TABLE[1000, 0.3]
     adjacency = np.zeros((1000, 1000), dtype=np.int64)
@@ -120,17 +120,17 @@ def test_a_full_round_with_random_dropouts_at_the_tolerance_completes_with_the_e
 
 
 def test_config_and_graph_use_the_parameters_and_an_explicit_degree_still_wins():
-    config = SecAggConfig(n_clients=1000, protocol="secagg+", dropout_fraction=0.1)
+    config = SecAggRoundConfig(n_clients=1000, protocol="secagg+", dropout_fraction=0.1)
     assert (len(config.graph.neighbours[0]), config.graph.thresholds[0]) == TABLE[1000, 0.1]
     assert config.guarantee == secagg_plus_parameters(1000, 0.1)
-    old_default = SecAggConfig(n_clients=1000, protocol="secagg+", degree=80, dropout_fraction=0.3)
+    old_default = SecAggRoundConfig(n_clients=1000, protocol="secagg+", degree=80, dropout_fraction=0.3)
     assert len(old_default.graph.neighbours[0]) == 80
     assert old_default.guarantee.failure > 0.01  # ceil(8 log2 n) promises little at 30 % dropouts
-    assert SecAggConfig(n_clients=1000, protocol="secagg+").guarantee is None
+    assert SecAggRoundConfig(n_clients=1000, protocol="secagg+").guarantee is None
     with pytest.raises(DPFLError):
-        SecAggConfig(n_clients=10, protocol="secagg", dropout_fraction=0.1)
+        SecAggRoundConfig(n_clients=10, protocol="secagg", dropout_fraction=0.1)
     with pytest.raises(DPFLError):
-        SecAggConfig(n_clients=10, protocol="secagg+", dropout_fraction=0.6)
+        SecAggRoundConfig(n_clients=10, protocol="secagg+", dropout_fraction=0.6)
 
 
 def test_scenario_knobs():

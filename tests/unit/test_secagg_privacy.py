@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpfl_ray.secagg import SecAggClient, SecAggConfig, SecAggServer, encode
+from dpfl_ray.secagg import SecAggClient, SecAggRoundConfig, SecAggServer, encode
 
 stats = pytest.importorskip("scipy.stats")
 
@@ -18,7 +18,7 @@ LEVEL = 1e-6
 
 def masked_vector_of_client_0(bits, x0):
     """The ``y_0`` client 0 sends in a 3-client round where the others input zeros."""
-    config = SecAggConfig(n_clients=3, bits=bits, threshold=2)
+    config = SecAggRoundConfig(n_clients=3, bits=bits, threshold=2)
     clients = [SecAggClient(u, config) for u in range(3)]
     server = SecAggServer(config)
     keys = server.receive_keys([c.advertise_keys() for c in clients])

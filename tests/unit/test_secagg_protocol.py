@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.secagg import (
-    PHASES, SecAggAbort, SecAggClient, SecAggConfig, SecAggProtocolError, SecAggServer, presum_masked,
+    PHASES, SecAggAbort, SecAggClient, SecAggRoundConfig, SecAggProtocolError, SecAggServer, presum_masked,
     secure_sum,
 )
 
@@ -65,7 +65,7 @@ def rounds(draw):
     degree = None
     if protocol == "secagg+" and n >= 4:
         degree = draw(st.one_of(st.none(), st.sampled_from([k for k in range(2, n - 1, 2)] or [n - 1])))
-    config = SecAggConfig(n_clients=n, bits=bits, protocol=protocol, degree=degree)
+    config = SecAggRoundConfig(n_clients=n, bits=bits, protocol=protocol, degree=degree)
     smallest = min(len(h) + 1 for h in config.graph.neighbours)
     threshold = draw(st.one_of(st.none(), st.integers(1, smallest)))
     dim = draw(st.integers(1, 6))
@@ -79,7 +79,7 @@ def rounds(draw):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rounds())
 def test_secure_sum_is_the_plain_sum_of_the_clients_that_sent_masked_input(case):
-    config = SecAggConfig(n_clients=len(case["vectors"]), bits=case["bits"], protocol=case["protocol"],
+    config = SecAggRoundConfig(n_clients=len(case["vectors"]), bits=case["bits"], protocol=case["protocol"],
                           threshold=case["threshold"], degree=case["degree"], round_id=case["round_id"],
                           graph_seed=case["graph_seed"])
     leaves = {u: PHASES.index(p) for u, p in case["dropouts"].items()}
@@ -173,7 +173,7 @@ def flip_bit(forwarded, receiver, sender, bit=0):
 
 @pytest.mark.parametrize("bit", [0, 7, 300])
 def test_tampered_share_is_rejected_and_ignored(bit):
-    config = SecAggConfig(n_clients=5, bits=32, threshold=3)
+    config = SecAggRoundConfig(n_clients=5, bits=32, threshold=3)
     vectors = [np.full(4, u + 1, dtype=np.uint32) for u in range(5)]
     total, server, replies = drive(config, vectors, tamper=lambda f: flip_bit(f, 2, 0, bit))
     np.testing.assert_array_equal(total, np.full(4, 15, dtype=np.uint32))
@@ -183,7 +183,7 @@ def test_tampered_share_is_rejected_and_ignored(bit):
 
 
 def test_tampered_share_that_leaves_too_few_shares_aborts():
-    config = SecAggConfig(n_clients=4, bits=32, threshold=4)
+    config = SecAggRoundConfig(n_clients=4, bits=32, threshold=4)
     vectors = [np.zeros(2, dtype=np.uint32)] * 4
     with pytest.raises(SecAggAbort) as err:
         drive(config, vectors, tamper=lambda f: flip_bit(f, 3, 1))
@@ -192,7 +192,7 @@ def test_tampered_share_that_leaves_too_few_shares_aborts():
 
 @pytest.mark.parametrize("protocol", ["secagg", "secagg+"])
 def test_messages_and_clients_survive_pickling_and_presummed_inputs_work(protocol):
-    config = SecAggConfig(n_clients=8, bits=64, protocol=protocol, degree=4 if protocol == "secagg+" else None)
+    config = SecAggRoundConfig(n_clients=8, bits=64, protocol=protocol, degree=4 if protocol == "secagg+" else None)
     rng = np.random.default_rng(3)
     vectors = [rng.integers(0, 2**63, 5, dtype=np.uint64) for _ in range(8)]
     total, server, _ = drive(config, vectors, roundtrip=lambda m: pickle.loads(pickle.dumps(m)),
@@ -201,7 +201,7 @@ def test_messages_and_clients_survive_pickling_and_presummed_inputs_work(protoco
 
 
 def test_server_rejects_out_of_order_and_duplicate_messages():
-    config = SecAggConfig(n_clients=3, bits=32, threshold=2)
+    config = SecAggRoundConfig(n_clients=3, bits=32, threshold=2)
     clients = [SecAggClient(u, config) for u in range(3)]
     server = SecAggServer(config)
     with pytest.raises(SecAggProtocolError):
@@ -219,7 +219,7 @@ def test_server_rejects_out_of_order_and_duplicate_messages():
 
 
 def test_server_rejects_a_share_message_that_skips_a_neighbour():
-    config = SecAggConfig(n_clients=3, bits=32, threshold=2)
+    config = SecAggRoundConfig(n_clients=3, bits=32, threshold=2)
     clients = [SecAggClient(u, config) for u in range(3)]
     server = SecAggServer(config)
     keys = server.receive_keys([c.advertise_keys() for c in clients])
@@ -230,8 +230,8 @@ def test_server_rejects_a_share_message_that_skips_a_neighbour():
 
 
 def test_wrong_round_is_rejected():
-    clients = [SecAggClient(u, SecAggConfig(n_clients=2, bits=32, round_id=r)) for u, r in ((0, 1), (1, 2))]
-    server = SecAggServer(SecAggConfig(n_clients=2, bits=32, round_id=1))
+    clients = [SecAggClient(u, SecAggRoundConfig(n_clients=2, bits=32, round_id=r)) for u, r in ((0, 1), (1, 2))]
+    server = SecAggServer(SecAggRoundConfig(n_clients=2, bits=32, round_id=1))
     with pytest.raises(SecAggProtocolError):
         server.receive_keys([c.advertise_keys() for c in clients])
 
@@ -245,7 +245,7 @@ def test_errors_keep_their_details_through_pickle():
 
 
 def test_secagg_plus_reconstructs_dropped_clients_from_their_neighbours_only():
-    config = SecAggConfig(n_clients=24, bits=32, protocol="secagg+", degree=8, graph_seed=11)
+    config = SecAggRoundConfig(n_clients=24, bits=32, protocol="secagg+", degree=8, graph_seed=11)
     dropouts = {0: "advertise", 5: "share", 9: "masked_input", 13: "unmask", 17: "masked_input"}
     assert not predicted_abort(config.graph, {u: PHASES.index(p) for u, p in dropouts.items()})
     rng = np.random.default_rng(0)

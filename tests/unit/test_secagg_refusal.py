@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfl_ray.secagg import SecAggAbort, SecAggClient, SecAggConfig, SecAggServer, UnmaskRefused, secure_sum
+from dpfl_ray.secagg import SecAggAbort, SecAggClient, SecAggRoundConfig, SecAggServer, UnmaskRefused, secure_sum
 
 N = 6
 
 
 def clients_after_masking(n=N, threshold=3):
-    config = SecAggConfig(n_clients=n, bits=32, threshold=threshold)
+    config = SecAggRoundConfig(n_clients=n, bits=32, threshold=threshold)
     clients = [SecAggClient(u, config) for u in range(n)]
     server = SecAggServer(config)
     keys = server.receive_keys([c.advertise_keys() for c in clients])
@@ -104,7 +104,7 @@ def thresholds_hold(graph, survivors, dropped):
 
 
 def test_chosen_dropouts_isolating_a_block_pass_every_threshold_but_split_the_graph_at_n_1000():
-    config = SecAggConfig(n_clients=1000, bits=32, protocol="secagg+", graph_seed=3)
+    config = SecAggRoundConfig(n_clients=1000, bits=32, protocol="secagg+", graph_seed=3)
     graph = config.graph
     assert len(graph.neighbours[0]) == 80 and graph.thresholds[0] == 41  # the default degree
     survivors, dropped, block = isolate_block(config, 41)
@@ -115,7 +115,7 @@ def test_chosen_dropouts_isolating_a_block_pass_every_threshold_but_split_the_gr
 
 
 def test_a_client_of_the_isolated_block_refuses_with_real_keys_at_n_1000():
-    config = SecAggConfig(n_clients=1000, bits=32, protocol="secagg+", graph_seed=3, dim=2)
+    config = SecAggRoundConfig(n_clients=1000, bits=32, protocol="secagg+", graph_seed=3, dim=2)
     survivors, dropped, block = isolate_block(config, 41)
     u = min(block)
     # Only u's neighbourhood takes part up to Round 2 (each of them still has t live holders);
@@ -134,7 +134,7 @@ def test_a_client_of_the_isolated_block_refuses_with_real_keys_at_n_1000():
 @pytest.fixture(scope="module")
 def split_round():
     """The same partition at n = 40, k = 8: the 4 ring positions each side of a block of 5 drop."""
-    config = SecAggConfig(n_clients=40, bits=32, protocol="secagg+", degree=8, graph_seed=5, dim=3)
+    config = SecAggRoundConfig(n_clients=40, bits=32, protocol="secagg+", degree=8, graph_seed=5, dim=3)
     survivors, dropped, block = isolate_block(config, 5)
     assert thresholds_hold(config.graph, survivors, dropped) and config.graph.components(survivors) == 2
     return config, survivors, dropped, block
