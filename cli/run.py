@@ -48,7 +48,9 @@ def run(
         raise DPFLError("give a scenario file, or --resume RUN_DIR", field="SCENARIO")
     sc = load_scenario(scenario, set_)
     # Everything that can be wrong with the scenario is found before a file is written.
+    t_data = time.time()
     fed = build_federation(sc)
+    startup = {"load_data": time.time() - t_data}
     build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
     make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)  # impossible mechanisms
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
@@ -69,8 +71,10 @@ def run(
     shutdown = Shutdown().install()
     record, t0 = None, time.time()
     try:
+        t_ray = time.time()
         with keep_handlers():
             ensure_ray(address)
+        startup["ray_init"] = time.time() - t_ray
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, checkpoint["round"])
@@ -80,7 +84,7 @@ def run(
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
                                      completed=len(record.rounds))
             summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown,
-                                   resume=checkpoint)
+                                   resume=checkpoint, startup=startup)
     except KeyboardInterrupt:
         if checkpoint is not None and record is None:  # the directory is as the last stop left it
             stop_ray()

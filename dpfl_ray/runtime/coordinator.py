@@ -251,11 +251,14 @@ class Coordinator:
         theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         acc, loss = last_eval
         metrics = {}
+        t_eval = time.perf_counter()
         if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
             acc, loss = self._evaluate(theta)
             metrics = {"test_accuracy": acc, "test_loss": loss}
         if self.has_validation:
             metrics["validation_loss"] = extra["validation_loss"] = self._evaluate(theta, "validation")[1]
+        if metrics:
+            extra["eval_seconds"] = time.perf_counter() - t_eval
         alg.observe(t, metrics)
         dropped.update({c: f"{REJECTED}@upload" for c in rejected})
         tallied = tally(dropped)

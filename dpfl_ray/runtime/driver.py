@@ -58,7 +58,7 @@ CALL_TIMEOUT_SECONDS = 60.0
 
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
-                 poll_seconds: float = 0.2, resume: dict | None = None) -> dict:
+                 poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
     Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
@@ -66,16 +66,21 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     and ``rounds.jsonl``, ``ledger.json``, ``model.pt`` and ``summary.json`` are written for the
     same last committed round. Every ``output.checkpoint_every`` rounds a checkpoint is written
     (runtime/checkpoint.py); ``resume`` continues from one (``record`` then holds its rows).
+    ``startup``: seconds the caller spent before the run (loading data, joining Ray), for the
+    summary's ``timings``.
     """
     t0 = time.time()
+    timings = Timings(t0, dict(startup or {}))
     shutdown = shutdown or Shutdown()
     record.write_scenario(scenario.to_yaml())
     coord, seen, stop_reason, error = None, 0, "completed", None
     try:
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
+        timings.mark("data_in_object_store")
         coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients), resume,
                                  FaultPlan.from_scenario(scenario))
+        timings.mark("actors_requested")
         run_ref = coord.run.remote()
         every = scenario.output.checkpoint_every
         next_checkpoint = (len(record.rounds) // every + 1) * every if every else None
@@ -83,7 +88,10 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
             done, _ = ray.wait([run_ref], timeout=poll_seconds)
             events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
             with shutdown.defer():
+                before = len(record.rounds)
                 seen = _write_events(events, seen, record, on_event)
+                if len(record.rounds) > before:
+                    timings.rounds_seen()
                 if next_checkpoint is not None and len(record.rounds) >= next_checkpoint:
                     seen, done_round = _checkpoint(coord, seen, record, on_event)
                     next_checkpoint = (done_round // every + 1) * every
@@ -101,7 +109,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     with shutdown.protect():
         if shutdown.requested:
             stop_reason = "interrupted"
-        summary = _finish(scenario, fed, record, coord, seen, stop_reason, error, time.time() - t0)
+        summary = _finish(scenario, fed, record, coord, seen, stop_reason, error, time.time() - t0, timings)
     if error:
         raise DPFLError(f"run failed after {summary['rounds_completed']} rounds ({record.path}): {error}")
     return summary
@@ -153,7 +161,26 @@ def _initial_state(scenario) -> dict:
     return state
 
 
-def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall) -> dict:
+class Timings:
+    """Wall-clock marks of one run, in seconds since the run started (issue #14: where start-up
+    time goes). Rounds: when the driver first saw a committed round, and the last."""
+
+    def __init__(self, t0: float, startup: dict):
+        self.t0, self.marks = t0, {f"{k}_seconds": round(float(v), 3) for k, v in startup.items()}
+
+    def mark(self, name: str) -> None:
+        self.marks[f"{name}_seconds"] = round(time.time() - self.t0, 3)
+
+    def rounds_seen(self) -> None:
+        if "first_round_committed_seconds" not in self.marks:
+            self.mark("first_round_committed")
+        self.mark("last_round_committed")
+
+    def to_dict(self) -> dict:
+        return dict(self.marks)
+
+
+def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timings: Timings | None = None) -> dict:
     state = _committed(coord, scenario, fed, seen, record) if coord is not None else _initial_state(scenario)
     rounds = record.rounds
     last_acc = next((r["test_accuracy"] for r in reversed(rounds) if r.get("test_accuracy") is not None), None)
@@ -200,6 +227,9 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall) -> dic
         record.write_model(model.state_dict())
     else:
         summary["model"] = "unavailable: the coordinator died before handing it back"
+    if timings is not None:
+        timings.mark("files_written")
+        summary["timings"] = timings.to_dict()
     record.write_json("summary.json", summary)
     record.close()
     record.plot_accuracy()

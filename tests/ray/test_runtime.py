@@ -39,6 +39,12 @@ def test_three_round_run_writes_every_file(ray_session, tmp_path):
     for name in ("scenario.yaml", "summary.json", "model.pt", "accuracy.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert set(state) and all(isinstance(v, torch.Tensor) for v in state.values())
+    # where the time went (issue #14): marks in order, and each evaluated round's evaluation time
+    marks = summary["timings"]
+    order = ["data_in_object_store_seconds", "actors_requested_seconds", "first_round_committed_seconds",
+             "last_round_committed_seconds", "files_written_seconds"]
+    assert [marks[k] for k in order] == sorted(marks[k] for k in order)
+    assert all(0 < r["eval_seconds"] < r["seconds"] for r in rounds if r["test_accuracy"] is not None)
 
 
 def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):
