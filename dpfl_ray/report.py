@@ -18,7 +18,8 @@ from .errors import DPFLError
 from .results import _pyplot
 
 COLUMNS = ["run", "scenario", "rounds", "stop_reason", "final_accuracy", "best_accuracy", "epsilon",
-           "epsilon_claimed", "calibration", "delta", "mean_survivors", "wall_seconds"]
+           "epsilon_claimed", "epsilon_vs_server", "epsilon_empirical", "calibration", "delta", "mean_survivors",
+           "wall_seconds"]
 """Table and CSV columns, in order."""
 
 
@@ -59,7 +60,7 @@ class Run:
 
 # Fields the table and plots do arithmetic on: a number or null, nothing else.
 NUMERIC_SUMMARY = ("final_accuracy", "final_loss", "rounds_completed", "rounds_planned", "epsilon",
-                   "epsilon_nominal", "epsilon_claimed", "delta", "wall_seconds")
+                   "epsilon_nominal", "epsilon_claimed", "epsilon_vs_server", "delta", "wall_seconds")
 NUMERIC_ROUND = ("round", "test_accuracy", "test_loss", "epsilon", "epsilon_nominal", "epsilon_claimed", "delta",
                  "survived", "sampled", "seconds")
 
@@ -147,11 +148,22 @@ def row(run: Run) -> dict:
         "epsilon": s.get("epsilon") if private else _last(run, "epsilon"),
         "epsilon_nominal": _last(run, "epsilon_nominal"),
         "epsilon_claimed": _last(run, "epsilon_claimed"),
+        "epsilon_vs_server": s.get("epsilon_vs_server"),
+        **_empirical(s.get("epsilon_empirical")),
         "calibration": run.calibration,
         "delta": _last(run, "delta"),
         "mean_survivors": sum(survivors) / len(survivors) if survivors else None,
         "wall_seconds": s.get("wall_seconds"),
     }
+
+
+def _empirical(audit) -> dict:
+    """The canary audit's estimate and interval (docs/audit.md), or Nones."""
+    keys = (("", "epsilon"), ("_low", "low"), ("_high", "high"))
+    values = [audit.get(key) for _, key in keys] if isinstance(audit, dict) else []
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) or not values:
+        values = [None] * len(keys)
+    return {f"epsilon_empirical{suffix}": v for (suffix, _), v in zip(keys, values)}
 
 
 def _num(value, fmt: str) -> str:
@@ -166,14 +178,22 @@ def cells(r: dict) -> list[str]:
     planned = "?" if r["rounds_planned"] is None else r["rounds_planned"]
     return [r["run"], str(r["scenario"] or "-"), f"{r['rounds_completed']}/{planned}", str(r["stop_reason"] or "-"),
             _num(r["final_accuracy"], ".4f"), _num(r["best_accuracy"], ".4f"), eps,
-            _num(r["epsilon_claimed"], ".3f"), r["calibration"] or "-", _num(r["delta"], "g"),
+            _num(r["epsilon_claimed"], ".3f"), _num(r["epsilon_vs_server"], ".3f"), _interval(r),
+            r["calibration"] or "-", _num(r["delta"], "g"),
             _num(r["mean_survivors"], ".1f"), _num(r["wall_seconds"], ".1f")]
+
+
+def _interval(r: dict) -> str:
+    if r["epsilon_empirical"] is None:
+        return "-"
+    return f"{r['epsilon_empirical']:.2f} [{r['epsilon_empirical_low']:.2f}, {r['epsilon_empirical_high']:.2f}]"
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
     """The table with full-precision numbers; empty cells where a run does not say."""
     fields = ["run", "scenario", "rounds_completed", "rounds_planned", "stop_reason", "final_accuracy",
-              "best_accuracy", "epsilon", "epsilon_nominal", "epsilon_claimed", "calibration", "delta",
+              "best_accuracy", "epsilon", "epsilon_nominal", "epsilon_claimed", "epsilon_vs_server",
+              "epsilon_empirical", "epsilon_empirical_low", "epsilon_empirical_high", "calibration", "delta",
               "mean_survivors", "wall_seconds"]
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)

@@ -39,6 +39,7 @@ def runs(tmp_path):
         "name": "dp_secagg", "final_accuracy": 0.7, "rounds_completed": 2, "rounds_planned": 2,
         "stop_reason": "completed", "wall_seconds": 20.0, "seed": 2, "epsilon": 3.25, "delta": 1e-6,
         "accountant": "rdp", "dp_covered": True, "noise_multiplier": 0.8, "calibration": "baek",
+        "epsilon_vs_server": 9.5, "epsilon_empirical": {"epsilon": 2.5, "low": 2.0, "high": 3.0, "k": 100},
     }, [_round(1, 0.55, 6, epsilon=2.0, epsilon_claimed=1.1, dp_covered=True),
         _round(2, 0.7, 7, epsilon=3.25, epsilon_claimed=1.75, dp_covered=True)])
     return plain, dp, claimed
@@ -78,6 +79,8 @@ def test_report_table_plots_and_csv(runs, tmp_path):
     assert float(dp["epsilon"]) == 2.345678 and float(dp["delta"]) == 1e-5 and dp["epsilon_claimed"] == ""
     assert dp["rounds_completed"] == "2" and dp["rounds_planned"] == "4" and dp["stop_reason"] == "budget"
     assert float(claimed["epsilon"]) == 3.25 and float(claimed["epsilon_claimed"]) == 1.75
+    assert float(claimed["epsilon_vs_server"]) == 9.5 and float(claimed["epsilon_empirical_low"]) == 2.0
+    assert dp["epsilon_vs_server"] == "" and dp["epsilon_empirical"] == ""
     assert float(claimed["wall_seconds"]) == 20.0
     assert claimed["calibration"] == "baek" and dp["calibration"] == "" and plain["calibration"] == ""
 
