@@ -32,6 +32,8 @@ from .messages import Canaries, Encoding, LocalReply, PhaseReply, WorkerChaos
 WORKER_PHASES = PROTOCOL_PHASES + ("calibration",)
 # Memory a worker gives one batched training step (it sets K, the clients per stack).
 BATCH_BUDGET_BYTES = 256 << 20
+# clients trained, checked and summed before the next slice starts (a multiple of the batch stack)
+SUM_CHUNK_CLIENTS = 256
 
 
 class ClientWorker:
@@ -131,11 +133,19 @@ class ClientWorker:
         t0 = time.perf_counter()
         self._canaries = canaries
         lost = set(undelivered)
-        ids, uploads, sums, rejected = [], [], {}, {}
-        checked = self._checked_updates(round_idx, theta, [c for m in groups.values() for c in m], spec, chaos)
-        for g, members in groups.items():
-            for cid in members:
-                delta, reason = checked[cid]
+        ids, uploads, sums, rejected, reports = [], [], {}, {}, {}
+        order = [(g, c) for g, members in groups.items() for c in members]
+        # Train, check and sum a slice of clients at a time, so that memory does not grow with the
+        # cohort (issue #14, W4); the sums still run per group in client-id order.
+        step = SUM_CHUNK_CLIENTS
+        if self.batched:  # whole stacks per slice: the same stacks as training them all at once
+            step = -(-SUM_CHUNK_CLIENTS // self.stack) * self.stack
+        for lo in range(0, len(order), step):
+            part = order[lo:lo + step]
+            checked = self._checked_updates(round_idx, theta, [c for _, c in part], spec, chaos)
+            reports.update(self._reports)
+            for g, cid in part:
+                delta, reason = checked.pop(cid)
                 if cid in lost:
                     continue
                 if reason:
@@ -152,7 +162,7 @@ class ClientWorker:
         if chaos.delay:  # the slowest on-time client of this worker holds the reply back, for real
             time.sleep(chaos.delay)
         return LocalReply(ids, time.perf_counter() - t0, updates=stacked, sums=sums, rejected=rejected,
-                          reports={c: self._reports[c] for c in ids if c in self._reports})
+                          reports={c: reports[c] for c in ids if c in reports})
 
     def evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
         """Accuracy and loss of ``theta`` on the test split (or the held-out validation split), with
