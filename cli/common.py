@@ -99,8 +99,11 @@ def accounting_plan(sc):
     from dpfl_ray.privacy.dropouts import planned_noise_multipliers
     from dpfl_ray.privacy.sampling import FixedSizeSampling, PoissonSampling
 
+    from dpfl_ray.algorithms import algorithm_class
+
     p, s = sc.privacy, sc.sampling
-    if sc.training.algorithm == "fedavg":
+    cls = algorithm_class(sc)
+    if not cls.private or cls.record_level:  # record-level ledgers compose per client, in rdp
         return None
     sampling = (PoissonSampling(s.rate) if s.mode == "poisson"
                 else FixedSizeSampling(s.clients_per_round, sc.data.num_clients))

@@ -130,8 +130,10 @@ def _print_summary(summary: dict, record) -> None:
     eps = summary["epsilon"]
     z = summary.get("noise_multiplier")
     booked = ", ".join(f"{b:.4f}" for b in summary.get("noise_multiplier_booked") or [])
-    line = (f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'} at delta {summary['delta']:g} "
-            f"({summary['accountant']}{'' if z is None else f', z={z:.4f}'}, booked multiplier {booked})")
+    booked = f", booked multiplier {booked}" if booked else ""
+    worst = " (the worst client's; per-client epsilons in ledger.json)" if summary.get("record_level") else ""
+    line = (f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'}{worst} at delta {summary['delta']:g} "
+            f"({summary['accountant']}{'' if z is None else f', z={z:.4f}'}{booked})")
     if not summary.get("dp_covered", True):
         line += f"; NOT covered by DP (see ledger.json), nominal {summary.get('epsilon_nominal', 0):.4f}"
     if summary.get("epsilon_claimed") is not None and eps is not None:

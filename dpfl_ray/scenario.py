@@ -70,7 +70,7 @@ class ModelConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    algorithm: Literal["fedavg", "dp_fedavg", "baek", "nbafl"] = "fedavg"
+    algorithm: Literal["fedavg", "dp_fedavg", "baek", "nbafl", "huang2020", "adap_dpfl"] = "fedavg"
     rounds: int = Field(50, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
@@ -126,6 +126,37 @@ class NbaflConfig(_Section):
                               "an observer of the broadcast models (uplink noise in the average + downlink noise)")
 
 
+class Huang2020Config(_Section):
+    """Huang et al. 2020 (DP-FL for unbalanced data): per-client budgets by data amount and DPAGD
+    (docs/record_level_dp.md). The per-example clipping bound S is privacy.clipping.norm."""
+
+    category_budgets: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [1.0, 2.75, 4.5, 6.25, 8.0],
+        description="eps_k of each data-amount category, smallest clients first (Fig. 7: 1 to 8)")
+    step_sizes: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [2.0, 5.0, 10.0, 20.0, 50.0], min_length=1,
+        description="Theta: the step-size candidates of the noisy arg-max ('no step' is always one)")
+    epsilon_gradient: float = Field(0.01, gt=0, description="initial eps_g of each noisy gradient")
+    epsilon_selection: float = Field(0.005, gt=0, description="initial eps_n of each step-size selection")
+    gamma: float = Field(0.1, ge=0, lt=1, description="budget increase rate after a 'no step' selection")
+    loss_clip: float = Field(5.0, gt=0, description="per-example loss bound: the arg-max's sensitivity")
+    calibration: Literal["zcdp", "eq3"] = Field(
+        "zcdp", description="read the budgets as zCDP rho (Lee & Kifer) or calibrate the Gaussian by eq. 3")
+
+
+class AdapDPFLConfig(_Section):
+    """Fu et al. 2022 (Adap DP-FL): per-example DP-SGD with adaptive per-client clipping and noise
+    decay; sigma_0 is privacy.noise_multiplier (docs/record_level_dp.md)."""
+
+    epsilon: float = Field(2.0, gt=0, description="each client's budget: it stops uploading before passing it")
+    lot_size: int = Field(78, ge=1, description="L: expected Poisson lot size")
+    steps: int = Field(1, ge=1, description="DP-SGD steps (lots) per client and round")
+    lr: float = Field(0.002, gt=0, description="Adam's learning rate")
+    alpha: float | None = Field(1.0, gt=0, description="clipping factor of eq. 6-8; null: constant clipping at "
+                                                        "privacy.clipping.norm")
+    beta: float | None = Field(0.9999, gt=0, lt=1, description="noise decay of eq. 9; null: constant sigma")
+
+
 class AuditConfig(_Section):
     """Andrew et al. 2024: canary clients whose updates are seeded random directions, and as many
     held out, measure epsilon from below in the same run (docs/audit.md)."""
@@ -151,6 +182,8 @@ class PrivacyConfig(_Section):
     target_epsilon: float | None = Field(None, gt=0, description="budget: stop before exceeding it")
     geyer: GeyerRuleConfig | None = None
     nbafl: NbaflConfig | None = None
+    huang2020: Huang2020Config | None = None
+    adap_dpfl: AdapDPFLConfig | None = None
     audit: AuditConfig | None = None
     calibration: Literal["none", "baek", "baek-extended", "layered"] = Field(
         "none", description="baek: what happens to the distributed noise after dropouts (docs/baek2021.md)")

@@ -5,12 +5,15 @@ from .base import (
     Abort, Aggregate, Algorithm, CalibrationSum, ClientNoise, ClientReport, ClientSpec, LocalProcedure, Mechanism,
     RoundOutcome, UnmaskPlan, weighted_sum,
 )
+from .adap_dpfl import AdapDPFL
 from .baek import Baek
 from .dp_fedavg import DPFedAvg
 from .fedavg import FedAvg
+from .huang2020 import Huang2020
 from .nbafl import NbAFL
 
-REGISTRY: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "dp_fedavg": DPFedAvg, "baek": Baek, "nbafl": NbAFL}
+REGISTRY: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "dp_fedavg": DPFedAvg, "baek": Baek, "nbafl": NbAFL,
+                                        "huang2020": Huang2020, "adap_dpfl": AdapDPFL}
 
 
 def algorithm_class(scenario) -> type[Algorithm]:
@@ -24,6 +27,6 @@ def make_algorithm(scenario, weights, noise_multiplier: float | None = None, siz
                                      sizes=sizes)
 
 
-__all__ = ["REGISTRY", "NbAFL", "algorithm_class", "Abort", "Aggregate", "Algorithm", "Baek", "CalibrationSum",
+__all__ = ["REGISTRY", "NbAFL", "Huang2020", "AdapDPFL", "algorithm_class", "Abort", "Aggregate", "Algorithm", "Baek", "CalibrationSum",
            "ClientNoise", "ClientReport", "ClientSpec", "LocalProcedure",
            "DPFedAvg", "FedAvg", "Mechanism", "RoundOutcome", "UnmaskPlan", "make_algorithm", "weighted_sum"]

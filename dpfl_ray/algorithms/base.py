@@ -259,7 +259,8 @@ class Algorithm(ABC):
 
     def planned_mechanism(self) -> Mechanism | None:
         """The next round as planned (no dropouts yet): the budget checks book it ahead. None for
-        an algorithm without a privacy mechanism."""
+        an algorithm without a privacy mechanism, or a record-level one (its clients' procedures
+        report their mechanisms, per client, in ClientReport.events)."""
         return None
 
     def mechanism(self) -> Mechanism | None:

@@ -196,7 +196,8 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timing
         record.write_json("ledger.json", ledger)
         last = rounds[-1] if rounds else {}
         summary.update(epsilon=last.get("epsilon"), delta=scenario.privacy.delta,
-                       accountant=scenario.privacy.accountant, dp_covered=ledger.get("fully_covered"),
+                       accountant=ledger.get("accountant", scenario.privacy.accountant),
+                       dp_covered=ledger.get("fully_covered"),
                        noise_multiplier=ledger.get("noise_multiplier"),
                        noise_multiplier_booked=ledger.get("noise_multiplier_booked"),
                        epsilon_vs_server=ledger.get("epsilon_vs_server"),
@@ -208,7 +209,9 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timing
             note = (ledger.get("accountant_details") or {}).get("note")
             if note:
                 summary["accountant_note"] = note
-        for key in ("epsilon_nominal", "epsilon_claimed"):
+        if ledger.get("record_level"):  # one ledger per client: the row's epsilon is the worst client's
+            summary["record_level"] = True
+        for key in ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min"):
             if key in last:
                 summary[key] = last[key]
     if state is not None and "checkpoint" in state and scenario.output.checkpoint_every:

@@ -173,7 +173,9 @@ class ClientPrivacy:
         self.algorithm = algorithm
 
     def next_round_fits(self, t: int) -> bool:
-        return True
+        """Per-client budgets stop clients; the run stops once every client's budget is spent."""
+        k = len(self.spent)
+        return self.algorithm is None or len(self.algorithm.withdrawals(t, range(k))) < k
 
     def release_fits(self, mech) -> bool:
         return True
@@ -200,7 +202,7 @@ class ClientPrivacy:
 
     def claimed_epsilon(self) -> float | None:
         """The worst client's claim: its paper's ledger if it books events, else its budget spent."""
-        if self.claimed.clients:
+        if self.claimed.num_distinct_events:  # the paper books events (Fu eq. 10)
             return self.claimed.summary()["epsilon_max"]
         return float(self.spent.max()) if self.spent.any() else None
 
@@ -225,7 +227,7 @@ class ClientPrivacy:
                    str(c): e for c, e in self.ledgers.epsilons().items()},
                "noise_multiplier": self.noise_multiplier, "randomness": self.sc.privacy.randomness,
                "fully_covered": True, "num_rounds": self.num_rounds}
-        if self.claimed.clients:
+        if self.claimed.num_distinct_events:
             out["claimed_clients"] = self.claimed.to_dict()
         if self.spent.any():
             out["budget_spent"] = {str(c): float(v) for c, v in enumerate(self.spent) if v}

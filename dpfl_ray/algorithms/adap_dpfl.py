@@ -1,0 +1,156 @@
+"""Fu et al. 2022, Adap DP-FL (Algorithm 1) on the Algorithm interface.
+
+Every round each sampled client runs per-example DP-SGD (Poisson lots of expected size L, Adam)
+with its own clipping threshold C_t^k (eq. 6-8, initialised on random noise) and the round's noise
+multiplier sigma_t; the server averages (eq. 1) and decays sigma_{t+1} = beta sigma_t after three
+consecutive drops of the validation loss (eq. 9). A client stops uploading once its epsilon would
+pass the budget (Alg. 1 lines 16-19): it is recorded as an ``exhausted@training`` dropout.
+
+Which epsilon decides the stop: the effective one, booked on the client's own ledger, which counts
+the norm query of eq. 6 beside the gradient (docs/record_level_dp.md). The paper's eq. 10, which
+counts the gradient only, is kept beside it as the claim. With ``alpha: null`` the threshold is the
+constant privacy.clipping.norm and no norm query runs; with ``beta: null`` sigma stays constant:
+together they are the paper's constant-sigma baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dp_accounting
+import numpy as np
+import torch
+
+from ..local_dp import DPSGDConfig, dpsgd_update
+from ..privacy.client_ledgers import ClientLedgers
+from .adap_dpfl_core import (
+    client_config, decayed_noise_multiplier, initial_clip_threshold, next_clip_threshold, round_events,
+)
+from .base import Aggregate, Algorithm, ClientReport, ClientSpec, LocalProcedure, RoundOutcome
+from .fedavg import FedAvg
+
+
+def _claimed_event(sampling_rate: float, sigma: float, steps: int):
+    """What eq. 10 counts for one client and round: the gradient's sampled Gaussian, per lot."""
+    return dp_accounting.SelfComposedDpEvent(round_events(sampling_rate, sigma, book_threshold_query=False)[1], steps)
+
+
+@dataclass(frozen=True)
+class AdapDPSGD(LocalProcedure):
+    """One round of Alg. 1 lines 6-15 on each sampled client. ``clips``: client id -> C_t^k
+    (missing: the client's first round, C_0 from random noise); ``alpha`` None: constant clip."""
+
+    noise_multiplier: float
+    lot_size: int
+    lr: float
+    steps: int
+    alpha: float | None
+    clip_norm: float
+    clips: tuple[tuple[int, float], ...]
+
+    def _threshold(self, model, theta, x, client_id, seed) -> float:
+        if self.alpha is None:
+            return self.clip_norm
+        known = dict(self.clips)
+        if client_id in known:
+            return known[client_id]
+        with torch.no_grad():  # the model's number of classes, from one forward pass
+            num_classes = int(model(torch.zeros((1, *x.shape[1:]), dtype=torch.float32)).shape[-1])
+        return initial_clip_threshold(model, theta, x.shape[1:], num_classes, self.lot_size, seed=seed,
+                                      client_id=client_id)
+
+    def run(self, model, theta, x, y, *, seed, round_idx, client_id):
+        clip = self._threshold(model, theta, x, client_id, seed)
+        if self.alpha is None:
+            cfg = DPSGDConfig(clip_norm=clip, noise_multiplier=self.noise_multiplier, lr=self.lr,
+                              lot_size=self.lot_size, sampling="poisson", steps=self.steps, optimizer="adam")
+        else:
+            cfg = client_config(clip, self.noise_multiplier, self.lr, self.lot_size, steps=self.steps)
+        res = dpsgd_update(model, theta, x, y, cfg, seed=seed, round_idx=round_idx, client_id=client_id)
+        nxt = clip if self.alpha is None else next_clip_threshold(res, self.alpha)
+        claimed = _claimed_event(res.sampling_rate, res.noise_multiplier, res.steps)
+        return res.update, ClientReport(events=((res.dp_event(), 1),), claimed_events=((claimed, 1),),
+                                        values={"clip_norm": float(nxt), "clip_used": float(clip)})
+
+
+class AdapDPFL(Algorithm):
+    record_level = True
+
+    @classmethod
+    def check_scenario(cls, sc) -> None:
+        a, p = sc.privacy.adap_dpfl, sc.privacy
+        if a is None:
+            raise ValueError("privacy.adap_dpfl: adap_dpfl needs its section (epsilon, lot_size, lr, alpha, beta)")
+        if p.noise_multiplier is None:
+            raise ValueError("privacy.noise_multiplier: adap_dpfl needs sigma_0")
+        if a.beta is not None and sc.data.validation_fraction <= 0:
+            raise ValueError("data.validation_fraction: the noise decay (privacy.adap_dpfl.beta) reads the "
+                             "server's validation loss; hold a split out (e.g. 0.1) or set beta: null")
+        if p.audit is not None:
+            raise ValueError("privacy.audit: canary clients audit client-level DP; adap_dpfl is record-level")
+        if any(d.phase == "calibration" and d.model != "none" for d in sc.faults.dropouts):
+            raise ValueError("faults.dropout.phase: adap_dpfl has no calibration phase")
+
+    def __init__(self, scenario, weights, noise_multiplier=None, sizes=None):
+        a, p = scenario.privacy.adap_dpfl, scenario.privacy
+        self.settings, self.budget = a, float(a.epsilon)
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.sizes = np.asarray(sizes if sizes is not None else np.ones(len(weights)), dtype=np.int64)
+        self.sigma = float(noise_multiplier or p.noise_multiplier)
+        self.clip_norm = float(p.clipping.norm)
+        self.clips: dict[int, float] = {}
+        self.validation_losses: list[float] = []
+        self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))  # decides the stop (module doc)
+        self._sampled: list[int] = []
+
+    def _round_event(self, c: int):
+        """What client c's ledger will book for this round, as dpfl_ray.local_dp reports it."""
+        q = min(1.0, self.settings.lot_size / max(int(self.sizes[c]), 1))
+        effective, _ = round_events(q, self.sigma, book_threshold_query=self.settings.alpha is not None)
+        return dp_accounting.SelfComposedDpEvent(effective, self.settings.steps)
+
+    def withdrawals(self, round_idx, sampled) -> dict[int, str]:
+        return {int(c): "exhausted" for c in sampled
+                if self.ledgers.would_exceed(int(c), self._round_event(int(c)), self.budget)}
+
+    def begin_round(self, round_idx, sampled):
+        self._sampled = [int(c) for c in sampled]
+        return None
+
+    def client_spec(self) -> ClientSpec:
+        a = self.settings
+        clips = tuple((c, self.clips[c]) for c in self._sampled if c in self.clips)
+        return ClientSpec(local=AdapDPSGD(self.sigma, a.lot_size, a.lr, a.steps, a.alpha, self.clip_norm, clips))
+
+    def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
+        for c, report in outcome.reports.items():
+            for event, count in report.events:
+                self.ledgers.record(int(c), event, count)
+            self.clips[int(c)] = float(report.values["clip_norm"])
+        agg = FedAvg(weights=self.weights).finish(outcome, dim)
+        used = [r.values["clip_used"] for r in outcome.reports.values()]
+        agg.info.update(noise_multiplier=self.sigma, clip_norm_mean=float(np.mean(used)) if used else None)
+        return agg
+
+    def observe(self, round_idx, metrics) -> None:
+        """Eq. 9 on the held-out validation loss, before the next round."""
+        loss = metrics.get("validation_loss")
+        if self.settings.beta is None or loss is None:
+            return
+        self.validation_losses.append(float(loss))
+        self.sigma = decayed_noise_multiplier(self.sigma, self.validation_losses, self.settings.beta)
+
+    def summary_fields(self) -> dict:
+        a = self.settings
+        return {"epsilon_budget": self.budget, "adaptive_clipping": a.alpha is not None,
+                "noise_decay": a.beta is not None, "noise_multiplier_final": self.sigma}
+
+    def state_dict(self) -> dict:
+        return {"sigma": self.sigma, "clips": {str(c): v for c, v in self.clips.items()},
+                "validation_losses": list(self.validation_losses),
+                "ledgers": self.ledgers.to_dict(include_epsilon=False)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sigma = float(state["sigma"])
+        self.clips = {int(c): float(v) for c, v in state["clips"].items()}
+        self.validation_losses = [float(v) for v in state["validation_losses"]]
+        self.ledgers = ClientLedgers.from_dict(state["ledgers"])
