@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,13 +270,41 @@ def plot_accuracy_vs_epsilon(runs: list[Run], path: Path) -> Path | None:
     return _save(fig, ax, path, "epsilon", "test accuracy", "Accuracy against privacy spent")
 
 
+def client_epsilons(run: Run) -> list[float]:
+    """Record-level runs (Huang et al. 2020, Fu et al. 2022): each client's epsilon from ledger.json's
+    ``per_client_epsilon``; [] for other runs or an unreadable ledger (the table does not need it)."""
+    if not run.summary.get("record_level"):
+        return []
+    try:
+        ledger = json.loads((run.path / "ledger.json").read_text(encoding="utf-8"))
+        values = ledger["per_client_epsilon"].values()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def plot_client_epsilon(runs: list[Run], path: Path) -> Path | None:
+    """A histogram of the clients' epsilons of each record-level run (one ledger per client)."""
+    runs = [(i, r, client_epsilons(r)) for i, r in enumerate(runs)]
+    runs = [(i, r, eps) for i, r, eps in runs if eps]
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, run, eps in runs:
+        ax.hist(eps, bins=min(30, max(5, len(eps) // 3)), alpha=0.5, color=_color(i),
+                label=f"{run.legend} ({len(eps)} clients, max {max(eps):.3g})")
+    return _save(fig, ax, path, "epsilon of the client's records", "clients", "Per-client epsilon (record level)")
+
+
 def write_report(runs: list[Run], out: Path) -> tuple[list[dict], list[Path]]:
     """Build the rows, write ``report.csv`` and every non-empty plot into ``out``; return rows and paths."""
     out.mkdir(parents=True, exist_ok=True)
     rows = [row(r) for r in runs]
     written = [write_csv(rows, out / "report.csv")]
     for plot, name in ((plot_accuracy, "accuracy.png"), (plot_epsilon, "epsilon.png"),
-                       (plot_accuracy_vs_epsilon, "accuracy_vs_epsilon.png")):
+                       (plot_accuracy_vs_epsilon, "accuracy_vs_epsilon.png"),
+                       (plot_client_epsilon, "client_epsilon.png")):
         path = plot(runs, out / name)
         if path is not None:
             written.append(path)

@@ -167,3 +167,18 @@ def test_malformed_json(runs, tmp_path):
     _assert_user_error(report(plain), str(plain), "line 4")
     (runs[1] / "summary.json").write_text("{not json")
     _assert_user_error(report(runs[1]), str(runs[1]), "summary.json")
+
+
+def test_record_level_runs_get_a_per_client_epsilon_histogram(runs, tmp_path):
+    rl = _write_run(tmp_path / "runs" / "record", {
+        "name": "fu", "final_accuracy": 0.6, "rounds_completed": 2, "rounds_planned": 2, "stop_reason": "completed",
+        "wall_seconds": 5.0, "seed": 0, "epsilon": 1.9, "delta": 1e-5, "record_level": True,
+    }, [_round(1, 0.5, 10, epsilon=1.0), _round(2, 0.6, 10, epsilon=1.9)])
+    (rl / "ledger.json").write_text(json.dumps({"per_client_epsilon": {"0": 1.2, "1": 1.9, "2": 0.4}}))
+    out = tmp_path / "rep"
+    res = report(runs[1], rl, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert (out / "client_epsilon.png").read_bytes()[:8] == PNG_MAGIC
+    (rl / "ledger.json").write_bytes(b"\x00 not json")  # a broken ledger loses the plot, not the report
+    res = report(runs[1], rl, "--out", tmp_path / "rep2")
+    assert res.exit_code == 0 and not (tmp_path / "rep2" / "client_epsilon.png").exists()
