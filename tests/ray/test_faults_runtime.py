@@ -59,6 +59,18 @@ def test_a_planned_crash_mid_round_is_survived_and_booked(ray_session, tmp_path)
     assert torch.isfinite(_flat(state)).all()
 
 
+def test_planned_crashes_under_secagg_are_recorded_in_their_planned_phase(ray_session, tmp_path):
+    sc = tiny_scenario(secagg={"enabled": True}, training={"rounds": 2},
+                       resources={"workers": 4, "num_cpus_per_worker": 0.25},
+                       faults={"crash": {"at": [[1, "training", 0], [2, "unmask", 1]]}})
+    summary, rows, _ = _run(sc, tmp_path / "secagg")
+    assert summary["stop_reason"] == "completed" and not any("secagg_aborted" in r for r in rows)
+    before, after = (r["dropped_clients"]["crash"] for r in rows)
+    assert rows[0]["dropped"] == {"crash": {"training": len(before)}} and rows[0]["survived"] == 10 - len(before)
+    # lost after their masked input arrived: SecAgg recovers their masks and their updates count
+    assert rows[1]["dropped"] == {"crash": {"unmask": len(after)}} and rows[1]["survived"] == 10
+
+
 def _hang_run_clients(worker):
     # the worker's local training never returns: its run_clients hangs, while info() still answers
     return worker.__ray_call__.remote(lambda self: setattr(self, "_train", lambda *a, **k: time.sleep(600)))
