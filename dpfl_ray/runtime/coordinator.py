@@ -327,6 +327,8 @@ class Coordinator:
         for ref in ready:
             w, groups = calls[ref]
             try:
+                if w in struck:  # killed as planned: its reply, should it beat the kill, never counts
+                    raise RayActorError()
                 reply = ray.get(ref, timeout=CALL_TIMEOUT_SECONDS)
             except (RayActorError, GetTimeoutError):
                 # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
