@@ -77,6 +77,8 @@ class _Phases:
         replies = []
         for ref in ready:
             try:
+                if refs[ref] in struck:  # killed as planned: a reply that beat ray.kill never counts
+                    raise RayActorError()
                 replies.append(ray.get(ref, timeout=60))
             except (RayActorError, GetTimeoutError):
                 self._drop(refs[ref], struck.get(refs[ref], f"{CRASH}@{where}"))
