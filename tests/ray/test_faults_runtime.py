@@ -112,8 +112,6 @@ def test_nan_inf_and_wrong_shape_updates_never_reach_the_model(ray_session, tmp_
     assert torch.isfinite(_flat(state)).all()
     assert all(torch.equal(state[k], state_absent[k]) for k in state)
     assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in rows_absent]
-    _, _, state_all = _run(tiny_scenario(sampling=full), tmp_path / "honest")
-    assert not torch.equal(_flat(state_all), _flat(state))  # the corrupt clients' honest updates did count there
 
 
 CHAOS = {
