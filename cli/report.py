@@ -43,13 +43,14 @@ def _run_cards(rows: list[list[str]]) -> list[Table]:
 
 @user_errors
 def report(
-    run_dirs: list[Path] = typer.Argument(..., help="run directories written by `dpfl run`"),
+    run_dirs: list[Path] = typer.Argument(..., help="run directories written by `dpfl run`, or sweep directories "
+                                                "written by `dpfl sweep` (each of their runs)"),
     out: Path = typer.Option(Path("report"), "--out", help="folder for the plots and report.csv"),
 ) -> None:
     """Compare runs: a table of accuracy and privacy, plus accuracy/epsilon plots and a CSV."""
-    from dpfl_ray.report import cells, load_run, write_report
+    from dpfl_ray.report import cells, load_runs, write_report
 
-    runs = [load_run(path) for path in run_dirs]  # every input is checked before anything is written
+    runs, notes = load_runs(run_dirs)  # every input is checked before anything is written
     rows, written = write_report(runs, out)
     texts = [cells(row) for row in rows]
     table = _wide_table(texts)
@@ -62,5 +63,7 @@ def report(
             if i:
                 console.print()
             console.print(card)
+    for note in notes:
+        console.print(f"skipped {note}", highlight=False, soft_wrap=True)
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True)

@@ -119,6 +119,48 @@ def load_run(path: str | Path) -> Run:
     return Run(path, summary, rounds)
 
 
+def sweep_members(path: str | Path) -> tuple[list[Path], list[str]] | None:
+    """The run directories of a sweep directory written by ``dpfl sweep``, in ``sweep.csv`` order
+    (or its manifest's, before any csv exists), and the names of its runs that left no
+    ``summary.json`` (timed out, failed, not run yet); None if ``path`` is not a sweep directory."""
+    path = Path(path)
+    table = path / "sweep.csv"
+    if table.is_file():
+        try:
+            with open(table, newline="", encoding="utf-8") as fh:
+                names = [r["run"] for r in csv.DictReader(fh)]
+        except (UnicodeDecodeError, KeyError, TypeError, csv.Error):
+            raise DPFLError("sweep.csv has no 'run' column: not a sweep directory", field=str(path)) from None
+    else:
+        from .sweep import MANIFEST, sweep_run_dirs
+
+        if not (path / MANIFEST).is_file():
+            return None
+        names = [d.name for d in sweep_run_dirs(path)]
+    # a name is a directory inside the sweep, never a path out of it
+    names = [n for n in names if n and Path(n).name == n and n not in (".", "..")]
+    done = [n for n in names if (path / n / "summary.json").is_file()]
+    return [path / n for n in done], [n for n in names if n not in done]
+
+
+def load_runs(paths) -> tuple[list[Run], list[str]]:
+    """Every run the paths name: a run directory is one run, a sweep directory each of its runs that
+    left a summary. Returns the runs and one note per sweep run that could not be reported."""
+    runs, notes = [], []
+    for path in map(Path, paths):
+        members = sweep_members(path) if path.is_dir() else None
+        if members is None:
+            runs.append(load_run(path))
+            continue
+        found, missing = members
+        if not found:
+            raise DPFLError("a sweep directory with no finished run (no run directory holds a summary.json)",
+                            field=str(path))
+        runs += [load_run(d) for d in found]
+        notes += [f"{path / name}: no summary.json (the run did not finish), not reported" for name in missing]
+    return runs, notes
+
+
 def _last(run: Run, key: str):
     """``key`` from the summary, else from the last round that has it."""
     if run.summary.get(key) is not None:

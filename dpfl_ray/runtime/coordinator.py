@@ -317,24 +317,26 @@ class Coordinator:
         calls = {}
         assignment = assign_groups(active, self.sizes, self.groups, len(self.workers))
         chaos = self._chaos(faults, [[c for ids in groups.values() for c in ids] for groups in assignment])
-        struck = self._strike(faults, "training")
+        # {worker: (cause, phase)}: a planned strike is recorded in the phase it was planned for
+        struck = {w: (cause, "training") for w, cause in self._strike(faults, "training").items()}
         for w, groups in zip(self.workers, assignment):
             if groups:
                 lost = [c for ids in groups.values() for c in ids if not faults.delivers(c)]
                 calls[w.run_clients.remote(t, theta_ref, groups, lost, spec, chaos[w], canaries)] = (w, groups)
-        struck.update(self._strike(faults, "upload"))
+        struck.update({w: (cause, "upload") for w, cause in self._strike(faults, "upload").items()})
         ready, late = ray.wait(list(calls), num_returns=len(calls),
                                timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])
         survivors, sums, updates, rejected, reports = [], {}, {} if spec.per_client else None, {}, {}
         for ref in ready:
             w, groups = calls[ref]
             try:
+                if w in struck:  # killed as planned: its reply, should it beat the kill, never counts
+                    raise RayActorError()
                 reply = ray.get(ref, timeout=CALL_TIMEOUT_SECONDS)
             except (RayActorError, GetTimeoutError):
                 # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
-                cause = struck.get(w, CRASH)
-                dropped.update({c: f"{cause}@{'training' if cause == CRASH else 'upload'}"
-                                for ids in groups.values() for c in ids})
+                cause, phase = struck.get(w, (CRASH, "training"))  # an unplanned death: while training
+                dropped.update({c: f"{cause}@{phase}" for ids in groups.values() for c in ids})
                 self._replace([w])
                 continue
             survivors += reply.client_ids

@@ -68,18 +68,20 @@ class _Phases:
         self.reports: dict = {}
 
     def call(self, phase: str, make_call) -> list[PhaseReply]:
-        struck = {}
+        struck = {}  # worker -> 'cause@phase': a planned strike is recorded in the phase it was planned for
         for fault_phase in _FAULT_PHASES[phase]:
-            struck.update(self.strike(fault_phase))
+            struck.update({w: f"{cause}@{fault_phase}" for w, cause in self.strike(fault_phase).items()})
         where = "upload" if phase == "masked_input" else phase
         refs = {make_call(w, ids): w for w, ids in self.live.items()}
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout) if refs else ([], [])
         replies = []
         for ref in ready:
             try:
+                if refs[ref] in struck:  # killed as planned: a reply that beat ray.kill never counts
+                    raise RayActorError()
                 replies.append(ray.get(ref, timeout=60))
             except (RayActorError, GetTimeoutError):
-                self._drop(refs[ref], f"{struck.get(refs[ref], CRASH)}@{where}")
+                self._drop(refs[ref], struck.get(refs[ref], f"{CRASH}@{where}"))
                 self.dead.append(refs[ref])
         for ref in late:  # past the deadline: the worker is killed and replaced after the round
             self._drop(refs[ref], f"{STRAGGLER}@{where}")

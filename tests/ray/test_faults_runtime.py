@@ -1,0 +1,135 @@
+"""Faults carried out for real on a local Ray (issue #12, acceptance): a planned crash kills a worker
+mid-round, a hung worker is cut off by the round's deadline, corrupt updates never reach the model,
+and a chaos scenario gives the same faults and the same results twice."""
+import json
+import time
+
+import numpy as np
+import torch
+
+from dpfl_ray.data import build_federation
+from dpfl_ray.results import RunRecord
+from dpfl_ray.runtime.coordinator import make_coordinator
+from dpfl_ray.runtime.driver import put_federation, run_scenario
+from tests.helpers import tiny_scenario
+
+DP_FEDAVG = {"algorithm": "dp_fedavg", "rounds": 3}
+POISSON = {"mode": "poisson", "rate": 0.5, "clients_per_round": None}
+PRIVACY = {"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp"}
+
+
+def _run(sc, path):
+    summary = run_scenario(sc, build_federation(sc), RunRecord(path))
+    rows = [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines()]
+    return summary, rows, torch.load(path / "model.pt")
+
+
+def _untimed(rows):
+    return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+
+
+def _flat(state):
+    return torch.cat([v.flatten() for v in state.values()])
+
+
+def _accounted(row):
+    """sampled == survived + every dropout the row counts (docs/faults.md)."""
+    return row["survived"] + sum(n for phases in row["dropped"].values() for n in phases.values())
+
+
+def test_a_planned_crash_mid_round_is_survived_and_booked(ray_session, tmp_path):
+    # worker 0 is killed after it was handed its clients (round 2), worker 1 while uploading (round 3)
+    sc = tiny_scenario(training=DP_FEDAVG, sampling=POISSON, privacy=PRIVACY,
+                       faults={"crash": {"at": [[2, "training", 0], [3, "upload", 1]]}})
+    summary, rows, state = _run(sc, tmp_path / "crash")
+    assert summary["stop_reason"] == "completed" and [r["round"] for r in rows] == [1, 2, 3]
+    assert "crash" not in rows[0]["dropped"]
+    for row, phase in ((rows[1], "training"), (rows[2], "upload")):
+        crashed = row["dropped_clients"]["crash"]
+        assert crashed and row["dropped"]["crash"] == {phase: len(crashed)}
+        assert row["dropped_by_phase"][phase] >= len(crashed)
+        assert _accounted(row) == row["sampled"] and row["survived"] > 0
+    assert set(rows[1]["dropped_clients"]["crash"]).isdisjoint(rows[1].get("rejected", {}))
+    # the ledger books the same rounds with the same dropouts and gives the rows' epsilon
+    ledger = json.loads((tmp_path / "crash" / "ledger.json").read_text())
+    assert [r["round"] for r in ledger["rounds"]] == [1, 2, 3]
+    assert [r["dropped"] for r in ledger["rounds"]] == [r["dropped"] for r in rows]
+    assert all(r["released"] for r in ledger["rounds"])
+    assert ledger["epsilon"] == rows[-1]["epsilon"] == summary["epsilon"] > 0
+    assert torch.isfinite(_flat(state)).all()
+
+
+def test_planned_crashes_under_secagg_are_recorded_in_their_planned_phase(ray_session, tmp_path):
+    sc = tiny_scenario(secagg={"enabled": True}, training={"rounds": 2},
+                       resources={"workers": 4, "num_cpus_per_worker": 0.25},
+                       faults={"crash": {"at": [[1, "training", 0], [2, "unmask", 1]]}})
+    summary, rows, _ = _run(sc, tmp_path / "secagg")
+    assert summary["stop_reason"] == "completed" and not any("secagg_aborted" in r for r in rows)
+    before, after = (r["dropped_clients"]["crash"] for r in rows)
+    assert rows[0]["dropped"] == {"crash": {"training": len(before)}} and rows[0]["survived"] == 10 - len(before)
+    # lost after their masked input arrived: SecAgg recovers their masks and their updates count
+    assert rows[1]["dropped"] == {"crash": {"unmask": len(after)}} and rows[1]["survived"] == 10
+
+
+def _hang_run_clients(worker):
+    # the worker's local training never returns: its run_clients hangs, while info() still answers
+    return worker.__ray_call__.remote(lambda self: setattr(self, "_train", lambda *a, **k: time.sleep(600)))
+
+
+def test_a_hung_worker_is_cut_off_by_the_deadline_in_plain_fedavg(ray_session):
+    sc = tiny_scenario(training={"rounds": 3, "round_deadline_s": 1.0})
+    coord = make_coordinator(sc, put_federation(build_federation(sc)))
+    ray_session.get(coord.start_pool.remote())
+    before = [i["pid"] for i in ray_session.get(coord.worker_info.remote())]
+    ray_session.get(_hang_run_clients(ray_session.get(coord.worker_handle.remote(1))))
+    # the hang lasts 600 s; the run must be done long before (deadline 1 s + the 10 s backstop)
+    assert ray_session.get(coord.run.remote(), timeout=180) == {"stop_reason": "completed"}
+    rows = [e for e in ray_session.get(coord.events.remote(0)) if e["event"] == "round"]
+    late = rows[0]["dropped_clients"]["straggler"]
+    assert late and rows[0]["dropped"] == {"straggler": {"upload": len(late)}}
+    assert rows[0]["survived"] == 10 - len(late) > 0
+    assert all(r["survived"] == 10 and r["dropped"] == {} for r in rows[1:])  # the replacement serves
+    after = [i["pid"] for i in ray_session.get(coord.worker_info.remote())]
+    assert after[0] == before[0] and after[1] != before[1]
+    ray_session.kill(coord)
+
+
+def test_nan_inf_and_wrong_shape_updates_never_reach_the_model(ray_session, tmp_path):
+    corrupt = [1, 5, 9, 13]
+    full = {"mode": "fixed", "clients_per_round": 20}  # every client, every round
+    sc = tiny_scenario(sampling=full, faults={"corrupt": {"kind": ["nan", "inf", "shape"], "clients": corrupt}})
+    _, rows, state = _run(sc, tmp_path / "corrupt")
+    reasons = [why for r in rows for why in r["rejected"].values()]
+    assert {why.split(":")[0] for why in reasons} == {"nan", "inf", "shape"}, reasons
+    assert all(r["dropped_clients"] == {"rejected": corrupt} and r["dropped"] == {"rejected": {"upload": 4}}
+               for r in rows)
+    # the same run where those clients simply never showed up (an availability trace)
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client_id,round,available\n" + "".join(f"{c},{t},0\n" for t in (1, 2, 3) for c in corrupt))
+    absent = tiny_scenario(sampling=full, faults={"availability": {"trace": str(trace)}})
+    _, rows_absent, state_absent = _run(absent, tmp_path / "absent")
+    assert all(r["dropped_clients"] == {"unavailable": corrupt} for r in rows_absent)
+    assert torch.isfinite(_flat(state)).all()
+    assert all(torch.equal(state[k], state_absent[k]) for k in state)
+    assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in rows_absent]
+
+
+CHAOS = {
+    "crash": {"rate": 0.2, "at": [[2, "training"]]},
+    "stragglers": {"fraction": 0.4, "latency": {"distribution": "uniform", "low_s": 0.0, "high_s": 0.4}},
+    "corrupt": {"kind": ["nan", "shape"], "fraction": 0.15},
+}
+
+
+def test_the_same_chaos_scenario_and_seed_give_the_same_faults_and_results(ray_session, tmp_path):
+    sc = tiny_scenario(training={**DP_FEDAVG, "rounds": 4, "round_deadline_s": 0.2}, sampling=POISSON,
+                       privacy=PRIVACY, faults=CHAOS)
+    _, rows_a, state_a = _run(sc, tmp_path / "a")
+    _, rows_b, state_b = _run(sc, tmp_path / "b")
+    causes = {c for r in rows_a for c in r["dropped"]}
+    assert {"crash", "straggler", "rejected"} <= causes, [r["dropped"] for r in rows_a]
+    assert _untimed(rows_a) == _untimed(rows_b)
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    ledgers = [json.loads((tmp_path / d / "ledger.json").read_text()) for d in ("a", "b")]
+    assert ledgers[0]["rounds"] == ledgers[1]["rounds"] and ledgers[0]["epsilon"] == ledgers[1]["epsilon"]
+    assert np.isfinite(rows_a[-1]["test_accuracy"])
