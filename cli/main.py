@@ -30,6 +30,12 @@ def main() -> None:
     import logging
     import sys
 
+    from . import release_early_signals
+
+    early = release_early_signals()
+    if early is not None:  # interrupted while the command loaded: nothing has started
+        sys.exit(early)
+
     try:  # recent Typer vendors its own copy of click
         from typer._click import exceptions as clickexc
     except ImportError:  # pragma: no cover - older Typer on real click

@@ -29,52 +29,30 @@ def run(
                                                                  "last checkpoint"),
 ) -> None:
     """Train a federation as the scenario says and write its run directory."""
-    from dpfl_ray.algorithms import make_algorithm
-    from dpfl_ray.data import build_federation
-    from dpfl_ray.errors import DPFLError
-    from dpfl_ray.models import build_model
-    from dpfl_ray.results import RunRecord, default_run_dir
-    from dpfl_ray.runtime.checkpoint import read_checkpoint
-    from dpfl_ray.scenario import load_scenario
-
-    checkpoint = None
-    if resume is not None:
-        if scenario is not None or set_ or out is not None:
-            raise DPFLError("continues the run as its scenario.yaml says: give no SCENARIO, --set or --out",
-                            field="--resume")
-        checkpoint = read_checkpoint(resume)
-        scenario, out = resume / "scenario.yaml", resume
-    elif scenario is None:
-        raise DPFLError("give a scenario file, or --resume RUN_DIR", field="SCENARIO")
-    sc = load_scenario(scenario, set_)
-    # Everything that can be wrong with the scenario is found before a file is written.
-    t_data = time.time()
-    fed = build_federation(sc)
-    startup = {"load_data": time.time() - t_data}
-    build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
-    make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)  # impossible mechanisms
-    run_dir = out or default_run_dir(sc.output.dir, sc.name)
-    if checkpoint is None:
-        RunRecord.check_new(run_dir)
-    preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
-
-    from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
-
-    # A malformed address is one line before anything starts; loopback is read by Ray at import.
-    stay_on_loopback(resolve_target(address, recorded=recorded_address))
-    import ray
-
-    from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
-    from dpfl_ray.runtime.resources import plan_pool
     from dpfl_ray.runtime.shutdown import Shutdown, keep_handlers
 
+    # From here on a signal is recorded, never raised in the middle of an import or a check (a
+    # library's bare `except:` could swallow the KeyboardInterrupt and the run would go on).
     shutdown = Shutdown().install()
+    with shutdown.protect():
+        sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
+        import ray
+
+        from dpfl_ray.results import RunRecord
+        from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
+        from dpfl_ray.runtime.resources import plan_pool
+    if shutdown.requested:
+        console.print("interrupted before the run started: nothing was written", highlight=False)
+        raise typer.Exit(shutdown.exit_code)
+
     record, t0 = None, time.time()
     try:
         t_ray = time.time()
         with keep_handlers():
             ensure_ray(address)
         startup["ray_init"] = time.time() - t_ray
+        if shutdown.requested:  # Ray may swallow the KeyboardInterrupt a signal raised while it started
+            raise KeyboardInterrupt("signal received while Ray started")
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, checkpoint["round"])
@@ -102,6 +80,42 @@ def run(
         if sc.output.checkpoint_every:
             console.print(f"resume with: dpfl run --resume {record.path}", highlight=False, soft_wrap=True)
         raise typer.Exit(shutdown.exit_code)
+
+
+def _prepare(scenario, set_, out, address, resume):
+    """Everything that can be wrong with the scenario, found before a file is written or Ray
+    starts: (scenario, federation, run directory, checkpoint or None, start-up seconds)."""
+    from dpfl_ray.algorithms import make_algorithm
+    from dpfl_ray.data import build_federation
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.models import build_model
+    from dpfl_ray.results import RunRecord, default_run_dir
+    from dpfl_ray.runtime.checkpoint import read_checkpoint
+    from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
+    from dpfl_ray.scenario import load_scenario
+
+    checkpoint = None
+    if resume is not None:
+        if scenario is not None or set_ or out is not None:
+            raise DPFLError("continues the run as its scenario.yaml says: give no SCENARIO, --set or --out",
+                            field="--resume")
+        checkpoint = read_checkpoint(resume)
+        scenario, out = resume / "scenario.yaml", resume
+    elif scenario is None:
+        raise DPFLError("give a scenario file, or --resume RUN_DIR", field="SCENARIO")
+    sc = load_scenario(scenario, set_)
+    t_data = time.time()
+    fed = build_federation(sc)
+    startup = {"load_data": time.time() - t_data}
+    build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)  # impossible mechanisms
+    run_dir = out or default_run_dir(sc.output.dir, sc.name)
+    if checkpoint is None:
+        RunRecord.check_new(run_dir)
+    preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
+    # A malformed address is one line before anything starts; loopback is read by Ray at import.
+    stay_on_loopback(resolve_target(address, recorded=recorded_address))
+    return sc, fed, run_dir, checkpoint, startup
 
 
 def _on_event(progress, task):

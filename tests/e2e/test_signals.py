@@ -124,3 +124,23 @@ def test_a_signal_leaves_a_consistent_run_and_no_process(tmp_path, kind, moment)
     while _alive(seen) and time.monotonic() < end:
         time.sleep(0.2)
     assert not _alive(seen), f"processes of the run still alive: {_alive(seen)}"
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.8, 1.5])
+def test_a_signal_while_the_command_loads_is_a_quiet_stop(tmp_path, delay):
+    """While `dpfl run` imports its modules and checks the scenario, a signal is recorded and acted
+    on once that is done: exit 130, no traceback, and a run that never went on training."""
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump({"name": "tiny", "data": {"source": "synthetic", "num_clients": 4},
+                                        "model": {"name": "logistic"}, "training": {"rounds": 200},
+                                        "sampling": {"mode": "fixed", "clients_per_round": 4}}))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(scenario), "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert b"Traceback" not in err
+    summary = out / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())["rounds_completed"] < 200
