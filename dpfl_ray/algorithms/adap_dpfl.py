@@ -54,7 +54,8 @@ class AdapDPSGD(LocalProcedure):
         if client_id in known:
             return known[client_id]
         with torch.no_grad():  # the model's number of classes, from one forward pass
-            num_classes = int(model(torch.zeros((1, *x.shape[1:]), dtype=torch.float32)).shape[-1])
+            probe = torch.zeros((1, *x.shape[1:]), dtype=torch.float32, device=next(model.parameters()).device)
+            num_classes = int(model(probe).shape[-1])
         return initial_clip_threshold(model, theta, x.shape[1:], num_classes, self.lot_size, seed=seed,
                                       client_id=client_id)
 
