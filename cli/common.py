@@ -93,24 +93,12 @@ def preflight(sc, run_dir) -> None:
 
 def accounting_plan(sc):
     """The :class:`~dpfl_ray.privacy.calibration.AccountingPlan` of a private scenario's planned
-    rounds (None for plain fedavg). A target epsilon is calibrated with rdp here: milliseconds, and
-    it finds a target no noise can meet before Ray starts."""
-    from dpfl_ray.privacy.calibration import calibrate_noise_multiplier, check_accounting_feasible
-    from dpfl_ray.privacy.dropouts import planned_noise_multipliers
-    from dpfl_ray.privacy.sampling import FixedSizeSampling, PoissonSampling
+    rounds, from the algorithm's own planned mechanism (None without a run-wide ledger)."""
+    from dpfl_ray.privacy.calibration import check_accounting_feasible
+    from dpfl_ray.runtime.privacy import planned_mechanism
 
-    from dpfl_ray.algorithms import algorithm_class
-
-    p, s = sc.privacy, sc.sampling
-    cls = algorithm_class(sc)
-    if not cls.private or cls.record_level:  # record-level ledgers compose per client, in rdp
+    mech = planned_mechanism(sc)
+    if mech is None:
         return None
-    sampling = (PoissonSampling(s.rate) if s.mode == "poisson"
-                else FixedSizeSampling(s.clients_per_round, sc.data.num_clients))
-    z = p.noise_multiplier
-    if z is None:
-        z = calibrate_noise_multiplier(p.target_epsilon, p.delta, sampling, sc.training.rounds,
-                                       "rdp-classic" if p.accountant == "rdp-classic" else "rdp")
-    if sc.training.algorithm == "baek":
-        z = planned_noise_multipliers(z, p.calibration, min_weight_fraction=p.min_weight_fraction)[1]
-    return check_accounting_feasible(p.accountant, z, sampling, sc.training.rounds, p.delta)
+    return check_accounting_feasible(sc.privacy.accountant, mech.noise_multipliers, mech.sampling,
+                                     sc.training.rounds, sc.privacy.delta)

@@ -25,6 +25,39 @@ def equivalent_multiplier(zs) -> float:
     return float(rdp_privacy_accountant._effective_gaussian_noise_multiplier(composed))
 
 
+def calibrated_noise_multiplier(scenario, weights, sizes, accountant: str) -> float:
+    """The user-facing z that meets ``privacy.target_epsilon`` over the planned rounds with
+    ``accountant``: the booked multiplier the accountant needs, divided by what one unit of z books
+    (every algorithm's booked multipliers are linear in z)."""
+    p = scenario.privacy
+    unit = make_algorithm(scenario, weights, 1.0, sizes=sizes).planned_mechanism()
+    booked = calibrate_noise_multiplier(p.target_epsilon, p.delta, unit.sampling, scenario.training.rounds,
+                                        accountant)
+    return booked / equivalent_multiplier(unit.noise_multipliers)
+
+
+def planned_mechanism(scenario, weights=None, sizes=None) -> Mechanism | None:
+    """A private scenario's round as planned, before any data exists: the algorithm over
+    placeholder equal weights and sizes unless given (no algorithm's booked multipliers depend on
+    them). A target epsilon is calibrated with rdp here (rdp-classic if the scenario says so):
+    milliseconds, and a target no noise can meet is found before Ray starts. None for an
+    algorithm without a ledger or with per-client (record-level) ledgers."""
+    from ..algorithms import algorithm_class
+
+    cls = algorithm_class(scenario)
+    if not cls.private or cls.record_level:
+        return None
+    p = scenario.privacy
+    if weights is None:
+        weights = np.ones(scenario.data.num_clients)
+        sizes = np.ones(scenario.data.num_clients, dtype=np.int64)
+    z = p.noise_multiplier
+    if z is None and p.target_epsilon is not None:
+        z = calibrated_noise_multiplier(scenario, weights, sizes,
+                                        "rdp-classic" if p.accountant == "rdp-classic" else "rdp")
+    return make_algorithm(scenario, weights, z, sizes=sizes).planned_mechanism()
+
+
 class RunPrivacy:
     def __init__(self, scenario, weights, sizes=None):
         self.sc = scenario
@@ -43,11 +76,7 @@ class RunPrivacy:
         self.server_precision = np.zeros(len(weights))
         self.server_blind = True  # every release so far carried noise the server cannot remove
         if self.noise_multiplier is None and p.target_epsilon is not None:
-            unit = make_algorithm(scenario, weights, 1.0, sizes=sizes).planned_mechanism()
-            booked = calibrate_noise_multiplier(p.target_epsilon, p.delta, unit.sampling,
-                                                scenario.training.rounds, p.accountant)
-            # every mechanism's booked multiplier is linear in z: scale the unit mechanism's
-            self.noise_multiplier = booked / equivalent_multiplier(unit.noise_multipliers)
+            self.noise_multiplier = calibrated_noise_multiplier(scenario, weights, sizes, p.accountant)
             self.calibrated = True
 
     def bind(self, algorithm) -> None:
