@@ -30,13 +30,23 @@ def ensure_ray(address: str | None = None) -> bool:
     return connect(address)
 
 
+_RAY_STOPPED = False
+
+
 def stop_ray() -> None:
     """Disconnect, and stop every process this one spawned: a private Ray's GCS, raylet, agents
     and workers (also after an interrupted start-up, which ray.shutdown does not know of)."""
+    global _RAY_STOPPED
     if ray.is_initialized():
         with contextlib.suppress(Exception):
             ray.shutdown()
     kill_descendants()
+    _RAY_STOPPED = not ray.is_initialized()
+
+
+def ray_stopped() -> bool:
+    """Did :func:`stop_ray` run last and leave nothing of Ray behind in this process?"""
+    return _RAY_STOPPED and not ray.is_initialized()
 
 
 def put_federation(fed: Federation, canaries: int = 0) -> dict:
