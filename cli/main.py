@@ -36,10 +36,12 @@ def main() -> None:
     if early is not None:  # interrupted while the command loaded: nothing has started
         sys.exit(early)
 
-    try:  # recent Typer vendors its own copy of click
+    try:  # recent Typer vendors its own copy of click, and keeps Abort and Exit in typer.exceptions
         from typer._click import exceptions as clickexc
+        from typer.exceptions import Abort
     except ImportError:  # pragma: no cover - older Typer on real click
         from click import exceptions as clickexc
+        from click.exceptions import Abort
 
     from rich.markup import escape
 
@@ -49,6 +51,8 @@ def main() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         rv = app(standalone_mode=False)
+    except SystemExit as exc:  # rich's answer to a closed pipe (`dpfl ... | head`), or a command's own exit
+        _leave(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
     except clickexc.NoArgsIsHelpError:
         _leave(0)  # Typer has already printed the help
     except clickexc.UsageError as err:
@@ -56,7 +60,7 @@ def main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(one_line(where + err.format_message()))}",
                           highlight=False, soft_wrap=True)
         _leave(2)
-    except (KeyboardInterrupt, clickexc.Abort):
+    except (KeyboardInterrupt, Abort):
         _leave(130)
     except clickexc.ClickException as err:
         err_console.print(f"[bold red]error:[/] {escape(one_line(err.format_message()))}", highlight=False,
@@ -78,13 +82,16 @@ def _leave(code: int) -> None:
     import os
     import sys
 
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (`dpfl ... | head`): say nothing more
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (OSError, ValueError):
+                pass
     driver = sys.modules.get("dpfl_ray.runtime.driver")
     if driver is not None and driver.ray_stopped():
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed pipe must not keep the code from being returned
-                pass
         os._exit(code)
     sys.exit(code)
 

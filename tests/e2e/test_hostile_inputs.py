@@ -214,3 +214,20 @@ def test_json_files_hold_no_nan_or_infinity(tmp_path):
     row = json.loads(line)
     assert row["test_loss"] is None and row["non_finite"] == {"test_loss": "nan", "epsilon": "inf"}
     assert json.loads(summary)["non_finite"] == {"final_loss": "nan"} and json.loads(summary)["history"][1] is None
+
+
+@pytest.mark.parametrize("args", [("--help",), ("scenarios", "list")])
+def test_a_reader_that_went_away_gets_no_traceback(args):
+    """`dpfl --help | head -1`: the pipe closes under rich's writes. Before, rich's SystemExit met an
+    except clause naming an Abort that Typer's vendored click does not have: a traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(ROOT))
+    env.pop("DPFL_DEBUG", None)
+    try:
+        res = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert res.returncode in (0, 1), res.stderr[-2000:]
+    assert res.stderr.strip() == "", res.stderr[-2000:]
