@@ -10,24 +10,18 @@ import csv
 import io
 import json
 import math
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import numpy as np
 import typer
 
-from dpfl_ray.algorithms.baek import booked_multiplier as baek_booked
-from dpfl_ray.algorithms.dp_fedavg import booked_multipliers as dp_fedavg_booked
+# Every dpfl command imports this module to list its options: the accounting library
+# (dp_accounting, and torch through the algorithms: ~3 s) is imported by the commands that use it.
+from dpfl_ray.defaults import DEFAULT_ACCOUNTANT, DEFAULT_MAX_ROUNDS
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.calibration import DEFAULT_MAX_ROUNDS, calibrate_noise
-from dpfl_ray.privacy.dropouts import planned_noise_multipliers
-from dpfl_ray.privacy.ledger import (
-    DEFAULT_ACCOUNTANT,
-    EpsilonCurve,
-    FixedSizeSampling,
-    PoissonSampling,
-    Sampling,
-)
-from dpfl_ray.privacy.validation import _check_delta, _check_epsilon, _check_noise, _check_rounds
+
+if TYPE_CHECKING:
+    from dpfl_ray.privacy.ledger import Sampling
 
 from .common import user_errors
 
@@ -69,6 +63,9 @@ def _mechanism(mechanism: str, distributed_options: bool) -> str:
 def _booked(mechanism: str, z: float, samp: Sampling) -> float:
     """The multiplier the ledger books for a round whose noise is z (std / clip norm for dp_fedavg,
     std / 2C for baek): the algorithms' own rule (dpfl_ray.privacy.sensitivity)."""
+    from dpfl_ray.algorithms.baek import booked_multiplier as baek_booked
+    from dpfl_ray.algorithms.dp_fedavg import booked_multipliers as dp_fedavg_booked
+
     if mechanism == "baek":
         return baek_booked(z)
     return dp_fedavg_booked(z, None, samp.neighboring_relation)[0]
@@ -76,6 +73,8 @@ def _booked(mechanism: str, z: float, samp: Sampling) -> float:
 
 def _sampling(sampling_rate: float | None, clients_per_round: int | None, num_clients: int | None,
               default_rate: float | None = None) -> Sampling:
+    from dpfl_ray.privacy.ledger import FixedSizeSampling, PoissonSampling
+
     fixed = clients_per_round is not None or num_clients is not None
     if fixed and sampling_rate is not None:
         raise DPFLError("give --sampling-rate or --clients-per-round with --num-clients, not both",
@@ -95,6 +94,8 @@ def _sampling(sampling_rate: float | None, clients_per_round: int | None, num_cl
 
 
 def _sampling_fields(s: Sampling) -> dict:
+    from dpfl_ray.privacy.ledger import PoissonSampling
+
     if isinstance(s, PoissonSampling):
         return {"sampling": "poisson", "sampling_rate": s.rate, "clients_per_round": None,
                 "num_clients": None, "neighboring_relation": "add_or_remove_one"}
@@ -181,6 +182,10 @@ def epsilon(
 
     "epsilon" is always the effective value; "epsilon_claimed" is what the planned z would give.
     """
+    from dpfl_ray.privacy.dropouts import planned_noise_multipliers
+    from dpfl_ray.privacy.ledger import EpsilonCurve, FixedSizeSampling
+    from dpfl_ray.privacy.validation import _check_noise
+
     mechanism = _mechanism(mechanism, bool(dropout_rate or calibration_dropout_rate or calibration != "none"))
     if mechanism == "nbafl":
         return _nbafl_epsilon(rounds, delta, accountant, nbafl_epsilon, clip_norm, min_size, exposures, clients,
@@ -227,6 +232,7 @@ def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exp
     same noise (record level, replace one, unsampled Gaussians over the T rounds)."""
     from dpfl_ray.algorithms.nbafl import claim_note, downlink_std, round_multipliers, uplink_std
     from dpfl_ray.privacy import NoSampling, PrivacyLedger
+    from dpfl_ray.privacy.validation import _check_delta, _check_epsilon, _check_rounds
 
     if paper_epsilon is None:
         raise DPFLError("required with --mechanism nbafl: the paper's epsilon", field="nbafl_epsilon")
@@ -280,6 +286,8 @@ def noise(
     as_json: JsonOpt = False,
 ) -> None:
     """The smallest noise multiplier whose epsilon after T rounds is <= the target."""
+    from dpfl_ray.privacy.calibration import calibrate_noise
+
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
     mechanism = _mechanism(mechanism, False)
     cal = calibrate_noise(epsilon, delta, samp, rounds, accountant)
@@ -303,7 +311,7 @@ def _most_rounds(m: int) -> str:
     return f">= {DEFAULT_MAX_ROUNDS:.0e}".replace("e+0", "e") if m >= DEFAULT_MAX_ROUNDS else f"{m:,}"
 
 
-def _curve_notes(curves: list[EpsilonCurve], accountant: str) -> list[str]:
+def _curve_notes(curves: list, accountant: str) -> list[str]:
     """Where the table's numbers did not come from ``accountant`` on its usual grid, and why."""
     used = [(t, u, n) for curve in curves for t, (u, n) in curve.accountants_used.items()]
     fallback = sorted({t for t, u, _ in used if u != accountant})
@@ -338,6 +346,9 @@ def table(
     given), delta=1e-5, dropout 0 / 0.1 / 0.3, budgets 2 / 4 / 8. Each entry is one dp_accounting
     composition of T identical rounds (``count=T``), so the pld table takes ~10-20 s.
     """
+    from dpfl_ray.privacy.ledger import EpsilonCurve
+    from dpfl_ray.privacy.validation import _check_noise
+
     samp = _sampling(sampling_rate, clients_per_round, num_clients, default_rate=0.01)
     rates = _floats(dropout_rates, "dropout_rates")
     budget_list = _floats(budgets, "budgets")

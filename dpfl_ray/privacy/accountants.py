@@ -52,7 +52,7 @@ from dpfl_ray.privacy.bounded_pld import (  # noqa: F401 - re-exported: the name
 )
 
 ACCOUNTANTS = ("pld", "rdp", "rdp-classic")
-DEFAULT_ACCOUNTANT = "pld"
+from dpfl_ray.defaults import DEFAULT_ACCOUNTANT  # noqa: E402 - re-exported
 CLASSIC_RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
 
 __all__ = ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "PLD_VALUE_DISCRETIZATION_INTERVAL", "CLASSIC_RDP_ORDERS"]

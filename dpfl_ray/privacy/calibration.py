@@ -21,7 +21,7 @@ from dpfl_ray.privacy.accountants import (
 from dpfl_ray.privacy.sampling import Sampling, _multipliers, _round_event, as_sampling, effective_noise_multiplier
 from dpfl_ray.privacy.validation import _check_delta, _check_dropout, _check_epsilon, _check_int, _check_rounds
 
-DEFAULT_MAX_ROUNDS = 10**7
+from dpfl_ray.defaults import DEFAULT_MAX_ROUNDS  # noqa: E402 - re-exported
 # A calibration makes ~12 accountant calls; each gets this share of one call's point bounds, which
 # still keeps 1e-4 (and so the historical numbers) for z >= ~0.7 at q = 0.01.
 CALIBRATION_BUDGET = 0.45

@@ -1,0 +1,7 @@
+"""Defaults the library and the CLI share, in a module that imports nothing: every ``dpfl``
+command reads them while it lists its options, before any accounting library is loaded."""
+
+#: the accountant a scenario or ``dpfl privacy`` uses unless told otherwise
+DEFAULT_ACCOUNTANT = "pld"
+#: where searches over the number of rounds stop ("at least this many")
+DEFAULT_MAX_ROUNDS = 10**7
