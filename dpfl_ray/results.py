@@ -126,9 +126,10 @@ class RunRecord:
         (self.path / "scenario.yaml").write_text(yaml_text)
 
     def add_round(self, record: dict) -> None:
-        self.rounds.append(record)
+        """Append a row to rounds.jsonl; it counts as written (``rounds``) once it is on its way to disk."""
         self._rounds_file.write(dumps(record) + "\n")
         self._rounds_file.flush()
+        self.rounds.append(record)
 
     def write_json(self, name: str, obj) -> None:
         """Atomically: a reader (or a run killed mid-write) sees the old file or the new, never half."""

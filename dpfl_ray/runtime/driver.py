@@ -83,7 +83,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     timings = Timings(t0, dict(startup or {}))
     shutdown = shutdown or Shutdown()
     record.write_scenario(scenario.to_yaml())
-    coord, seen, stop_reason, error = None, 0, "completed", None
+    coord, run_ref, seen, stop_reason, error = None, None, 0, "completed", None
     try:
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
@@ -112,12 +112,13 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
-        if coord is not None:
-            with contextlib.suppress(ray.exceptions.RayError), shutdown.protect():
-                coord.stop.remote()
-                ray.wait([run_ref], timeout=STOP_GRACE_SECONDS)
+        _stop_between_rounds(coord, run_ref, shutdown)
     except ray.exceptions.RayError as err:
         stop_reason, error = "error", _one_line(err)
+    except Exception as err:  # noqa: BLE001 - e.g. an OSError writing a row: the summary still gets written
+        stop_reason = "error"
+        error = _one_line(err) if isinstance(err, DPFLError) else f"{type(err).__name__}: {_one_line(err)}"
+        _stop_between_rounds(coord, run_ref, shutdown)
     with shutdown.protect():
         if shutdown.requested:
             stop_reason = "interrupted"
@@ -127,14 +128,27 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     return summary
 
 
+def _stop_between_rounds(coord, run_ref, shutdown: Shutdown) -> None:
+    """Ask the coordinator (if it exists yet) to stop after the round in flight, and give that
+    round (if the run has begun) a moment."""
+    if coord is None:
+        return
+    with contextlib.suppress(ray.exceptions.RayError), shutdown.protect():
+        coord.stop.remote()
+        if run_ref is not None:
+            ray.wait([run_ref], timeout=STOP_GRACE_SECONDS)
+
+
 def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up_to: int | None = None) -> int:
     """Write the round events to rounds.jsonl (up to round ``up_to``); returns how many events have
-    been read in all."""
+    been read in all. A round already in ``record`` is not written again (a batch cut short by a
+    failed write is read again from its start)."""
     for ev in events:
         if ev.get("event") == "round":
             if up_to is not None and ev["round"] > up_to:
                 break
-            record.add_round({k: v for k, v in ev.items() if k != "event"})
+            if not record.rounds or ev["round"] > record.rounds[-1]["round"]:
+                record.add_round({k: v for k, v in ev.items() if k != "event"})
         seen += 1
         if on_event:
             on_event(ev)
@@ -157,9 +171,10 @@ def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | Non
     try:
         state = ray.get(coord.committed.remote(), timeout=CALL_TIMEOUT_SECONDS)
         events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
-        _write_events(events, seen, record, None, up_to=state["rounds"])
     except ray.exceptions.RayError:
         return None
+    with contextlib.suppress(OSError):  # rows that still cannot be written: the summary says why
+        _write_events(events, seen, record, None, up_to=state["rounds"])
     return state
 
 

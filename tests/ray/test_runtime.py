@@ -85,3 +85,30 @@ def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
     assert rounds[1]["survived"] == 10  # the replacement worker serves round 2
     assert len(set(pids) & {i["pid"] for i in ray_session.get(coord.worker_info.remote())}) == 1
     ray_session.kill(coord)
+
+
+def test_a_row_that_cannot_be_written_still_leaves_a_summary(ray_session, tmp_path, monkeypatch):
+    """An OSError writing rounds.jsonl (a full disk, a vanished mount) used to escape the driver's
+    loop and skip the summary. Now the run stops between rounds, writes what it can -- every row
+    once, in order -- and the summary says why."""
+    from dpfl_ray.errors import DPFLError
+
+    calls = {"n": 0}
+    real = RunRecord.add_round
+
+    def fails_once(self, row):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        real(self, row)
+
+    monkeypatch.setattr(RunRecord, "add_round", fails_once)
+    sc = tiny_scenario(training={"rounds": 8})
+    with pytest.raises(DPFLError, match="No space left on device"):
+        run_scenario(sc, build_federation(sc), RunRecord(tmp_path / "run"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert summary["stop_reason"] == "error" and "OSError" in summary["error"]
+    assert [r["round"] for r in rows] == list(range(1, len(rows) + 1))
+    assert summary["rounds_completed"] == len(rows) >= 2
+    assert (tmp_path / "run" / "model.pt").stat().st_size > 0
