@@ -104,3 +104,13 @@ def test_malformed_command_lines_are_one_line(args, needle):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_the_command_line_loads_no_accounting_or_training_library():
+    """Every dpfl command imports cli.main to list its commands; dp_accounting, torch, ray and
+    matplotlib load only in the commands that use them (they cost ~3 s before)."""
+    code = ("import sys, cli.main; "
+            "print(sorted(m for m in ('torch', 'dp_accounting', 'ray', 'matplotlib') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
