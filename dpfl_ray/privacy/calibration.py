@@ -197,8 +197,8 @@ class NoiseCalibration:
 
 
 def _bracket(eps, target: float, rounds: int, start: float, shrink: float = 0.5) -> tuple[float, float]:
-    """[lo, hi] with eps(lo) > target >= eps(hi), by doubling from ``start``, then stepping down by
-    ``shrink``."""
+    """[lo, hi] with eps(lo) > target >= eps(hi), by doubling from ``start``, then stepping down:
+    first by ``shrink``, then by halves."""
     hi = start
     while eps(hi) > target:
         hi *= 2.0
@@ -207,7 +207,7 @@ def _bracket(eps, target: float, rounds: int, start: float, shrink: float = 0.5)
                             field="epsilon")
     lo = hi * shrink
     while eps(lo) <= target:
-        hi, lo = lo, lo * shrink
+        hi, lo = lo, lo / 2.0
         if lo < 1e-4:
             raise DPFLError(f"epsilon {target:g} is met even with a noise multiplier below 1e-4",
                             field="epsilon")
