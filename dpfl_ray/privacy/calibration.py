@@ -9,6 +9,7 @@ from typing import Sequence
 import dp_accounting
 from dp_accounting import dp_event as dpe
 
+from dpfl_ray.defaults import DEFAULT_MAX_ROUNDS
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.accountants import (
     DEFAULT_ACCOUNTANT,
@@ -21,7 +22,6 @@ from dpfl_ray.privacy.accountants import (
 from dpfl_ray.privacy.sampling import Sampling, _multipliers, _round_event, as_sampling, effective_noise_multiplier
 from dpfl_ray.privacy.validation import _check_delta, _check_dropout, _check_epsilon, _check_int, _check_rounds
 
-from dpfl_ray.defaults import DEFAULT_MAX_ROUNDS  # noqa: E402 - re-exported
 # A calibration makes ~12 accountant calls; each gets this share of one call's point bounds, which
 # still keeps 1e-4 (and so the historical numbers) for z >= ~0.7 at q = 0.01.
 CALIBRATION_BUDGET = 0.45

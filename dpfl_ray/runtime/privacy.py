@@ -36,10 +36,9 @@ def calibrated_noise_multiplier(scenario, weights, sizes, accountant: str) -> fl
     return booked / equivalent_multiplier(unit.noise_multipliers)
 
 
-def planned_mechanism(scenario, weights=None, sizes=None) -> Mechanism | None:
+def planned_mechanism(scenario) -> Mechanism | None:
     """A private scenario's round as planned, before any data exists: the algorithm over
-    placeholder equal weights and sizes unless given (no algorithm's booked multipliers depend on
-    them). A target epsilon is calibrated with rdp here (rdp-classic if the scenario says so):
+    placeholder equal weights and sizes (no algorithm's booked multipliers depend on them). A target epsilon is calibrated with rdp here (rdp-classic if the scenario says so):
     milliseconds, and a target no noise can meet is found before Ray starts. None for an
     algorithm without a ledger or with per-client (record-level) ledgers."""
     from ..algorithms import algorithm_class
@@ -48,9 +47,8 @@ def planned_mechanism(scenario, weights=None, sizes=None) -> Mechanism | None:
     if not cls.private or cls.record_level:
         return None
     p = scenario.privacy
-    if weights is None:
-        weights = np.ones(scenario.data.num_clients)
-        sizes = np.ones(scenario.data.num_clients, dtype=np.int64)
+    weights = np.ones(scenario.data.num_clients)
+    sizes = np.ones(scenario.data.num_clients, dtype=np.int64)
     z = p.noise_multiplier
     if z is None and p.target_epsilon is not None:
         z = calibrated_noise_multiplier(scenario, weights, sizes,

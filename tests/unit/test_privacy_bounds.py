@@ -148,8 +148,8 @@ def test_point_bounds_are_a_few_hundred_mb():
 
 
 def test_pld_calibration_over_ten_million_rounds_takes_few_pld_accountants(monkeypatch):
-    """`dpfl privacy noise --epsilon 1 --rounds 10000000` built 58 PLD accountants (13 s) searching
-    z = 135 to an absolute 1e-5; the search now starts just under rdp's answer, to 1e-5 of it."""
+    """`dpfl privacy noise --epsilon 1 --rounds 10000000` built 42 PLD accountants (13 s) searching
+    z = 135 to an absolute 1e-5; the search now starts close to rdp's answer, to 1e-5 of it."""
     from dpfl_ray.privacy import calibration
 
     built = []
