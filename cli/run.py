@@ -139,6 +139,11 @@ def _print_summary(summary: dict, record) -> None:
     acc = summary["final_accuracy"]
     console.print(f"{summary['stop_reason']}: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f}s, "
                   f"final test accuracy {acc if acc is None else f'{acc:.4f}'}; files in {record.path}")
+    ca = summary.get("client_accuracy") or {}
+    if ca.get("clients"):
+        groups = "; ".join(f"{label} {g['mean']:.4f}" for label, g in (ca.get("by_group") or {}).items())
+        console.print(f"each client's own model after the last round ({ca['clients']} clients): mean {ca['mean']:.4f}, "
+                      f"min {ca['min']:.4f}, max {ca['max']:.4f}" + (f"; by group: {groups}" if groups else ""))
     if "epsilon" not in summary:
         return
     eps = summary["epsilon"]

@@ -339,6 +339,43 @@ def plot_client_epsilon(runs: list[Run], path: Path) -> Path | None:
     return _save(fig, ax, path, "epsilon of the client's records", "clients", "Per-client epsilon (record level)")
 
 
+def client_accuracy_groups(run: Run) -> dict[str, dict]:
+    """summary.json's ``client_accuracy`` (output.client_accuracy: each client's own model in the
+    last round) as {group: {"mean", "min", "max"}}, one group "all clients" when the algorithm does
+    not label clients; {} when the run has none or the figures are not numbers."""
+    ca = run.summary.get("client_accuracy")
+    if not isinstance(ca, dict):
+        return {}
+    groups = ca.get("by_group") if isinstance(ca.get("by_group"), dict) else {"all clients": ca}
+    out = {}
+    for label, stats in groups.items():
+        values = [stats.get(k) if isinstance(stats, dict) else None for k in ("mean", "min", "max")]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            out[str(label)] = dict(zip(("mean", "min", "max"), map(float, values)))
+    return out
+
+
+def plot_client_accuracy(runs: list[Run], path: Path) -> Path | None:
+    """Each run's per-client accuracy by group (Huang et al. 2020, Fig. 7): the mean, with a bar
+    from the worst client to the best."""
+    runs = [(i, r, client_accuracy_groups(r)) for i, r in enumerate(runs)]
+    runs = [(i, r, g) for i, r, g in runs if g]
+    if not runs:
+        return None
+    labels = list(dict.fromkeys(label for _, _, g in runs for label in g))
+    fig, ax = _pyplot().subplots(figsize=(max(6, 1.2 * len(labels) + 3), 4.5))
+    width = 0.8 / len(runs)
+    for k, (i, run, groups) in enumerate(runs):
+        xs = [j + (k - (len(runs) - 1) / 2) * width for j, label in enumerate(labels) if label in groups]
+        st = [groups[label] for label in labels if label in groups]
+        ax.errorbar(xs, [s["mean"] for s in st], yerr=[[s["mean"] - s["min"] for s in st],
+                                                       [s["max"] - s["mean"] for s in st]],
+                    fmt="o", capsize=4, color=_color(i), label=run.legend)
+    ax.set_xticks(range(len(labels)), labels)
+    return _save(fig, ax, path, "client group", "test accuracy of the client's own model",
+                 "Per-client accuracy (mean, worst to best)")
+
+
 def write_report(runs: list[Run], out: Path) -> tuple[list[dict], list[Path]]:
     """Build the rows, write ``report.csv`` and every non-empty plot into ``out``; return rows and paths."""
     out.mkdir(parents=True, exist_ok=True)
@@ -346,7 +383,8 @@ def write_report(runs: list[Run], out: Path) -> tuple[list[dict], list[Path]]:
     written = [write_csv(rows, out / "report.csv")]
     for plot, name in ((plot_accuracy, "accuracy.png"), (plot_epsilon, "epsilon.png"),
                        (plot_accuracy_vs_epsilon, "accuracy_vs_epsilon.png"),
-                       (plot_client_epsilon, "client_epsilon.png")):
+                       (plot_client_epsilon, "client_epsilon.png"),
+                       (plot_client_accuracy, "client_accuracy.png")):
         path = plot(runs, out / name)
         if path is not None:
             written.append(path)

@@ -34,6 +34,38 @@ def versions() -> dict:
     return out
 
 
+def client_accuracy_summary(accuracy: dict[int, float], groups: dict[int, str] | None = None) -> dict:
+    """Per-client accuracies (client id -> accuracy of its own model) summarised for rounds.jsonl
+    and summary.json: count, mean, min, median, max over clients, the same per group (e.g. Huang
+    et al.'s budget categories, Fig. 7) when ``groups`` labels the clients, and every client's
+    figure under ``per_client`` (JSON keys are strings)."""
+    def stats(values: list[float]) -> dict:
+        v = np.asarray(values, dtype=np.float64)
+        return {"clients": int(v.size), "mean": float(v.mean()), "min": float(v.min()),
+                "median": float(np.median(v)), "max": float(v.max())}
+
+    if not accuracy:
+        return {"clients": 0}
+    ids = sorted(accuracy)
+    out = stats([accuracy[c] for c in ids])
+    if groups:
+        by: dict[str, list[float]] = {}
+        for c in ids:
+            by.setdefault(groups.get(c, "unlabelled"), []).append(accuracy[c])
+        out["by_group"] = {label: stats(values) for label, values in sorted(by.items(), key=_group_order)}
+    out["per_client"] = {str(c): float(accuracy[c]) for c in ids}
+    return out
+
+
+def _group_order(item):
+    """Groups labelled ``name=number`` sort by the number, others by name."""
+    label = item[0]
+    try:
+        return (0, float(label.rsplit("=", 1)[-1]), label)
+    except ValueError:
+        return (1, 0.0, label)
+
+
 def default_run_dir(base: str, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(base) / name / stamp

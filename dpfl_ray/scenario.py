@@ -378,6 +378,10 @@ class OutputConfig(_Section):
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(1, ge=0, description="write checkpoint.npz every k rounds (0: never); "
                                                          "dpfl run --resume continues from it")
+    client_accuracy: bool = Field(False, description="in the last planned round, evaluate each surviving "
+                                  "client's own model (the broadcast model after its local training, before "
+                                  "clipping or noise) on the test split: summary.json's client_accuracy "
+                                  "(Huang et al. 2020, Fig. 7)")
 
 
 class Scenario(_Section):

@@ -94,6 +94,9 @@ class ClientSpec:
     ``per_client``: the server needs each client's upload (e.g. the median of their norms); by
     default workers send only partial sums of w_i * upload (the aggregation tree).
     ``local``: the client trains with this procedure instead of Alg. 1 SGD, and reports.
+    ``evaluate_local``: also evaluate each client's own model theta + Delta (before clipping or
+    noise) on the test split, reported as ``local_test_accuracy`` / ``local_test_loss`` in its
+    ClientReport; the coordinator sets it (``output.client_accuracy``), never an algorithm.
     """
 
     clip_norm: float | None = None
@@ -103,6 +106,7 @@ class ClientSpec:
     prox_mu: float = 0.0
     per_client: bool = False
     local: LocalProcedure | None = None
+    evaluate_local: bool = False
 
     @property
     def extra_dims(self) -> int:
@@ -271,6 +275,11 @@ class Algorithm(ABC):
     def summary_fields(self) -> dict:
         """Scenario facts worth a column in summary.json and ``dpfl report``."""
         return {}
+
+    def client_groups(self) -> Mapping[int, str] | None:
+        """A label per client by which per-client results are grouped (e.g. Huang et al.'s
+        budget categories, Fig. 7); None: one group."""
+        return None
 
     def canary_norm(self) -> float | None:
         """How far one protected unit can move what it sends when it is added (the add/remove

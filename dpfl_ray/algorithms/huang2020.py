@@ -94,6 +94,10 @@ class Huang2020(Algorithm):
         return {"category_budgets": sorted(set(float(b) for b in self.budget_of)),
                 "budget_calibration": self.config.calibration}
 
+    def client_groups(self) -> dict[int, str]:
+        """Fig. 7's categories: a client's budget eps_k."""
+        return {c: f"eps_k={b:g}" for c, b in enumerate(self.budget_of)}
+
     def state_dict(self) -> dict:
         return {"spent": [float(v) for v in self.spent]}
 

@@ -22,6 +22,7 @@ from ..models import build_model, evaluate, get_flat, set_flat
 from ..sampling import sample_clients
 from ..scenario import Scenario
 from ..privacy.audit import AuditAccumulator
+from ..results import client_accuracy_summary
 from .messages import Canaries
 from .privacy import ClientPrivacy, RunPrivacy
 from .resources import assign_clients, assign_groups, plan_pool, summation_groups
@@ -215,6 +216,8 @@ class Coordinator:
         extra, rejected = {}, {}
         abort = alg.begin_round(t, sampled)
         spec = alg.client_spec() if abort is None else None
+        if spec is not None and sc.output.client_accuracy and t + 1 == sc.training.rounds:
+            spec = dataclasses.replace(spec, evaluate_local=True)  # Huang et al. Fig. 7: each user's model
         canaries = None
         if abort is None and self.audit is not None:
             canaries = Canaries(self.audit.seed, self.num_real, float(alg.canary_norm()))
@@ -260,6 +263,10 @@ class Coordinator:
         if metrics:
             extra["eval_seconds"] = time.perf_counter() - t_eval
         alg.observe(t, metrics)
+        if spec is not None and spec.evaluate_local:
+            local = {c: r.values["local_test_accuracy"] for c, r in outcome.reports.items()
+                     if "local_test_accuracy" in r.values}
+            extra["client_accuracy"] = client_accuracy_summary(local, alg.client_groups())
         dropped.update({c: f"{REJECTED}@upload" for c in rejected})
         tallied = tally(dropped)
         if rejected:

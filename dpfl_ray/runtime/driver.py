@@ -218,6 +218,9 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timing
                "versions": versions()}
     if error:
         summary["error"] = error
+    client_acc = next((r["client_accuracy"] for r in reversed(rounds) if "client_accuracy" in r), None)
+    if client_acc is not None:  # rounds.jsonl keeps every client's figure; the summary the groups
+        summary["client_accuracy"] = {k: v for k, v in client_acc.items() if k != "per_client"}
     ledger = state.get("ledger") if state else None
     if ledger is not None:
         record.write_json("ledger.json", ledger)

@@ -8,6 +8,7 @@ algorithm runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -16,7 +17,7 @@ import ray
 import torch
 
 from .. import rng as rngmod
-from ..algorithms import ClientSpec
+from ..algorithms import ClientReport, ClientSpec
 from ..local import local_update
 from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
 from ..models import build_model, evaluate, set_flat
@@ -115,12 +116,26 @@ class ClientWorker:
         check runs here, before the update is summed or masked, because after that no one can
         look at it alone."""
         out = {}
-        for cid, delta in self._train(round_idx, theta, cids, spec).items():
+        trained = self._train(round_idx, theta, cids, spec)
+        if spec.evaluate_local:
+            self._evaluate_local(theta, trained)
+        for cid, delta in trained.items():
             if cid in chaos.corrupt:
                 delta = corrupt(delta, chaos.corrupt[cid], corruption_rng(self.sc.seed, round_idx, cid))
             reason = check_update(delta, theta.size, chaos.max_norm)
             out[cid] = (None, reason) if reason else (delta, None)
         return out
+
+    def _evaluate_local(self, theta: np.ndarray, trained: dict[int, np.ndarray]) -> None:
+        """Each real client's own model theta + Delta on the test split, into its report."""
+        first_canary = self._canaries.first_id if self._canaries is not None else None
+        for cid, delta in trained.items():
+            if first_canary is not None and cid >= first_canary:
+                continue
+            acc, loss = self.evaluate(theta + delta)
+            report = self._reports.get(cid, ClientReport())
+            self._reports[cid] = dataclasses.replace(
+                report, values={**report.values, "local_test_accuracy": acc, "local_test_loss": loss})
 
     def run_clients(self, round_idx: int, theta: np.ndarray, groups: dict[int, list[int]],
                     undelivered: list[int], spec: ClientSpec, chaos: WorkerChaos = WorkerChaos(),

@@ -182,3 +182,26 @@ def test_record_level_runs_get_a_per_client_epsilon_histogram(runs, tmp_path):
     (rl / "ledger.json").write_bytes(b"\x00 not json")  # a broken ledger loses the plot, not the report
     res = report(runs[1], rl, "--out", tmp_path / "rep2")
     assert res.exit_code == 0 and not (tmp_path / "rep2" / "client_epsilon.png").exists()
+
+
+def test_per_client_accuracy_is_plotted_by_group(runs, tmp_path):
+    from dpfl_ray.report import client_accuracy_groups, load_run
+
+    groups = {"eps_k=1": {"clients": 2, "mean": 0.5, "min": 0.4, "median": 0.5, "max": 0.6},
+              "eps_k=8": {"clients": 2, "mean": 0.7, "min": 0.65, "median": 0.7, "max": 0.75}}
+    huang = _write_run(tmp_path / "runs" / "huang", {
+        "name": "huang", "final_accuracy": 0.6, "rounds_completed": 1, "rounds_planned": 1, "stop_reason": "completed",
+        "wall_seconds": 5.0, "seed": 0, "client_accuracy": {"clients": 4, "mean": 0.6, "min": 0.4, "median": 0.6,
+                                                            "max": 0.75, "by_group": groups},
+    }, [_round(1, 0.6, 10)])
+    assert client_accuracy_groups(load_run(huang)) == {
+        "eps_k=1": {"mean": 0.5, "min": 0.4, "max": 0.6}, "eps_k=8": {"mean": 0.7, "min": 0.65, "max": 0.75}}
+    res = report(runs[0], huang, "--out", tmp_path / "rep")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "rep" / "client_accuracy.png").read_bytes()[:8] == PNG_MAGIC
+    # a group whose figures are not numbers is left out of the plot, not the report
+    (huang / "summary.json").write_text(json.dumps({**json.loads((huang / "summary.json").read_text()),
+                                                    "client_accuracy": {"by_group": {"x": {"mean": "high"}}}}))
+    res = report(runs[0], huang, "--out", tmp_path / "rep2")
+    assert res.exit_code == 0 and not (tmp_path / "rep2" / "client_accuracy.png").exists()
+    assert not (tmp_path / "rep" / "client_epsilon.png").exists()

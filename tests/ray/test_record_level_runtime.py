@@ -64,13 +64,42 @@ def test_huang_spends_within_each_budget(ray_session, tmp_path):
                        sampling={"mode": "fixed", "clients_per_round": 20},
                        privacy={"accountant": "rdp", "delta": 1e-3, "clipping": {"norm": 0.05},
                                 "huang2020": {"category_budgets": [0.05, 0.1, 0.2, 0.4],
-                                              "step_sizes": [0.5, 2.0]}})
+                                              "step_sizes": [0.5, 2.0]}},
+                       output={"client_accuracy": True})
     fed, summary, rows, ledger = _run(sc, tmp_path / "huang")
     alg = make_algorithm(sc, fed.weights, sizes=fed.sizes)
     spent = {int(c): v for c, v in ledger["budget_spent"].items()}
     assert spent and all(v <= alg.budget_of[c] + 1e-12 for c, v in spent.items())
     assert summary["epsilon_claimed"] == pytest.approx(max(spent.values()))
     assert len(rows) == 3 and all(r["sampled"] == 20 for r in rows)
+    # Fig. 7: each surviving user's own model in the last round, grouped by its budget category
+    assert all("client_accuracy" not in r for r in rows[:-1])
+    per_client = rows[-1]["client_accuracy"]["per_client"]
+    assert len(per_client) == rows[-1]["survived"] > 0
+    by_group = summary["client_accuracy"]["by_group"]
+    assert list(by_group) == [f"eps_k={b:g}" for b in (0.05, 0.1, 0.2, 0.4)
+                              if any(alg.budget_of[int(c)] == b for c in per_client)]
+    for label, stats in by_group.items():
+        mine = [a for c, a in per_client.items() if f"eps_k={alg.budget_of[int(c)]:g}" == label]
+        assert stats["clients"] == len(mine) and stats["mean"] == pytest.approx(sum(mine) / len(mine))
+    assert "per_client" not in summary["client_accuracy"]
+
+
+def test_a_lone_clients_own_model_is_the_next_global_model(ray_session, tmp_path):
+    # FedAvg with one client per round and server_lr 1 moves the global model to that client's own
+    # model, so the client's accuracy is the run's final accuracy, evaluated the same way
+    sc = tiny_scenario(training={"rounds": 2}, sampling={"mode": "fixed", "clients_per_round": 1},
+                       output={"client_accuracy": True})
+    _, summary, rows = _run_plain(sc, tmp_path / "lone")
+    ((client, acc),) = rows[-1]["client_accuracy"]["per_client"].items()
+    assert acc == pytest.approx(summary["final_accuracy"], abs=1e-9)
+    assert summary["client_accuracy"]["clients"] == 1 and "by_group" not in summary["client_accuracy"]
+
+
+def _run_plain(sc, path):
+    fed = build_federation(sc)
+    summary = run_scenario(sc, fed, RunRecord(path))
+    return fed, summary, [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines()]
 
 
 def test_algorithm_state_round_trips_through_a_checkpoint():

@@ -35,3 +35,18 @@ def test_a_failed_model_write_keeps_the_previous_model(tmp_path):
     assert torch.equal(torch.load(tmp_path / "run" / "model.pt")["w"], torch.ones(3))
     assert not list((tmp_path / "run").glob(".*.tmp"))
     record.close()
+
+
+def test_client_accuracy_summary_groups_by_label_in_numeric_order():
+    from dpfl_ray.results import client_accuracy_summary
+
+    acc = {3: 0.5, 1: 0.9, 7: 0.7, 2: 0.6}
+    out = client_accuracy_summary(acc, {1: "eps_k=8", 2: "eps_k=1", 3: "eps_k=1", 7: "eps_k=2.75"})
+    assert out["clients"] == 4 and out["min"] == 0.5 and out["max"] == 0.9
+    assert out["median"] == pytest.approx(0.65) and out["mean"] == pytest.approx(0.675)
+    assert list(out["by_group"]) == ["eps_k=1", "eps_k=2.75", "eps_k=8"]  # 8 after 2.75: numbers, not text
+    assert out["by_group"]["eps_k=1"] == pytest.approx({"clients": 2, "mean": 0.55, "min": 0.5, "median": 0.55,
+                                                       "max": 0.6})
+    assert list(out["per_client"]) == ["1", "2", "3", "7"]
+    assert client_accuracy_summary({}) == {"clients": 0}
+    assert "by_group" not in client_accuracy_summary(acc)
