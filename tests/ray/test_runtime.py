@@ -60,8 +60,7 @@ def test_same_seed_same_model_for_any_pool_size(ray_session, tmp_path):
         sc = tiny_scenario(resources={"workers": workers, "num_cpus_per_worker": 0.5})
         _, rounds, state = _run(sc, tmp_path, f"w{workers}")
         results[workers] = ([r["test_accuracy"] for r in rounds], torch.cat([v.flatten() for v in state.values()]))
-    _, rounds, state = _run(tiny_scenario(resources={"workers": 2, "num_cpus_per_worker": 0.5}), tmp_path, "again")
-    assert [r["test_accuracy"] for r in rounds] == results[2][0]
+    # three separate runs agree to the bit, so a run also repeats itself
     for workers in (1, 4):
         assert results[workers][0] == results[2][0]
         assert torch.equal(results[workers][1], results[2][1])
