@@ -119,6 +119,17 @@ def noisy_argmax(scores: np.ndarray, sensitivity: float, epsilon: float, rng: np
     return int(np.argmax(noisy))
 
 
+# Budgets are sums of floats: after 19 rounds of 0.04 + 0.01 a budget of 1 has 0.04999999999999982
+# left, and the 20th round's 0.05 would be refused. A cost fits if it passes what is left by no more
+# than this fraction of the budget: float rounding, never a mechanism's worth.
+BUDGET_SLACK = 1e-12
+
+
+def fits(spent: float, cost: float, budget: float) -> bool:
+    """``spent + cost <= budget`` up to float rounding (:data:`BUDGET_SLACK` of the budget)."""
+    return spent + cost <= budget * (1 + BUDGET_SLACK)
+
+
 @dataclass(frozen=True)
 class HuangClientBudget:
     """A client's budget eps_k and what it spent so far, in the paper's units (linear, Alg. 1)."""
@@ -135,7 +146,7 @@ class HuangClientBudget:
     def exhausted(self, cfg: DPAGDConfig, total_rounds: int) -> bool:
         """True if this round cannot afford one gradient and one selection: the client quits
         (Huang et al. 2020, Sec. 4.2, after Alg. 3)."""
-        return self.round_budget(total_rounds) < cfg.epsilon_gradient + cfg.epsilon_selection
+        return not fits(0.0, cfg.epsilon_gradient + cfg.epsilon_selection, self.round_budget(total_rounds))
 
     def after(self, spent: float) -> "HuangClientBudget":
         return replace(self, spent=self.spent + spent)
@@ -222,7 +233,7 @@ def dpagd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     grads_of = per_example_grad_fn(model)
 
     def affordable(cost: float) -> bool:
-        return spent + cost <= round_budget
+        return fits(spent, cost, round_budget)
 
     while affordable(eps_g + eps_n) and len(zs) < cfg.max_iterations:
         z = gaussian_noise_multiplier(eps_g, cfg.calibration, cfg.delta)  # lines 5-8

@@ -63,6 +63,21 @@ def test_dpagd_never_spends_beyond_the_clients_budget_over_rounds():
     assert ledger.epsilon(0) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
 
 
+def test_a_budget_of_exactly_t_rounds_lasts_t_rounds():
+    # eps_k = 1 over T = 20 rounds at 0.04 + 0.01 a round (the Fig. 7 scenarios' lowest category):
+    # float sums leave 0.04999999999999982 before the last round, which must still run
+    model, x, y = problem()
+    c = cfg(epsilon_gradient=0.04, epsilon_selection=0.01)
+    budget, theta, ran = HuangClientBudget(epsilon=1.0), get_flat(model), 0
+    for r in range(20):
+        assert not budget.exhausted(c, 20), (r, budget)
+        res = dpagd_update(model, theta, x, y, c, budget.round_budget(20), seed=2, round_idx=r, client_id=0)
+        assert res.spent > 0 and len(res.gradient_noise_multipliers) == 1
+        budget, theta, ran = budget.after(res.spent), theta + res.update, ran + 1
+    assert ran == 20 and budget.exhausted(c, 20)
+    assert budget.spent == pytest.approx(1.0, abs=1e-12) and budget.spent <= 1.0 + 1e-12
+
+
 def test_split_moves_by_gamma_while_no_candidate_improves():
     model, x, y = problem()
     # step sizes so large that every move is worse than staying; eps_n large: the arg-max is exact
