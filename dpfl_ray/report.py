@@ -312,6 +312,11 @@ def plot_accuracy_vs_epsilon(runs: list[Run], path: Path) -> Path | None:
     return _save(fig, ax, path, "epsilon", "test accuracy", "Accuracy against privacy spent")
 
 
+def _finite_number(v) -> bool:
+    """A real number JSON can hold as a figure (not a bool, NaN or infinite)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def client_epsilons(run: Run) -> list[float]:
     """Record-level runs (Huang et al. 2020, Fu et al. 2022): each client's epsilon from ledger.json's
     ``per_client_epsilon``; [] for other runs or an unreadable ledger (the table does not need it)."""
@@ -322,7 +327,7 @@ def client_epsilons(run: Run) -> list[float]:
         values = ledger["per_client_epsilon"].values()
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
-    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return [float(v) for v in values if _finite_number(v)]
 
 
 def plot_client_epsilon(runs: list[Run], path: Path) -> Path | None:
@@ -350,7 +355,7 @@ def client_accuracy_groups(run: Run) -> dict[str, dict]:
     out = {}
     for label, stats in groups.items():
         values = [stats.get(k) if isinstance(stats, dict) else None for k in ("mean", "min", "max")]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        if all(_finite_number(v) for v in values):
             out[str(label)] = dict(zip(("mean", "min", "max"), map(float, values)))
     return out
 
