@@ -18,10 +18,12 @@ FU = {"algorithm": "adap_dpfl", "rounds": 12}
 
 
 def _run(sc, path):
+    """The run's federation, summary, rows and ledger (None for a run without one)."""
     fed = build_federation(sc)
     summary = run_scenario(sc, fed, RunRecord(path))
     rows = [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines()]
-    return fed, summary, rows, json.loads((path / "ledger.json").read_text())
+    ledger = path / "ledger.json"
+    return fed, summary, rows, json.loads(ledger.read_text()) if ledger.exists() else None
 
 
 def _fu(budget=1.0, sigma=4.0, beta=0.9):
@@ -90,16 +92,10 @@ def test_a_lone_clients_own_model_is_the_next_global_model(ray_session, tmp_path
     # model, so the client's accuracy is the run's final accuracy, evaluated the same way
     sc = tiny_scenario(training={"rounds": 2}, sampling={"mode": "fixed", "clients_per_round": 1},
                        output={"client_accuracy": True})
-    _, summary, rows = _run_plain(sc, tmp_path / "lone")
-    ((client, acc),) = rows[-1]["client_accuracy"]["per_client"].items()
+    _, summary, rows, _ = _run(sc, tmp_path / "lone")
+    ((_, acc),) = rows[-1]["client_accuracy"]["per_client"].items()
     assert acc == pytest.approx(summary["final_accuracy"], abs=1e-9)
     assert summary["client_accuracy"]["clients"] == 1 and "by_group" not in summary["client_accuracy"]
-
-
-def _run_plain(sc, path):
-    fed = build_federation(sc)
-    summary = run_scenario(sc, fed, RunRecord(path))
-    return fed, summary, [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines()]
 
 
 def test_algorithm_state_round_trips_through_a_checkpoint():
