@@ -4,6 +4,9 @@ import pytest
 
 # Keep the test Ray on the loopback interface: without this Ray swaps 127.0.0.1 for the routable IP.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# pytest-xdist's workers start with COLUMNS=80, which rich would fix as the width of the CLI's console
+# when cli.common is imported; without it the console reads COLUMNS per call, as the tests set it.
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture(scope="session")
