@@ -409,9 +409,9 @@ class Scenario(_Section):
     @model_validator(mode="after")
     def _algorithm_checks(self):
         # Each algorithm states what it needs from a scenario (algorithms/<name>.py).
-        from .algorithms import REGISTRY
+        from .algorithms import algorithm_class_named
 
-        cls = REGISTRY[self.training.algorithm]
+        cls = algorithm_class_named(self.training.algorithm)
         cls.check_scenario(self)
         if self.privacy.audit is not None and (not cls.private or cls.record_level):
             raise ValueError(f"privacy.audit: canary clients audit client-level mechanisms; "

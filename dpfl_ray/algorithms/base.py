@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping
+from typing import TYPE_CHECKING, ClassVar, Mapping
 
 import numpy as np
 
-from ..privacy.sampling import Sampling
+if TYPE_CHECKING:  # dp_accounting (and scipy) stay out of processes that only train: the workers
+    from ..privacy.sampling import Sampling
 
 
 @dataclass
@@ -138,7 +139,7 @@ class ClientSpec:
         """``update`` clipped to ``clip_norm``, with the indicator appended if asked."""
         if not self.clip_norm:
             return update
-        from ..privacy import clip_by_l2
+        from ..privacy.mechanisms import clip_by_l2
 
         clipped, norm = clip_by_l2(update, self.clip_norm)
         if self.indicator:
