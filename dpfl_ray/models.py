@@ -83,16 +83,40 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> tuple[float, float]:
-    """Test accuracy and mean cross-entropy loss."""
+# Evaluation runs in fixed row ranges of the split, whoever evaluates them: the pool shares them out
+# (runtime.resources.deal), and each range is one forward pass, so the figures are the same
+# for any pool size, and the same as evaluate() in one process.
+EVAL_SHARD_ROWS = 500
+
+
+def eval_shards(n: int, rows: int = EVAL_SHARD_ROWS) -> list[tuple[int, int]]:
+    """The row ranges [lo, hi) that evaluation of ``n`` examples is cut into."""
+    return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
+
+
+def shard_sums(model: nn.Module, x: np.ndarray, y: np.ndarray,
+               shards: list[tuple[int, int]]) -> list[tuple[int, float]]:
+    """(correct predictions, summed cross-entropy) of ``model`` on each row range of (x, y)."""
     model.eval()
     device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for lo, hi in shards:
+            logits = model(torch.from_numpy(x[lo:hi]).to(device))
+            yb = torch.from_numpy(y[lo:hi]).to(device)
+            out.append((int((logits.argmax(1) == yb).sum().item()),
+                        float(nn.functional.cross_entropy(logits, yb, reduction="sum").item())))
+    return out
+
+
+def combine_shards(sums: list[tuple[int, float]], n: int) -> tuple[float, float]:
+    """Accuracy and mean loss from per-range sums, added in range order."""
     correct, loss = 0, 0.0
-    for start in range(0, len(y), batch_size):
-        xb = torch.from_numpy(x[start:start + batch_size]).to(device)
-        yb = torch.from_numpy(y[start:start + batch_size]).to(device)
-        out = model(xb)
-        loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
-        correct += (out.argmax(1) == yb).sum().item()
-    return correct / len(y), loss / len(y)
+    for c, l in sums:
+        correct, loss = correct + c, loss + l
+    return correct / n, loss / n
+
+
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Test accuracy and mean cross-entropy loss."""
+    return combine_shards(shard_sums(model, x, y, eval_shards(len(y))), len(y))

@@ -18,14 +18,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_algorithm
 from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
-from ..models import build_model, evaluate, get_flat, set_flat
+from ..models import build_model, combine_shards, eval_shards, get_flat, set_flat, shard_sums
 from ..sampling import sample_clients
 from ..scenario import Scenario
 from ..privacy.audit import AuditAccumulator
 from ..results import client_accuracy_summary
 from .messages import Canaries
 from .privacy import ClientPrivacy, RunPrivacy
-from .resources import assign_clients, assign_groups, plan_pool, summation_groups
+from .resources import assign_clients, assign_groups, deal, plan_pool, summation_groups, undeal
 from .chaos import strike
 from .cluster import placement_summary
 from .messages import WorkerChaos
@@ -361,14 +361,25 @@ class Coordinator:
         return sorted(survivors), total, updates, rejected, reports
 
     def _evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
-        """On a worker (the coordinator reserves no CPU); the test split here only if no worker answers."""
+        """On the workers, idle at this point of the round, each taking its share of the split's
+        fixed row ranges (the coordinator reserves no CPU); the test split here only if the pool
+        does not answer. Either way the same ranges are added in the same order."""
+        n = len(self.y_test) if split == "test" else int(self._data["num_validation"])
+        shards = eval_shards(n)
+        share = deal(shards, len(self.workers))
         try:
-            return tuple(ray.get(self.workers[0].evaluate.remote(theta, split), timeout=CALL_TIMEOUT_SECONDS))
+            if not share:
+                raise IndexError("no worker")
+            theta_ref = ray.put(theta)
+            parts = ray.get([w.evaluate_shards.remote(theta_ref, split, part) for w, part in zip(self.workers, share)],
+                            timeout=CALL_TIMEOUT_SECONDS)
+            sums = undeal(parts)
         except (RayActorError, GetTimeoutError, IndexError):
             if split != "test":
                 raise
             set_flat(self.model, theta)
-            return evaluate(self.model, self.x_test, self.y_test)
+            sums = shard_sums(self.model, self.x_test, self.y_test, shards)
+        return combine_shards(sums, n)
 
     def _replace(self, dead: list) -> None:
         """A fresh worker for each dead one, a bounded number of times per run."""

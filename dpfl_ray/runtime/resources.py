@@ -82,3 +82,15 @@ def assign_groups(client_ids, sizes: np.ndarray, groups: int, num_workers: int) 
         out[w][g] = grouped[g]
         loads[w] += weight[g]
     return out
+
+
+def deal(items: list, k: int) -> list[list]:
+    """``items`` dealt round-robin to ``k`` idle workers (fewer when there are fewer items): how the
+    pool shares the server's evaluation ranges and SecAgg mask expansion."""
+    return [items[i::k] for i in range(min(k, len(items)))]
+
+
+def undeal(parts: list[list]) -> list:
+    """Each worker's per-item results, back in item order (the inverse of ``deal``)."""
+    n = sum(map(len, parts))
+    return [parts[i % len(parts)][i // len(parts)] for i in range(n)]

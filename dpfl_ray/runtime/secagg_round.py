@@ -18,7 +18,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
 from ..faults import CRASH, SECAGG_PHASE, STRAGGLER
 from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound
+from ..secagg.keys import expand_masks
+from ..secagg.server import MaskExpander
 from .messages import Encoding, PhaseReply, WorkerChaos
+from .resources import deal
 
 # The deadline of a round's phases when the scenario sets none: long enough for any honest round
 # here, short enough that one hung worker never hangs a run.
@@ -100,6 +103,27 @@ class _Phases:
             self.lost[cid] = why
 
 
+def pool_expander(workers: list, timeout: float) -> MaskExpander:
+    """The server's mask expansion (the bulk of its unmasking work) shared among the workers, idle
+    at that point, so the coordinator, which reserves no CPU, does not do it alone. Each worker
+    sums its share mod 2^bits; the shares are added here, which gives the same words in any split.
+    A share whose worker fails is expanded here."""
+    def expand(masks, dim: int, dtype: str) -> np.ndarray:
+        shares = deal(list(masks), len(workers))
+        if not shares:
+            return expand_masks(masks, dim, dtype)
+        refs = [w.expand_masks.remote(share, dim, dtype) for w, share in zip(workers, shares)]
+        total = np.zeros(dim, np.dtype(dtype))
+        for ref, share in zip(refs, shares):
+            try:
+                part = ray.get(ref, timeout=timeout)
+            except (RayActorError, GetTimeoutError):
+                part = expand_masks(share, dim, dtype)
+            np.add(total, part, out=total)
+        return total
+    return expand
+
+
 def _messages(replies: list[PhaseReply]):
     return (m for r in replies for m in r.messages)
 
@@ -168,7 +192,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
             request = server.request_layers(request, plan.layers_from)
         replies = timed("unmask", lambda: phases.call("unmask", lambda w, ids: w.secagg_unmask.remote(
             request, plan.calibration_n_prime)))
-        total = timed("reconstruct", lambda: server.receive_unmask(_messages(replies)))
+        total = timed("reconstruct", lambda: server.receive_unmask(_messages(replies),
+                                                                   pool_expander(list(phases.live), phases.timeout)))
     except SecAggAbort as err:
         return stopped("secagg_aborted", str(err))
     survivors = tuple(sorted(active[u] for u in server.u3))

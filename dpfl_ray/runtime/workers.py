@@ -20,12 +20,12 @@ from .. import rng as rngmod
 from ..algorithms import ClientReport, ClientSpec
 from ..local import local_update
 from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
-from ..models import build_model, evaluate, set_flat
+from ..models import build_model, combine_shards, eval_shards, set_flat, shard_sums
 from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import EncodingError, SecAggClient, encode, presum_masked
+from ..secagg.keys import expand_masks
 from ..faults import check_update, corrupt, corruption_rng
-from ..privacy.audit import canary_update
 from .messages import Canaries, Encoding, LocalReply, PhaseReply, WorkerChaos
 
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
@@ -87,6 +87,8 @@ class ClientWorker:
         canaries = self._canaries if with_canaries else None
         if canaries is not None:  # canary clients send their direction and train nothing
             real = [c for c in cids if c < canaries.first_id]
+            from ..privacy.audit import canary_update  # only audited runs pay for dp_accounting's import
+
             out = self._train(round_idx, theta, real, spec, with_canaries=False) if real else {}
             out.update({c: canary_update(canaries.seed, c - canaries.first_id, theta.size, canaries.norm)
                         for c in cids if c >= canaries.first_id})
@@ -180,14 +182,19 @@ class ClientWorker:
                           reports={c: reports[c] for c in ids if c in reports})
 
     def evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
-        """Accuracy and loss of ``theta`` on the test split (or the held-out validation split), with
-        one thread so the figures never depend on the pool."""
+        """Accuracy and loss of ``theta`` on the test split (or the held-out validation split)."""
+        x, y = (self.x_test, self.y_test) if split == "test" else (self.x_val, self.y_val)
+        return combine_shards(self.evaluate_shards(theta, split, eval_shards(len(y))), len(y))
+
+    def evaluate_shards(self, theta: np.ndarray, split: str, shards: list[tuple[int, int]]) -> list[tuple[int, float]]:
+        """(correct, summed loss) of ``theta`` on these row ranges of the test (or validation)
+        split, with one thread so the figures never depend on the pool."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             set_flat(self.model, theta)
             x, y = (self.x_test, self.y_test) if split == "test" else (self.x_val, self.y_val)
-            return evaluate(self.model, x, y)
+            return shard_sums(self.model, x, y, shards)
         finally:
             torch.set_num_threads(threads)
 
@@ -263,6 +270,11 @@ class ClientWorker:
                 terms[cid] = noise.calibration_term(cid, self._sa["weights"][idx], dim, calibration_n_prime)
                 sent[idx] += terms[cid].nbytes
         return PhaseReply(msgs, calibration=terms, bytes_sent=sent)
+
+    def expand_masks(self, masks: list[tuple[bytes, int]], dim: int, dtype: str) -> np.ndarray:
+        """The server's work, lent to this idle worker after the unmask phase: sum of
+        sign * PRG(seed) mod 2^bits over its share of the masks to remove (secagg.keys.expand_masks)."""
+        return expand_masks(masks, dim, dtype)
 
 
 def make_worker_class(num_cpus: float, num_gpus: float):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,3 +131,12 @@ def add_prg(acc: np.ndarray, seed: bytes, sign: int = 1) -> None:
     """``acc += sign * PRG(seed)`` in place, wrapping mod 2^bits."""
     words = prg(seed, acc.shape[0], acc.dtype.itemsize * 8)
     (np.add if sign > 0 else np.subtract)(acc, words, out=acc)
+
+
+def expand_masks(masks: Sequence[tuple[bytes, int]], dim: int, dtype: str) -> np.ndarray:
+    """sum of sign * PRG(seed) over ``masks`` mod 2^bits: the masks the server removes. Wrapping
+    sums are exact and commute, so any split of ``masks`` (summed again) gives the same words."""
+    acc = np.zeros(dim, dtype=np.dtype(dtype))
+    for seed, sign in masks:
+        add_prg(acc, seed, sign)
+    return acc

@@ -20,14 +20,17 @@ survivors that vanish during unmasking. Clients refuse ``k <= d`` (``d`` sampled
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from dpfl_ray.secagg import shamir
 from dpfl_ray.secagg.config import SecAggRoundConfig, check_round, wire_size
 from dpfl_ray.secagg.errors import SecAggAbort, SecAggProtocolError, ShamirError
-from dpfl_ray.secagg.keys import PURPOSE_MASK, add_prg, check_public_key, derive_keys, public_key_of
+from dpfl_ray.secagg.keys import PURPOSE_MASK, check_public_key, derive_keys, expand_masks, public_key_of
+
+# (masks as (seed, sign), dim, numpy dtype string) -> sum of sign * PRG(seed) mod 2^bits
+MaskExpander = Callable[[Sequence[tuple[bytes, int]], int, str], np.ndarray]
 
 
 class SecAggServer:
@@ -193,11 +196,13 @@ class SecAggServer:
         return out
 
     # Round 4 -- Unmasking
-    def receive_unmask(self, responses: Iterable[Mapping]) -> np.ndarray:
+    def receive_unmask(self, responses: Iterable[Mapping], expand: MaskExpander = expand_masks) -> np.ndarray:
         """Reconstruct ``b_u`` (u in U_3) and ``s_u^SK`` (u in U_2 \\ U_3); returns sum_{U_3} x_u mod 2^bits.
 
         After :meth:`request_layers` it also reconstructs the requested noise layer seeds of every
-        client of U_3 into :attr:`layer_seeds`.
+        client of U_3 into :attr:`layer_seeds`. ``expand(masks, dim, dtype)`` expands the masks to
+        remove, sum of sign * PRG(seed) (:func:`~dpfl_ray.secagg.keys.expand_masks` by default; the
+        runtime shares this, the bulk of the work, among its idle workers).
         """
         start = time.perf_counter()
         self._advance("masked_input", "unmask")
@@ -228,8 +233,7 @@ class SecAggServer:
 
         start = time.perf_counter()
         total = self._masked_sum
-        for u in sorted(self.u3):
-            add_prg(total, self._recover(u, b_points[u], "b"), -1)
+        masks = [(self._recover(u, b_points[u], "b"), -1) for u in sorted(self.u3)]  # self-masks PRG(b_u)
         for u in sorted(dropped):
             s_sk = self._recover(u, sk_points[u], "s_sk")
             if public_key_of(s_sk) != self.keys[u][1]:
@@ -238,9 +242,9 @@ class SecAggServer:
             partners = self.graph.neighbours[u] & self.u3
             seeds = derive_keys(s_sk, u, {v: self.keys[v][1] for v in sorted(partners)},
                                 purpose=PURPOSE_MASK, round_id=self.config.round_id)
-            for v, seed in seeds.items():
-                # v added PRG(s_uv) if v < u and subtracted it otherwise; undo that.
-                add_prg(total, seed, -1 if v < u else 1)
+            # v added PRG(s_uv) if v < u and subtracted it otherwise; undo that.
+            masks += [(seed, -1 if v < u else 1) for v, seed in seeds.items()]
+        np.add(total, expand(masks, total.shape[0], total.dtype.str), out=total)
         if self._layers_from is not None:
             self.layer_seeds = {u: {k: self._recover(u, layer_points[u][k], f"layer-{k} seed")
                                     for k in sorted(layer_points[u])} for u in sorted(self.u3)}

@@ -8,8 +8,8 @@ from dpfl_ray.algorithms import FedAvg, RoundOutcome, weighted_sum
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.faults import num_tail_drops, plan_round
 from dpfl_ray.local import local_update
-from dpfl_ray.models import build_model, get_flat, set_flat
-from dpfl_ray.runtime.resources import assign_clients, plan_pool
+from dpfl_ray.models import build_model, combine_shards, eval_shards, evaluate, get_flat, set_flat, shard_sums
+from dpfl_ray.runtime.resources import assign_clients, deal, plan_pool, undeal
 from dpfl_ray.sampling import sample_clients
 from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, SamplingConfig
 
@@ -138,3 +138,20 @@ def test_assignment_covers_each_client_once_and_balances():
     assert sorted(c for p in parts for c in p) == list(range(8))
     loads = sorted(sizes[p].sum() for p in parts)
     assert loads[-1] == 100 and loads[0] >= 50 - 4
+
+
+@pytest.mark.parametrize("evaluators", [1, 2, 3, 5])
+def test_evaluation_shared_by_any_number_of_workers_is_the_same_to_the_bit(evaluators):
+    model = build_model(ModelConfig(name="cnn"), (1, 28, 28), 10, seed=0)
+    g = np.random.default_rng(0)
+    x, y = g.random((1234, 1, 28, 28), dtype=np.float32), g.integers(0, 10, 1234)
+    shards = eval_shards(len(y))
+    assert shards[0] == (0, 500) and shards[-1] == (1000, 1234)
+    parts = [shard_sums(model, x, y, part) for part in deal(shards, evaluators)]
+    assert len(parts) == min(evaluators, len(shards))
+    assert combine_shards(undeal(parts), len(y)) == evaluate(model, x, y)
+    acc, loss = evaluate(model, x, y)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
+    assert acc == (logits.argmax(1).numpy() == y).mean()
+    assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).item(), rel=1e-5)

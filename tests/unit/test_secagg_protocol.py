@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpfl_ray.errors import DPFLError
+from dpfl_ray.runtime.resources import deal
+from dpfl_ray.secagg.keys import expand_masks
 from dpfl_ray.secagg import (
     PHASES, SecAggAbort, SecAggClient, SecAggRoundConfig, SecAggProtocolError, SecAggServer, presum_masked,
     secure_sum,
@@ -257,3 +259,30 @@ def test_secagg_plus_reconstructs_dropped_clients_from_their_neighbours_only():
     # Sparse graph: a client seals shares for its 8 neighbours only, not for all 23 peers.
     dense = secure_sum(vectors, bits=32, dropouts=dropouts)
     assert result.bytes_per_client[1] < dense.bytes_per_client[1]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_the_servers_mask_expansion_shared_among_workers_gives_the_same_sum(workers):
+    """The runtime lends the server's PRG expansion to idle workers (runtime.secagg_round.pool_expander):
+    any split of the masks, expanded apart and added mod 2^bits, unmasks the same sum."""
+    config = SecAggRoundConfig(n_clients=6, bits=32, threshold=4)
+    rng = np.random.default_rng(5)
+    vectors = [rng.integers(0, 2**32, 7, dtype=np.uint32) for _ in range(6)]
+    clients = [SecAggClient(u, config) for u in range(6)]
+    server = SecAggServer(config)
+    keys = server.receive_keys([c.advertise_keys() for c in clients])
+    forwarded = server.receive_shares([c.share_keys(keys) for c in clients])
+    senders = [c for c in clients if c.id != 4]  # client 4 drops before its masked input
+    request = server.receive_masked([c.masked_input(forwarded[c.id], vectors[c.id]) for c in senders])
+    seen = []
+
+    def shared(masks, dim, dtype):
+        seen.append(len(masks))
+        total = np.zeros(dim, np.dtype(dtype))
+        for share in deal(list(masks), workers):
+            total += expand_masks(share, dim, dtype)
+        return total
+
+    total = server.receive_unmask([c.unmask(request) for c in senders], shared)
+    np.testing.assert_array_equal(total, expected_sum(vectors, [0, 1, 2, 3, 5], 32))
+    assert seen == [5 + 5]  # the five survivors' self-masks, and client 4's pairwise masks with them
