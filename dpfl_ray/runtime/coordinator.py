@@ -21,10 +21,8 @@ from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
 from ..models import build_model, combine_shards, eval_shards, get_flat, set_flat, shard_sums
 from ..sampling import sample_clients
 from ..scenario import Scenario
-from ..privacy.audit import AuditAccumulator
 from ..results import client_accuracy_summary
 from .messages import Canaries
-from .privacy import ClientPrivacy, RunPrivacy
 from .resources import assign_clients, assign_groups, deal, plan_pool, summation_groups, undeal
 from .chaos import strike
 from .cluster import placement_summary
@@ -63,13 +61,18 @@ class Coordinator:
         if audit is not None:
             # Andrew et al. 2024: k canary clients join the population (their weight, 1, is in the
             # federation's weights); they have no data: one example each, for load balancing only
+            from ..privacy.audit import AuditAccumulator
+
             self.audit = AuditAccumulator(int(self.theta.size), audit.canaries,
                                           self.sc.seed if audit.seed is None else audit.seed)
             alg_sizes = np.concatenate([self.sizes, np.full(audit.canaries, self.sizes.max())])
             self.sizes = np.concatenate([self.sizes, np.ones(audit.canaries, dtype=self.sizes.dtype)])
         cls = algorithm_class(self.sc)
-        privacy_cls = ClientPrivacy if cls.record_level else RunPrivacy
-        self.privacy = privacy_cls(self.sc, self.weights, alg_sizes) if cls.private else None
+        self.privacy = None
+        if cls.private:  # dp_accounting (and scipy) load only in a coordinator that accounts
+            from .privacy import ClientPrivacy, RunPrivacy
+
+            self.privacy = (ClientPrivacy if cls.record_level else RunPrivacy)(self.sc, self.weights, alg_sizes)
         self.has_validation = data.get("num_validation", 0) > 0
         self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None,
                                         sizes=alg_sizes)
