@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_PROCESSES ?= 3
 
 .PHONY: run test venv clean
 
@@ -20,8 +21,11 @@ run: $(STAMP)
 	$(BIN)/dpfl run scenarios/quickstart.yaml
 
 test: $(STAMP)
+	# Three test processes (pytest-xdist) on a 2-core machine: a serial run leaves a third of the CPU
+	# idle while Ray processes start and tests wait on subprocesses. Each process has its own local
+	# Ray (tests/conftest.py); every test is independent of the others' order and process.
 	# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
-	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -11,7 +11,8 @@ os.environ.pop("COLUMNS", None)
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One real local Ray for the whole test session, bound to 127.0.0.1.
+    """One real local Ray for the whole test session (for each pytest-xdist process: `make test`
+    runs three), bound to 127.0.0.1.
 
     Two GPUs are declared (they do not exist) so fractional-GPU scheduling is tested on a CPU box.
     """
