@@ -277,7 +277,9 @@ class Coordinator:
         why = extra.get("round_aborted") or extra.get("secagg_aborted") or "nothing released"
         with self._lock:  # commit: ledger, model and event together
             if self.privacy:
+                t_account = time.perf_counter()
                 extra.update(self.privacy.account(t, outcome, why, tallied["dropped"]))
+                extra["account_seconds"] = time.perf_counter() - t_account  # dp_accounting's share of the round
                 self.privacy.exhausted |= why == BUDGET_REFUSAL
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,

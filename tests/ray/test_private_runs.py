@@ -28,6 +28,7 @@ def test_reported_epsilon_is_what_the_accountant_gives(ray_session, tmp_path):
     summary, rounds = _run(sc, tmp_path / "dp")
     for r in rounds:
         assert abs(r["epsilon"] - epsilon_for(1.5, 0.5, r["round"], 1e-5, "pld")) < 1e-6
+        assert 0 < r["account_seconds"] < r["seconds"]  # the ledger's share of the round, for dpfl bench
     assert summary["epsilon"] == rounds[-1]["epsilon"] and summary["stop_reason"] == "completed"
     ledger = json.loads((tmp_path / "dp" / "ledger.json").read_text())
     assert ledger["accountant"] == "pld" and len(ledger["rounds"]) == 6 and ledger["fully_covered"]

@@ -101,6 +101,9 @@ def test_parse_rounds_counts_trained_clients_and_the_secagg_share():
     assert parse_rounds([])["updates_per_second"] is None
     timed = parse_rounds([{"sampled": 10, "seconds": 0.5, "eval_seconds": 0.2}, {"sampled": 10, "seconds": 0.5}])
     assert timed["eval_seconds"] == pytest.approx(0.2) and timed["train_seconds_without_eval"] == pytest.approx(0.8)
+    assert "account_seconds" not in timed
+    booked = parse_rounds([{"sampled": 10, "seconds": 0.5, "account_seconds": 0.15}, {"sampled": 10, "seconds": 0.5}])
+    assert booked["account_seconds"] == pytest.approx(0.15)
 
 
 def test_phases_from_timestamps_and_from_file_times():
