@@ -1,11 +1,12 @@
 """Algorithms of the papers, each one module implementing :class:`~.base.Algorithm`; the registry
 maps a scenario's ``training.algorithm`` to its class. Nothing outside this package asks which
 algorithm runs."""
+import importlib
+
 from .base import (
     Abort, Aggregate, Algorithm, CalibrationSum, ClientNoise, ClientReport, ClientSpec, LocalProcedure, Mechanism,
     RoundOutcome, UnmaskPlan, weighted_sum,
 )
-import importlib
 
 # name in a scenario -> (module, class). The modules load on first use: a worker that trains plain
 # FedAvg never imports dp_accounting (and scipy), which saves ~1 s of start-up per worker process.

@@ -183,8 +183,8 @@ class ClientWorker:
 
     def evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
         """Accuracy and loss of ``theta`` on the test split (or the held-out validation split)."""
-        x, y = (self.x_test, self.y_test) if split == "test" else (self.x_val, self.y_val)
-        return combine_shards(self.evaluate_shards(theta, split, eval_shards(len(y))), len(y))
+        n = len(self.y_test if split == "test" else self.y_val)
+        return combine_shards(self.evaluate_shards(theta, split, eval_shards(n)), n)
 
     def evaluate_shards(self, theta: np.ndarray, split: str, shards: list[tuple[int, int]]) -> list[tuple[int, float]]:
         """(correct, summed loss) of ``theta`` on these row ranges of the test (or validation)
