@@ -153,5 +153,6 @@ def test_evaluation_shared_by_any_number_of_workers_is_the_same_to_the_bit(evalu
     acc, loss = evaluate(model, x, y)
     with torch.no_grad():
         logits = model(torch.from_numpy(x))
-    assert acc == (logits.argmax(1).numpy() == y).mean()
+    # one 1,234-row forward may round differently from 500-row ones: a near-tie could flip
+    assert acc == pytest.approx((logits.argmax(1).numpy() == y).mean(), abs=2 / len(y))
     assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).item(), rel=1e-5)
