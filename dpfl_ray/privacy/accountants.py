@@ -20,6 +20,9 @@ Accountants (``accountant=``)
     sampling is accounted as its single equivalent Gaussian.
 ``"rdp"``
     dp_accounting's ``RdpAccountant`` with its default orders and its own (improved) conversion.
+    Both RDP accountants compute each distinct round's RDP curve once (:class:`_MemoRdpAccountant`):
+    dp_accounting recomputes it at every ``compose``, 0.08 s for a Poisson-sampled Gaussian and 0.16 s
+    for fixed-size sampling on the default orders, which a 30-round run paid 30 times per track.
 ``"rdp-classic"``
     The convention of TF-Privacy's 2019-2021 ``compute_rdp``/``get_privacy_spent`` that the seed papers
     used: orders 1.1, 1.2, ..., 10.9 and 12, 13, ..., 63 (:data:`CLASSIC_RDP_ORDERS`), the RDP values
@@ -64,7 +67,53 @@ def _check_accountant(name: Any, field: str = "accountant") -> str:
     return name
 
 
-class _ClassicRdpAccountant(dp_accounting.rdp.RdpAccountant):
+# Events whose RDP curve RdpAccountant adds in a single ``self._rdp += count * curve`` statement;
+# adding the memoised curve the same way gives the same floats, bit for bit.
+_LEAF_EVENTS = (dpe.GaussianDpEvent, dpe.PoissonSampledDpEvent, dpe.SampledWithoutReplacementDpEvent)
+
+
+_CURVES: dict[tuple[str, tuple[float, ...], NeighboringRelation], np.ndarray] = {}
+_MAX_CURVES = 4096  # one entry: a curve over the orders (~150 floats)
+
+
+def _rdp_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: NeighboringRelation) -> np.ndarray:
+    """dp_accounting's RDP curve of one supported leaf event: what a stock RdpAccountant holds after
+    composing it once (0 + 1 * curve: exactly the curve). Keyed by ``repr`` (a ComposedDpEvent
+    inside a sampling event holds a list, so events are not always hashable; attrs' repr is exact
+    for floats). Read-only: every accountant of the process shares it."""
+    key = (repr(event), orders, relation)
+    curve = _CURVES.get(key)
+    if curve is None:
+        stock = dp_accounting.rdp.RdpAccountant(orders=list(orders), neighboring_relation=relation)
+        stock._maybe_compose(event, 1, True)  # pylint: disable=protected-access - support was checked
+        curve = stock.rdp
+        curve.setflags(write=False)
+        if len(_CURVES) >= _MAX_CURVES:
+            _CURVES.clear()
+        _CURVES[key] = curve
+    return curve
+
+
+class _MemoRdpAccountant(dp_accounting.rdp.RdpAccountant):
+    """dp_accounting's RdpAccountant, computing each distinct event's RDP curve once per process.
+
+    It overrides the accountant's composition hook only for the leaf events (a Gaussian, Poisson
+    or fixed-size sampling of one) and only to take their curve from :func:`_rdp_curve`; whether an
+    event is supported, composite events, and every conversion stay dp_accounting's. The state
+    after any sequence of events equals the stock accountant's to the bit (tested).
+    """
+
+    def _maybe_compose(self, event, count, do_compose):
+        if not (do_compose and isinstance(event, _LEAF_EVENTS)):
+            return super()._maybe_compose(event, count, do_compose)
+        error = super()._maybe_compose(event, count, False)  # the stock checks (relation, sub-event)
+        if error is not None:
+            return error
+        self._rdp += count * _rdp_curve(event, tuple(float(o) for o in self._orders), self._neighboring_relation)
+        return None
+
+
+class _ClassicRdpAccountant(_MemoRdpAccountant):
     """dp_accounting's RdpAccountant on TF-Privacy's classic orders, with the classic conversion."""
 
     def __init__(self, neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE):
@@ -104,7 +153,7 @@ def _fresh_accountant(name: str, relation: NeighboringRelation, budget: float = 
     if name == "pld":
         return _BoundedPLDAccountant(relation, budget)
     if name == "rdp":
-        return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+        return _MemoRdpAccountant(neighboring_relation=relation)
     return _ClassicRdpAccountant(relation)
 
 

@@ -138,3 +138,35 @@ def test_bad_parameters_raise_dpflerror_with_field(call, field):
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}: ")
     assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("relation", [dpa.NeighboringRelation.ADD_OR_REMOVE_ONE, dpa.NeighboringRelation.REPLACE_ONE])
+def test_memoised_rdp_accountant_holds_the_stock_accountants_state_to_the_bit(relation):
+    """The ledger's RDP accountants compute a distinct round's curve once; composing a run of rounds
+    (repeats, changes of z, composite and no-op rounds, counts) leaves the same floats as
+    dp_accounting's own RdpAccountant, and the same refusals."""
+    from dpfl_ray.privacy.accountants import CLASSIC_RDP_ORDERS, _ClassicRdpAccountant, _MemoRdpAccountant
+
+    def sampled(z):
+        if relation is dpa.NeighboringRelation.REPLACE_ONE:
+            return dpa.SampledWithoutReplacementDpEvent(400, 40, dpa.GaussianDpEvent(z))
+        return dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(z))
+
+    rounds = [(sampled(1.0), 1)] * 5 + [(sampled(0.7), 1), (dpa.NoOpDpEvent(), 1), (sampled(1.0), 3),
+                                        (dpa.GaussianDpEvent(4.0), 1),
+                                        (dpa.ComposedDpEvent([sampled(1.3), dpa.GaussianDpEvent(2.0)]), 2),
+                                        (dpa.SelfComposedDpEvent(sampled(0.7), 4), 1)]
+    for memo, stock in [(_MemoRdpAccountant(neighboring_relation=relation), RdpAccountant(neighboring_relation=relation)),
+                        (_ClassicRdpAccountant(relation), RdpAccountant(list(CLASSIC_RDP_ORDERS), relation))]:
+        for event, count in rounds:
+            memo.compose(event, count)
+            stock.compose(event, count)
+            assert memo.rdp.tobytes() == stock.rdp.tobytes()
+        if type(memo) is _MemoRdpAccountant:
+            assert memo.get_epsilon(DELTA) == stock.get_epsilon(DELTA)
+    wrong = (dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0))
+             if relation is dpa.NeighboringRelation.REPLACE_ONE
+             else dpa.SampledWithoutReplacementDpEvent(400, 40, dpa.GaussianDpEvent(1.0)))
+    assert not _MemoRdpAccountant(neighboring_relation=relation).supports(wrong)
+    with pytest.raises(dpa.UnsupportedEventError):
+        _MemoRdpAccountant(neighboring_relation=relation).compose(wrong)
