@@ -19,7 +19,7 @@ from ..results import RunRecord, versions
 from ..scenario import Scenario
 from .coordinator import make_coordinator, start_workers
 from .checkpoint import write_checkpoint
-from .shutdown import Shutdown, kill_descendants
+from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
 
 
 def ensure_ray(address: str | None = None) -> bool:
@@ -38,6 +38,7 @@ def stop_ray() -> None:
     and workers (also after an interrupted start-up, which ray.shutdown does not know of)."""
     global _RAY_STOPPED
     if ray.is_initialized():
+        stop_autoscaler_monitor()  # only ever a child of this process when its Ray is private
         with contextlib.suppress(Exception):
             ray.shutdown()
     kill_descendants()
