@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .errors import DPFLError
+from .evaluation import EVAL_SHARD_ROWS, combine_shards, eval_shards  # noqa: F401 - re-exported
 
 
 class TFPrivacyCNN(nn.Module):
@@ -83,17 +84,6 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# Evaluation runs in fixed row ranges of the split, whoever evaluates them: the pool shares them out
-# (runtime.resources.deal), and each range is one forward pass, so the figures are the same
-# for any pool size, and the same as evaluate() in one process.
-EVAL_SHARD_ROWS = 500
-
-
-def eval_shards(n: int, rows: int = EVAL_SHARD_ROWS) -> list[tuple[int, int]]:
-    """The row ranges [lo, hi) that evaluation of ``n`` examples is cut into."""
-    return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
-
-
 def shard_sums(model: nn.Module, x: np.ndarray, y: np.ndarray,
                shards: list[tuple[int, int]]) -> list[tuple[int, float]]:
     """(correct predictions, summed cross-entropy) of ``model`` on each row range of (x, y)."""
@@ -107,14 +97,6 @@ def shard_sums(model: nn.Module, x: np.ndarray, y: np.ndarray,
             out.append((int((logits.argmax(1) == yb).sum().item()),
                         float(nn.functional.cross_entropy(logits, yb, reduction="sum").item())))
     return out
-
-
-def combine_shards(sums: list[tuple[int, float]], n: int) -> tuple[float, float]:
-    """Accuracy and mean loss from per-range sums, added in range order."""
-    correct, loss = 0, 0.0
-    for c, l in sums:
-        correct, loss = correct + c, loss + l
-    return correct / n, loss / n
 
 
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

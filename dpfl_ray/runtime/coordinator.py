@@ -8,17 +8,17 @@ interface; the driver only starts the coordinator and reads its events and commi
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 
 import numpy as np
 import ray
-import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_algorithm
 from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
-from ..models import build_model, combine_shards, eval_shards, get_flat, set_flat, shard_sums
+from ..evaluation import combine_shards, eval_shards
 from ..sampling import sample_clients
 from ..scenario import Scenario
 from ..results import client_accuracy_summary
@@ -37,24 +37,25 @@ BUDGET_REFUSAL = "releasing this round would take the effective epsilon past pri
 
 
 class Coordinator:
-    def __init__(self, scenario: dict, data: dict, workers: list | None = None, resume: dict | None = None,
-                 fault_plan: FaultPlan | None = None):
+    def __init__(self, scenario: dict, data: dict, theta0: np.ndarray, workers: list | None = None,
+                 resume: dict | None = None, fault_plan: FaultPlan | None = None):
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
-        arrays, plus the test set, partition and weights. ``workers``: a pool the driver started
-        next to this actor (so both start at once); None starts one in ``start_pool``. ``resume``:
-        a checkpoint (runtime/checkpoint.py) to continue from. ``fault_plan``: built by the driver,
-        which has the scenario's files (an availability trace)."""
+        arrays, plus the test set, partition and weights. ``theta0``: the initial model, flat (the
+        driver builds it: this actor imports no torch unless it must, a second of CPU at every
+        start). ``workers``: a pool the driver started next to this actor (so both start at once);
+        None starts one in ``start_pool``. ``resume``: a checkpoint (runtime/checkpoint.py) to
+        continue from. ``fault_plan``: built by the driver, which has the scenario's files (an
+        availability trace)."""
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         self.faults = fault_plan or FaultPlan.from_scenario(self.sc)
         self.sampling = overcommitted(self.sc.sampling)
-        torch.set_num_threads(1)
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
             [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
         self.sizes = np.diff(offsets)
         self.num_real = len(self.sizes)
-        self.model = build_model(self.sc.model, tuple(data["input_shape"]), data["num_classes"], self.sc.seed)
-        self.theta = get_flat(self.model)
+        self.model = None  # built only if the coordinator must evaluate by itself
+        self.theta = np.array(theta0, dtype=np.float32)
         audit = self.sc.privacy.audit
         self.audit = None
         alg_sizes = self.sizes
@@ -96,6 +97,7 @@ class Coordinator:
         self.pool: dict = {}
         if resume is not None:
             self._restore(resume)
+        _one_torch_thread()  # an algorithm may have brought torch in; it runs on one core here
 
     # -- checkpoints ------------------------------------------------------------------------------
     def checkpoint(self) -> dict:
@@ -382,6 +384,12 @@ class Coordinator:
         except (RayActorError, GetTimeoutError, IndexError):
             if split != "test":
                 raise
+            from ..models import build_model, set_flat, shard_sums
+
+            if self.model is None:
+                self.model = build_model(self.sc.model, tuple(self._data["input_shape"]), self._data["num_classes"],
+                                         self.sc.seed)
+                _one_torch_thread()
             set_flat(self.model, theta)
             sums = shard_sums(self.model, self.x_test, self.y_test, shards)
         return combine_shards(sums, n)
@@ -396,10 +404,23 @@ class Coordinator:
             self.workers[self.workers.index(w)] = self._new_worker()
 
 
+def _one_torch_thread() -> None:
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def initial_theta(scenario: Scenario, data: dict) -> np.ndarray:
+    """The run's initial model, flat: built from the scenario's model and seed alone."""
+    from ..models import build_model, get_flat
+
+    return get_flat(build_model(scenario.model, tuple(data["input_shape"]), data["num_classes"], scenario.seed))
+
+
 def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
                      fault_plan: FaultPlan | None = None):
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
-    return cls.remote(scenario.model_dump(mode="json"), data, workers, resume, fault_plan)
+    return cls.remote(scenario.model_dump(mode="json"), data, initial_theta(scenario, data), workers, resume,
+                      fault_plan)
 
 
 def start_workers(scenario: Scenario, data: dict, num_clients: int) -> list:

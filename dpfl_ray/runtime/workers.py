@@ -11,22 +11,43 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
-import torch
 
 from .. import rng as rngmod
 from ..algorithms import ClientReport, ClientSpec
-from ..local import local_update
-from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
-from ..models import build_model, combine_shards, eval_shards, set_flat, shard_sums
+from ..evaluation import combine_shards, eval_shards
 from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import EncodingError, SecAggClient, encode, presum_masked
 from ..secagg.keys import expand_masks
 from ..faults import check_update, corrupt, corruption_rng
 from .messages import Canaries, Encoding, LocalReply, PhaseReply, WorkerChaos
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..local import local_update
+    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
+    from ..models import build_model, set_flat, shard_sums
+
+
+def _load_training() -> None:
+    """Bind torch and the training code into this module's namespace, when a ClientWorker starts.
+
+    Not at import: Ray imports an actor's class module wherever a handle to it is deserialized,
+    and the coordinator holds handles to every worker but trains nothing; importing torch there
+    cost every run a second of CPU and 200 MB."""
+    global torch, local_update, batched_local_updates, batching_pays, clients_per_batch, warm_up  # noqa: PLW0603
+    global build_model, set_flat, shard_sums  # noqa: PLW0603
+    import torch
+
+    from ..local import local_update
+    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
+    from ..models import build_model, set_flat, shard_sums
+
 
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
 # Alg. 2 line 22), for algorithms whose ClientNoise has one.
@@ -40,6 +61,7 @@ SUM_CHUNK_CLIENTS = 256
 class ClientWorker:
     def __init__(self, scenario: dict, data: dict):
         """``data``: the federation's object refs, nested so that Ray hands them over unresolved."""
+        _load_training()
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         torch.set_num_threads(self.sc.resources.torch_threads)
         use_cuda = self.sc.resources.num_gpus_per_worker > 0 and torch.cuda.is_available()
