@@ -84,11 +84,9 @@ def run(
 
 def _prepare(scenario, set_, out, address, resume):
     """Everything that can be wrong with the scenario, found before a file is written or Ray
-    starts: (scenario, federation, run directory, checkpoint or None, start-up seconds)."""
-    from dpfl_ray.algorithms import make_algorithm
-    from dpfl_ray.data import build_federation
+    starts: (scenario, federation, run directory, checkpoint or None, start-up seconds). The
+    scenario is read before torch and the data code load: a mistake in it answers at once."""
     from dpfl_ray.errors import DPFLError
-    from dpfl_ray.models import build_model
     from dpfl_ray.results import RunRecord, default_run_dir
     from dpfl_ray.runtime.checkpoint import read_checkpoint
     from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
@@ -104,6 +102,10 @@ def _prepare(scenario, set_, out, address, resume):
     elif scenario is None:
         raise DPFLError("give a scenario file, or --resume RUN_DIR", field="SCENARIO")
     sc = load_scenario(scenario, set_)
+    from dpfl_ray.algorithms import make_algorithm
+    from dpfl_ray.data import build_federation
+    from dpfl_ray.models import build_model
+
     t_data = time.time()
     fed = build_federation(sc)
     startup = {"load_data": time.time() - t_data}
