@@ -63,6 +63,8 @@ def parse_rounds(rounds: list[dict]) -> dict:
     if any("eval_seconds" in r for r in rounds):  # the coordinator's test-set pass, which the floor does not make
         out["eval_seconds"] = sum(float(r.get("eval_seconds") or 0.0) for r in rounds)
         out["train_seconds_without_eval"] = train - out["eval_seconds"]
+    if any("worker_seconds" in r for r in rounds):  # per round, the slowest worker's own compute
+        out["worker_seconds"] = sum(float(r.get("worker_seconds") or 0.0) for r in rounds)
     if any("account_seconds" in r for r in rounds):  # the ledger's dp_accounting work, also server-side
         out["account_seconds"] = sum(float(r.get("account_seconds") or 0.0) for r in rounds)
     secagg = [r["secagg_seconds"] for r in rounds if r.get("secagg_seconds")]

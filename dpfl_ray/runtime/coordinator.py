@@ -245,8 +245,10 @@ class Coordinator:
                 dropped = {c: p for c, p in dropped.items() if not p.endswith("@calibration")}
         else:
             theta_ref = ray.put(self.theta)
-            survivors, total, updates, rejected, reports = self._plain_round(t, theta_ref, active, faults, dropped,
-                                                                             spec, canaries)
+            survivors, total, updates, rejected, reports, worker_s = self._plain_round(t, theta_ref, active, faults,
+                                                                                       dropped, spec, canaries)
+            if worker_s is not None:  # the slowest worker's own compute: the rest of the round is overhead
+                extra["worker_seconds"] = worker_s
             plan = self._after_upload(survivors)
             if isinstance(plan, Abort):
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
@@ -327,7 +329,8 @@ class Coordinator:
     def _plain_round(self, t, theta_ref, active, faults, dropped, spec, canaries=None):
         """Local training without SecAgg, one message per worker: the survivors, and the sum of
         w_i * upload_i over them (the workers' partial sums, added in group order) -- or each
-        upload, when the algorithm needs them -- and the refused updates with their reasons."""
+        upload, when the algorithm needs them -- the refused updates with their reasons, the
+        clients' reports, and the longest time a worker spent on its clients (None: no reply)."""
         calls = {}
         assignment = assign_groups(active, self.sizes, self.groups, len(self.workers))
         chaos = self._chaos(faults, [[c for ids in groups.values() for c in ids] for groups in assignment])
@@ -341,6 +344,7 @@ class Coordinator:
         ready, late = ray.wait(list(calls), num_returns=len(calls),
                                timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])
         survivors, sums, updates, rejected, reports = [], {}, {} if spec.per_client else None, {}, {}
+        worker_s = None
         for ref in ready:
             w, groups = calls[ref]
             try:
@@ -354,6 +358,7 @@ class Coordinator:
                 self._replace([w])
                 continue
             survivors += reply.client_ids
+            worker_s = max(worker_s or 0.0, reply.seconds)
             sums.update(reply.sums)
             rejected.update(reply.rejected)
             reports.update(reply.reports)
@@ -365,7 +370,7 @@ class Coordinator:
             ray.kill(w, no_restart=True)
             self._replace([w])
         total = sum(sums[g] for g in sorted(sums)) if sums else None
-        return sorted(survivors), total, updates, rejected, reports
+        return sorted(survivors), total, updates, rejected, reports, worker_s
 
     def _evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
         """On the workers, idle at this point of the round, each taking its share of the split's

@@ -45,6 +45,8 @@ def test_three_round_run_writes_every_file(ray_session, tmp_path):
              "last_round_committed_seconds", "files_written_seconds"]
     assert [marks[k] for k in order] == sorted(marks[k] for k in order)
     assert all(0 < r["eval_seconds"] < r["seconds"] for r in rounds if r["test_accuracy"] is not None)
+    # and the slowest worker's own compute, inside the round and apart from its evaluation
+    assert all(0 < r["worker_seconds"] < r["seconds"] - r["eval_seconds"] for r in rounds)
 
 
 def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):

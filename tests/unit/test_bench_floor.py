@@ -104,6 +104,10 @@ def test_parse_rounds_counts_trained_clients_and_the_secagg_share():
     assert "account_seconds" not in timed
     booked = parse_rounds([{"sampled": 10, "seconds": 0.5, "account_seconds": 0.15}, {"sampled": 10, "seconds": 0.5}])
     assert booked["account_seconds"] == pytest.approx(0.15)
+    assert "worker_seconds" not in booked
+    worked = parse_rounds([{"sampled": 10, "seconds": 0.5, "worker_seconds": 0.3}, {"sampled": 10, "seconds": 0.5,
+                                                                                    "worker_seconds": 0.25}])
+    assert worked["worker_seconds"] == pytest.approx(0.55)
 
 
 def test_phases_from_timestamps_and_from_file_times():
