@@ -21,8 +21,6 @@ kernels sum in a different order.
 """
 from __future__ import annotations
 
-import copy
-import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -32,39 +30,13 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .local import local_update
+from .models import pool_twin as _twin
 from .models import set_flat
 
 # Layers whose forward depends on state or randomness that vmap would have to split per client.
 _UNBATCHABLE = (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
 
 DEFAULT_MAX_CLIENTS = 64
-
-
-class _ChannelsLastMaxPool2d(nn.MaxPool2d):
-    """The same max-pool (same values, same argmax on ties, so the same gradients) computed on a
-    channels-last copy: PyTorch's CPU kernel for channels-first input is ~10x slower, and vmap
-    cannot be asked for a memory format, so the layout is made by permuting."""
-
-    def forward(self, x):
-        return super().forward(x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
-
-
-_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose 2-d max-pools run channels-last; parameters keep their names, so
-    functional_call drives it with the stacked parameters."""
-    if model not in _TWINS:
-        twin = copy.deepcopy(model)
-        for parent in twin.modules():
-            for name, child in parent.named_children():
-                if type(child) is nn.MaxPool2d:
-                    fast = _ChannelsLastMaxPool2d(child.kernel_size, child.stride, child.padding, child.dilation,
-                                                  child.return_indices, child.ceil_mode)
-                    setattr(parent, name, fast)
-        _TWINS[model] = twin
-    return _TWINS[model]
 
 
 def can_batch(model: nn.Module) -> bool:

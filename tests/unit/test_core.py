@@ -156,3 +156,24 @@ def test_evaluation_shared_by_any_number_of_workers_is_the_same_to_the_bit(evalu
     # one 1,234-row forward may round differently from 500-row ones: a near-tie could flip
     assert acc == pytest.approx((logits.argmax(1).numpy() == y).mean(), abs=2 / len(y))
     assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).item(), rel=1e-5)
+
+
+def test_evaluation_runs_the_cnns_pools_channels_last_with_the_same_logits():
+    """shard_sums drives a twin whose max-pools run channels-last (half the CPU time of the CNN's
+    test-set pass): the same maxima, so the same figures as the model's own forward, and the twin
+    follows the model's parameters as they change."""
+    from dpfl_ray.models import pool_twin
+
+    model = build_model(ModelConfig(name="cnn"), (1, 28, 28), 10, seed=1)
+    assert pool_twin(model) is not model and pool_twin(model) is pool_twin(model)
+    g = np.random.default_rng(2)
+    x, y = g.random((300, 1, 28, 28), dtype=np.float32), g.integers(0, 10, 300)
+    for step in range(2):
+        with torch.no_grad():
+            logits = model(torch.from_numpy(x))
+        own = [(int((logits.argmax(1).numpy() == y).sum()),
+                float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y), reduction="sum").item()))]
+        assert shard_sums(model, x, y, [(0, 300)]) == own
+        set_flat(model, get_flat(model) + np.float32(0.05) * g.standard_normal(get_flat(model).size, dtype=np.float32))
+    mlp = build_model(ModelConfig(name="mlp"), (1, 28, 28), 10, seed=1)
+    assert pool_twin(mlp) is mlp  # nothing to change: no copy
