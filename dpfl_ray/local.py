@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 
-from .models import set_flat
+from .models import pool_twin, set_flat
 
 
 def clip_factor(norm: float, clip_norm: float | None) -> float:
@@ -29,6 +30,7 @@ def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     model.train()
     device = next(model.parameters()).device
     params = list(model.parameters())
+    forward = _forward(model)
     theta_t = [p.detach().clone() for p in params]
     xt, yt = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
     torch.manual_seed(torch_seed)
@@ -38,7 +40,7 @@ def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
         for start in range(0, len(y), batch_size):
             batch = order[start:start + batch_size]
             model.zero_grad(set_to_none=True)
-            loss_fn(model(xt[batch]), yt[batch]).backward()
+            loss_fn(forward(xt[batch]), yt[batch]).backward()
             with torch.no_grad():
                 if prox_mu:  # gradient of mu/2 ||w - theta||^2
                     for p, t in zip(params, theta_t):
@@ -55,3 +57,14 @@ def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     with torch.no_grad():
         delta = torch.cat([(p - t).reshape(-1) for p, t in zip(params, theta_t)])
     return delta.cpu().numpy().astype(np.float32)
+
+
+def _forward(model: nn.Module):
+    """``model``'s forward with its 2-d max-pools run channels-last (models.pool_twin): the same
+    maxima and the same argmax, so the same loss and gradients, in less time on a CPU."""
+    twin = pool_twin(model)
+    if twin is model:
+        return model
+    twin.train(model.training)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return lambda xb: functional_call(twin, state, (xb,))

@@ -184,6 +184,26 @@ def test_channels_last_pool_gives_the_same_bits():
     assert all(np.array_equal(a, b) for a, b in zip(fast, own))
 
 
+def test_sequential_path_runs_the_pools_channels_last_with_the_same_bits(monkeypatch):
+    """local_update drives the channels-last twin too (about 10% less time for the CNN): every
+    update -- clipped or not, with a proximal term, over uneven batches -- equals the model's own
+    channels-first forward to the bit."""
+    import dpfl_ray.local as local
+
+    model = _model("cnn")
+    theta = get_flat(model)
+    xs, ys = _clients([23, 50, 17], seed=11)
+
+    def updates():
+        return [local_update(model, theta, x, y, epochs=2, batch_size=10, lr=0.1, clip_norm=clip,
+                             rng=np.random.default_rng(i), torch_seed=i, prox_mu=mu)
+                for i, (x, y, clip, mu) in enumerate(zip(xs, ys, [None, 0.5, 0.2], [0.0, 0.0, 0.01]))]
+
+    fast = updates()
+    monkeypatch.setattr(local, "_forward", lambda m: m)  # the model's own forward
+    assert all(np.array_equal(a, b) for a, b in zip(fast, updates()))
+
+
 def test_batching_pays_when_clients_share_sizes():
     cnn = _model("cnn")
     assert batching_pays(cnn, [50] * 100, cohort=10)  # W1: every client in one stack
