@@ -102,8 +102,8 @@ _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def pool_twin(model: nn.Module) -> nn.Module:
     """``model`` with its 2-d max-pools run channels-last: a copy whose parameters keep their names,
     so ``functional_call`` drives it with the model's own (or stacked) parameters. A model without
-    a max-pool is its own twin. Used by batched training and by evaluation (the CNN's test-set
-    pass takes half the time, with the same logits)."""
+    a max-pool is its own twin. Used by batched and sequential training and by evaluation (the
+    CNN's test-set pass takes half the time, with the same logits)."""
     if model not in _TWINS:
         if not any(type(m) is nn.MaxPool2d for m in model.modules()):
             _TWINS[model] = model
