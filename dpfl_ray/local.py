@@ -4,9 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call
 
-from .models import pool_twin, set_flat
+from .models import pool_forward, set_flat
 
 
 def clip_factor(norm: float, clip_norm: float | None) -> float:
@@ -30,7 +29,7 @@ def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     model.train()
     device = next(model.parameters()).device
     params = list(model.parameters())
-    forward = _forward(model)
+    forward = pool_forward(model)  # max-pools channels-last: the same bits, less time
     theta_t = [p.detach().clone() for p in params]
     xt, yt = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
     torch.manual_seed(torch_seed)
@@ -57,14 +56,3 @@ def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     with torch.no_grad():
         delta = torch.cat([(p - t).reshape(-1) for p, t in zip(params, theta_t)])
     return delta.cpu().numpy().astype(np.float32)
-
-
-def _forward(model: nn.Module):
-    """``model``'s forward with its 2-d max-pools run channels-last (models.pool_twin): the same
-    maxima and the same argmax, so the same loss and gradients, in less time on a CPU."""
-    twin = pool_twin(model)
-    if twin is model:
-        return model
-    twin.train(model.training)
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    return lambda xb: functional_call(twin, state, (xb,))

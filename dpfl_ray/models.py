@@ -119,18 +119,28 @@ def pool_twin(model: nn.Module) -> nn.Module:
     return _TWINS[model]
 
 
+def pool_forward(model: nn.Module):
+    """``model``'s forward in its current mode and with its current parameters, run through
+    :func:`pool_twin`: the same maxima and argmax, so the same outputs and gradients, in less time."""
+    twin = pool_twin(model)
+    if twin is model:
+        return model
+    twin.train(model.training)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return lambda xb: functional_call(twin, state, (xb,))
+
+
 def shard_sums(model: nn.Module, x: np.ndarray, y: np.ndarray,
                shards: list[tuple[int, int]]) -> list[tuple[int, float]]:
     """(correct predictions, summed cross-entropy) of ``model`` on each row range of (x, y)."""
     model.eval()
-    net = pool_twin(model).eval()
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    forward = pool_forward(model)
     device = next(model.parameters()).device
     out = []
     with torch.no_grad():
         for lo, hi in shards:
             xb = torch.from_numpy(x[lo:hi]).to(device)
-            logits = model(xb) if net is model else functional_call(net, state, (xb,))
+            logits = forward(xb)
             yb = torch.from_numpy(y[lo:hi]).to(device)
             out.append((int((logits.argmax(1) == yb).sum().item()),
                         float(nn.functional.cross_entropy(logits, yb, reduction="sum").item())))
