@@ -113,10 +113,11 @@ def pool_expander(workers: list, timeout: float) -> MaskExpander:
         if not shares:
             return expand_masks(masks, dim, dtype)
         refs = [w.expand_masks.remote(share, dim, dtype) for w, share in zip(workers, shares)]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)  # one deadline for the whole pool
         total = np.zeros(dim, np.dtype(dtype))
         for ref, share in zip(refs, shares):
             try:
-                part = ray.get(ref, timeout=timeout)
+                part = ray.get(ref, timeout=0)
             except (RayActorError, GetTimeoutError):
                 part = expand_masks(share, dim, dtype)
             np.add(total, part, out=total)
