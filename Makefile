@@ -24,8 +24,11 @@ test: $(STAMP)
 	# Three test processes (pytest-xdist) on a 2-core machine: a serial run leaves a third of the CPU
 	# idle while Ray processes start and tests wait on subprocesses. Each process has its own local
 	# Ray (tests/conftest.py); every test is independent of the others' order and process.
+	# --dist worksteal: with the default `load` one process was handed most of tests/ray in one chunk
+	# and ran it alone for the last ~250 s while the other two had finished (10% of the CPU idle);
+	# worksteal lets an idle process take queued tests from a busy one.
 	# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist worksteal tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
