@@ -14,7 +14,6 @@ from ..data import Federation
 from ..errors import DPFLError
 from ..faults import FaultPlan
 from ..models import build_model, set_flat
-from ..privacy import PrivacyLedger
 from ..results import RunRecord, versions
 from ..scenario import Scenario
 from .coordinator import make_coordinator, start_workers
@@ -184,6 +183,8 @@ def _initial_state(scenario) -> dict:
     p = scenario.privacy
     state = {"rounds": 0, "theta": None, "summary": {}}
     if algorithm_class(scenario).private:
+        from ..privacy import PrivacyLedger  # dp_accounting and scipy: 0.7 s a non-private run does not need
+
         state["ledger"] = {**PrivacyLedger(p.accountant, p.delta).to_dict(), "noise_multiplier": p.noise_multiplier,
                            "randomness": p.randomness}
     return state

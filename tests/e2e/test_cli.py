@@ -114,3 +114,19 @@ def test_the_command_line_loads_no_accounting_or_training_library():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("scenario, loaded", [("quickstart.yaml", []), ("dp_fedavg_quickstart.yaml", ["dp_accounting", "scipy"])])
+def test_only_a_private_run_loads_dp_accounting(tmp_path, scenario, loaded):
+    """A non-private `dpfl run` checks its scenario and loads the driver and coordinator code
+    without dp_accounting (and scipy under it): 0.8 s before Ray starts, which every `make run`
+    paid for a check that answers None. A private run needs it, which shows the probe works."""
+    code = ("import sys; from pathlib import Path; from cli.run import _prepare; "
+            "import dpfl_ray.runtime.driver, dpfl_ray.runtime.coordinator; "
+            f"_prepare(Path('scenarios/{scenario}'), [], Path(sys.argv[1]), None, None); "
+            "print(sorted(m for m in ('dp_accounting', 'scipy') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == str(loaded)
+    assert not (tmp_path / "run").exists()  # the checks write nothing
