@@ -1,6 +1,7 @@
 """``dpfl run``: one scenario, locally or on a cluster, with live progress and a run directory."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -36,12 +37,14 @@ def run(
     shutdown = Shutdown().install()
     with shutdown.protect():
         sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
+        model = _InitialModel(sc, fed)  # torch loads while Ray starts
         import ray
 
         from dpfl_ray.results import RunRecord
         from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
         from dpfl_ray.runtime.resources import plan_pool
     if shutdown.requested:
+        model.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)
         raise typer.Exit(shutdown.exit_code)
 
@@ -54,6 +57,8 @@ def run(
         if shutdown.requested:  # Ray may swallow the KeyboardInterrupt a signal raised while it started
             raise KeyboardInterrupt("signal received while Ray started")
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
+        theta0 = model.result()
+        startup["initial_model"] = model.seconds
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, checkpoint["round"])
         console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds, "
@@ -62,18 +67,20 @@ def run(
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
                                      completed=len(record.rounds))
             summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown,
-                                   resume=checkpoint, startup=startup)
+                                   resume=checkpoint, startup=startup, theta0=theta0)
     except KeyboardInterrupt:
         if checkpoint is not None and record is None:  # the directory is as the last stop left it
             stop_ray()
             raise typer.Exit(shutdown.exit_code)
         # interrupted while Ray or the run was starting: leave a consistent run of 0 rounds
         with shutdown.protect():
+            model.wait()  # its torch import finishes before the summary's model is built here
             record = record or RunRecord(run_dir)
             summary = write_unstarted(sc, fed, record, time.time() - t0)
     finally:
         with shutdown.protect():
             stop_ray()
+            model.wait()
         shutdown.done()
     _print_summary(summary, record)
     if summary["stop_reason"] == "interrupted":
@@ -85,7 +92,8 @@ def run(
 def _prepare(scenario, set_, out, address, resume):
     """Everything that can be wrong with the scenario, found before a file is written or Ray
     starts: (scenario, federation, run directory, checkpoint or None, start-up seconds). The
-    scenario is read before torch and the data code load: a mistake in it answers at once."""
+    scenario is read before the data code loads: a mistake in it answers at once. Torch is not
+    needed here: the model's fit to the data is checked without it (_InitialModel builds it)."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.results import RunRecord, default_run_dir
     from dpfl_ray.runtime.checkpoint import read_checkpoint
@@ -104,12 +112,12 @@ def _prepare(scenario, set_, out, address, resume):
     sc = load_scenario(scenario, set_)
     from dpfl_ray.algorithms import make_algorithm
     from dpfl_ray.data import build_federation
-    from dpfl_ray.models import build_model
+    from dpfl_ray.model_inputs import check_model_input
 
     t_data = time.time()
     fed = build_federation(sc)
     startup = {"load_data": time.time() - t_data}
-    build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    check_model_input(sc.model, fed.dataset.input_shape)  # the model itself is built while Ray starts
     make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)  # impossible mechanisms
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     if checkpoint is None:
@@ -118,6 +126,47 @@ def _prepare(scenario, set_, out, address, resume):
     # A malformed address is one line before anything starts; loopback is read by Ray at import.
     stay_on_loopback(resolve_target(address, recorded=recorded_address))
     return sc, fed, run_dir, checkpoint, startup
+
+
+class _InitialModel:
+    """The run's initial model (models.initial_theta), built in a thread while ``ray.init`` runs.
+
+    Importing torch and building the model take about a second of CPU; Ray's start-up spends most
+    of its 3-5 s waiting for its own processes, which leaves a core idle on a 2-core machine. The
+    model's fit to the data was checked before Ray started (model_inputs.check_model_input), so
+    nothing the user wrote can fail here. Signals go to the main thread, as before."""
+
+    DEADLINE_SECONDS = 120.0
+
+    def __init__(self, sc, fed):
+        self._theta, self._error, self.seconds = None, None, None
+        self._thread = threading.Thread(target=self._build, args=(sc, fed.dataset.input_shape, fed.dataset.num_classes),
+                                        name="dpfl-initial-model", daemon=True)
+        self._thread.start()
+
+    def _build(self, sc, input_shape, num_classes) -> None:
+        t0 = time.time()
+        try:
+            from dpfl_ray.models import initial_theta
+
+            self._theta = initial_theta(sc.model, input_shape, num_classes, sc.seed)
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread by result()
+            self._error = err
+        self.seconds = time.time() - t0
+
+    def wait(self) -> None:
+        """Let the thread finish its import before the process exits (bounded)."""
+        self._thread.join(self.DEADLINE_SECONDS)
+
+    def result(self):
+        self.wait()
+        if self._thread.is_alive():
+            from dpfl_ray.errors import DPFLError
+
+            raise DPFLError(f"building the initial model took over {self.DEADLINE_SECONDS:.0f} s", field="model")
+        if self._error is not None:
+            raise self._error
+        return self._theta
 
 
 def _on_event(progress, task):

@@ -17,6 +17,7 @@ from torch.func import functional_call
 
 from .errors import DPFLError
 from .evaluation import EVAL_SHARD_ROWS, combine_shards, eval_shards  # noqa: F401 - re-exported
+from .model_inputs import check_model_input
 
 
 class TFPrivacyCNN(nn.Module):
@@ -53,9 +54,7 @@ def build_model(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "cnn":
-            if len(input_shape) != 3 or min(input_shape[1:]) < 16:
-                raise DPFLError(f"the cnn needs images of at least 16x16, this data has shape {input_shape}; "
-                                "use model.name: mlp or logistic", field="model.name")
+            check_model_input(model_cfg, input_shape)
             return TFPrivacyCNN(*input_shape, num_classes)
         flat = int(math.prod(input_shape))
         if name == "mlp":
@@ -67,6 +66,11 @@ def build_model(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed:
 
 def get_flat(model: nn.Module) -> np.ndarray:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy().astype(np.float32)
+
+
+def initial_theta(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int) -> np.ndarray:
+    """A run's initial model, flat: built from the scenario's model and seed alone."""
+    return get_flat(build_model(model_cfg, tuple(input_shape), num_classes, seed))
 
 
 @torch.no_grad()

@@ -414,18 +414,16 @@ def _one_torch_thread() -> None:
         sys.modules["torch"].set_num_threads(1)
 
 
-def initial_theta(scenario: Scenario, data: dict) -> np.ndarray:
-    """The run's initial model, flat: built from the scenario's model and seed alone."""
-    from ..models import build_model, get_flat
-
-    return get_flat(build_model(scenario.model, tuple(data["input_shape"]), data["num_classes"], scenario.seed))
-
-
 def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None):
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None):
+    """``theta0``: the initial model, flat (models.initial_theta), if the caller built it already;
+    built here otherwise. The driver builds it, so that the coordinator never loads torch."""
+    if theta0 is None:
+        from ..models import initial_theta
+
+        theta0 = initial_theta(scenario.model, data["input_shape"], data["num_classes"], scenario.seed)
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
-    return cls.remote(scenario.model_dump(mode="json"), data, initial_theta(scenario, data), workers, resume,
-                      fault_plan)
+    return cls.remote(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan)
 
 
 def start_workers(scenario: Scenario, data: dict, num_clients: int) -> list:

@@ -13,7 +13,6 @@ from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
 from ..faults import FaultPlan
-from ..models import build_model, set_flat
 from ..results import RunRecord, versions
 from ..scenario import Scenario
 from .coordinator import make_coordinator, start_workers
@@ -68,7 +67,8 @@ CALL_TIMEOUT_SECONDS = 60.0
 
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
-                 poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None) -> dict:
+                 poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None,
+                 theta0: np.ndarray | None = None) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
     Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
@@ -77,7 +77,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     same last committed round. Every ``output.checkpoint_every`` rounds a checkpoint is written
     (runtime/checkpoint.py); ``resume`` continues from one (``record`` then holds its rows).
     ``startup``: seconds the caller spent before the run (loading data, joining Ray), for the
-    summary's ``timings``.
+    summary's ``timings``. ``theta0``: the initial model (models.initial_theta) if the caller
+    built it already, as ``dpfl run`` does while Ray starts.
     """
     t0 = time.time()
     timings = Timings(t0, dict(startup or {}))
@@ -89,7 +90,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
         coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients), resume,
-                                 FaultPlan.from_scenario(scenario))
+                                 FaultPlan.from_scenario(scenario), theta0)
         timings.mark("actors_requested")
         run_ref = coord.run.remote()
         every = scenario.output.checkpoint_every
@@ -256,6 +257,8 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timing
             record.write_json("ledger.json", ledger)
     if state is not None:
         summary.update(state["summary"])
+        from ..models import build_model, set_flat  # torch: `dpfl run` loads it while Ray starts
+
         model = build_model(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed)
         if state["theta"] is not None:
             set_flat(model, state["theta"])

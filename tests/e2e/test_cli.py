@@ -116,7 +116,8 @@ def test_the_command_line_loads_no_accounting_or_training_library():
     assert res.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("scenario, loaded", [("quickstart.yaml", []), ("dp_fedavg_quickstart.yaml", ["dp_accounting", "scipy"])])
+@pytest.mark.parametrize("scenario, loaded", [("quickstart.yaml", []),
+                                               ("dp_fedavg_quickstart.yaml", ["dp_accounting", "scipy"])])
 def test_only_a_private_run_loads_dp_accounting(tmp_path, scenario, loaded):
     """A non-private `dpfl run` checks its scenario and loads the driver and coordinator code
     without dp_accounting (and scipy under it): 0.8 s before Ray starts, which every `make run`

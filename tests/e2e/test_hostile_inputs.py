@@ -108,6 +108,15 @@ def test_unwritable_out_is_refused_before_ray_starts(tiny, tmp_path):
         assert "workers ->" not in res.stdout and not read_only.exists()
 
 
+def test_a_model_that_cannot_take_the_data_is_refused_before_ray_starts(tiny, tmp_path):
+    """The model itself is built while Ray starts (cli/run.py); whether it fits the data is
+    checked before, without torch. The address is dead: had Ray been started (joined) first, the
+    error would be about it."""
+    res = dpfl("run", tiny, "--out", tmp_path / "never", "--set", "model.name=cnn", "--address", "127.0.0.1:9")
+    assert_one_error_line(res, "model.name: the cnn needs images of at least 16x16")
+    assert "workers ->" not in res.stdout and not (tmp_path / "never").exists()
+
+
 def _run_dir(path: Path, summary, rounds_text: str) -> Path:
     path.mkdir(parents=True)
     (path / "summary.json").write_bytes(summary if isinstance(summary, bytes) else json.dumps(summary).encode())

@@ -8,7 +8,9 @@ from dpfl_ray.algorithms import FedAvg, RoundOutcome, weighted_sum
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.faults import num_tail_drops, plan_round
 from dpfl_ray.local import local_update
-from dpfl_ray.models import build_model, combine_shards, eval_shards, evaluate, get_flat, set_flat, shard_sums
+from dpfl_ray.model_inputs import check_model_input
+from dpfl_ray.models import (build_model, combine_shards, eval_shards, evaluate, get_flat, initial_theta, set_flat,
+                             shard_sums)
 from dpfl_ray.runtime.resources import assign_clients, deal, plan_pool, undeal
 from dpfl_ray.sampling import sample_clients
 from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, SamplingConfig
@@ -156,6 +158,23 @@ def test_evaluation_shared_by_any_number_of_workers_is_the_same_to_the_bit(evalu
     # one 1,234-row forward may round differently from 500-row ones: a near-tie could flip
     assert acc == pytest.approx((logits.argmax(1).numpy() == y).mean(), abs=2 / len(y))
     assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "logistic"])
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32), (1, 16, 16), (1, 15, 28), (1, 8, 8), (64,), (6,)])
+def test_the_torch_free_input_check_refuses_exactly_what_build_model_refuses(name, shape):
+    """`dpfl run` checks the model against the data before Ray starts, without torch, and builds
+    the model while Ray starts: the check must refuse what building would, and nothing else."""
+    cfg = ModelConfig(name=name)
+    try:
+        model = build_model(cfg, shape, 10, seed=0)
+    except DPFLError as err:
+        with pytest.raises(DPFLError) as checked:
+            check_model_input(cfg, shape)
+        assert str(checked.value) == str(err) and "model.name" in str(err)
+    else:
+        check_model_input(cfg, shape)
+        assert np.array_equal(initial_theta(cfg, shape, 10, 0), get_flat(model))
 
 
 def test_evaluation_runs_the_cnns_pools_channels_last_with_the_same_logits():
