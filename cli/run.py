@@ -129,12 +129,14 @@ def _prepare(scenario, set_, out, address, resume):
 
 
 class _InitialModel:
-    """The run's initial model (models.initial_theta), built in a thread while ``ray.init`` runs.
+    """The run's initial model (models.initial_theta), built in a thread while ``ray.init`` runs;
+    then matplotlib is loaded for the plots the run ends with.
 
-    Importing torch and building the model take about a second of CPU; Ray's start-up spends most
-    of its 3-5 s waiting for its own processes, which leaves a core idle on a 2-core machine. The
-    model's fit to the data was checked before Ray started (model_inputs.check_model_input), so
-    nothing the user wrote can fail here. Signals go to the main thread, as before."""
+    Importing torch and building the model take about a second of CPU, matplotlib another 0.35 s;
+    Ray's start-up spends most of its 3-5 s waiting for its own processes, which leaves a core idle
+    on a 2-core machine. The model's fit to the data was checked before Ray started
+    (model_inputs.check_model_input), so nothing the user wrote can fail here. Signals go to the
+    main thread, as before. ``seconds``: until the model was built."""
 
     DEADLINE_SECONDS = 120.0
 
@@ -153,12 +155,20 @@ class _InitialModel:
         except BaseException as err:  # noqa: BLE001 - handed to the main thread by result()
             self._error = err
         self.seconds = time.time() - t0
+        try:
+            from dpfl_ray.results import plotting_library
+
+            plotting_library()
+        except Exception:  # noqa: BLE001 - only a head start: the plots load it again, and say what fails
+            pass
 
     def wait(self) -> None:
-        """Let the thread finish its import before the process exits (bounded)."""
+        """Let the thread finish its imports before the process exits (bounded)."""
         self._thread.join(self.DEADLINE_SECONDS)
 
     def result(self):
+        """The flat initial model once the thread is done (bounded, and matplotlib is then loaded
+        too: no second thread imports it while this one does); the thread's error, if it had one."""
         self.wait()
         if self._thread.is_alive():
             from dpfl_ray.errors import DPFLError

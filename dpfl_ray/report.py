@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DPFLError
-from .results import _pyplot
+from .results import plotting_library
 
 COLUMNS = ["run", "scenario", "rounds", "stop_reason", "final_accuracy", "best_accuracy", "epsilon",
            "epsilon_claimed", "epsilon_vs_server", "epsilon_empirical", "calibration", "delta", "mean_survivors",
@@ -263,7 +263,7 @@ def _save(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    plotting_library().close(fig)
     return path
 
 
@@ -272,7 +272,7 @@ def plot_accuracy(runs: list[Run], path: Path) -> Path | None:
     runs = [(i, r) for i, r in enumerate(runs) if r.series("test_accuracy")[0]]
     if not runs:
         return None
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    fig, ax = plotting_library().subplots(figsize=(7, 4.5))
     for i, run in runs:
         ax.plot(*run.series("test_accuracy"), marker=".", markersize=3, color=_color(i), label=run.legend)
     return _save(fig, ax, path, "round", "test accuracy", "Test accuracy per round")
@@ -283,7 +283,7 @@ def plot_epsilon(runs: list[Run], path: Path) -> Path | None:
     runs = [(i, r) for i, r in enumerate(runs) if r.has_epsilon]
     if not runs:
         return None
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    fig, ax = plotting_library().subplots(figsize=(7, 4.5))
     for i, run in runs:
         effective = " (effective)" if run.series("epsilon_claimed")[0] else ""
         for key, style, suffix in (("epsilon", "-", effective), ("epsilon_nominal", ":", " (nominal)"),
@@ -306,7 +306,7 @@ def plot_accuracy_vs_epsilon(runs: list[Run], path: Path) -> Path | None:
             lines.append((i, run.legend + (" (nominal)" if nominal else ""), pts))
     if not lines:
         return None
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    fig, ax = plotting_library().subplots(figsize=(7, 4.5))
     for i, label, pts in lines:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", markersize=3, color=_color(i), label=label)
     return _save(fig, ax, path, "epsilon", "test accuracy", "Accuracy against privacy spent")
@@ -336,7 +336,7 @@ def plot_client_epsilon(runs: list[Run], path: Path) -> Path | None:
     runs = [(i, r, eps) for i, r, eps in runs if eps]
     if not runs:
         return None
-    plt = _pyplot()
+    plt = plotting_library()
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, run, eps in runs:
         ax.hist(eps, bins=min(30, max(5, len(eps) // 3)), alpha=0.5, color=_color(i),
@@ -368,7 +368,7 @@ def plot_client_accuracy(runs: list[Run], path: Path) -> Path | None:
     if not runs:
         return None
     labels = list(dict.fromkeys(label for _, _, g in runs for label in g))
-    fig, ax = _pyplot().subplots(figsize=(max(6, 1.2 * len(labels) + 3), 4.5))
+    fig, ax = plotting_library().subplots(figsize=(max(6, 1.2 * len(labels) + 3), 4.5))
     width = 0.8 / len(runs)
     for k, (i, run, groups) in enumerate(runs):
         xs = [j + (k - (len(runs) - 1) / 2) * width for j, label in enumerate(labels) if label in groups]

@@ -177,7 +177,7 @@ class RunRecord:
         rows = [r for r in self.rounds if r.get("test_accuracy") is not None]
         if not rows:
             return
-        plt = _pyplot()
+        plt = plotting_library()
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["round"] for r in rows], [r["test_accuracy"] for r in rows], marker=".")
         ax.set_xlabel("round")
@@ -194,7 +194,7 @@ class RunRecord:
                 and (r.get("epsilon") is not None or r.get("epsilon_nominal") is not None)]
         if not rows:
             return
-        plt = _pyplot()
+        plt = plotting_library()
         fig, ax = plt.subplots(figsize=(6, 4))
         eps = [r["epsilon"] if r.get("epsilon") is not None else r["epsilon_nominal"] for r in rows]
         nominal = any(r.get("epsilon") is None for r in rows)
@@ -221,13 +221,16 @@ def _atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _pyplot():
+def plotting_library():
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported on first use:
+    0.35 s that only commands which draw should pay (`dpfl run` loads it while Ray starts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
 
 
 def _jsonable(obj):

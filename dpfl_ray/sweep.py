@@ -322,9 +322,9 @@ def axis_series(rows: list[dict], grid: dict[str, list[str]], axis: str, metric:
 def plot_axis(rows: list[dict], grid: dict[str, list[str]], axis: str, out_dir: Path) -> list[Path]:
     """``accuracy_vs_<axis>.png`` and, where runs record one, ``epsilon_vs_<axis>.png``: one line
     per combination of the other axes, mean over seeds with +-1 sd error bars."""
-    from .results import _pyplot
+    from .results import plotting_library
 
-    plt = _pyplot()
+    plt = plotting_library()
     try:
         pos = {v: float(v) for v in grid[axis]}
         ticks = None
