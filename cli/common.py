@@ -96,8 +96,7 @@ def accounting_plan(sc):
     rounds, from the algorithm's own planned mechanism (None without a run-wide ledger)."""
     from dpfl_ray.algorithms import algorithm_class
 
-    cls = algorithm_class(sc)
-    if not cls.private or cls.record_level:
+    if not algorithm_class(sc).client_level():
         # planned_mechanism's answer, known without importing dp_accounting and scipy: 0.8 s of every
         # non-private `dpfl run` before Ray starts
         return None

@@ -232,7 +232,6 @@ def plotting_library():
     return plt
 
 
-
 def _jsonable(obj):
     if isinstance(obj, (np.integer,)):
         return int(obj)

@@ -413,7 +413,7 @@ class Scenario(_Section):
 
         cls = algorithm_class_named(self.training.algorithm)
         cls.check_scenario(self)
-        if self.privacy.audit is not None and (not cls.private or cls.record_level):
+        if self.privacy.audit is not None and not cls.client_level():
             raise ValueError(f"privacy.audit: canary clients audit client-level mechanisms; "
                              f"{self.training.algorithm} has none to audit")
         return self

@@ -230,6 +230,12 @@ class Algorithm(ABC):
     record_level: ClassVar[bool] = False
 
     @classmethod
+    def client_level(cls) -> bool:
+        """A client-level mechanism, booked on one run-wide ledger: private and not record-level
+        (what the accounting preflight, the planned mechanism and the audit's canaries need)."""
+        return cls.private and not cls.record_level
+
+    @classmethod
     def check_scenario(cls, sc) -> None:
         """Raise ValueError (message starting with the field path) if ``sc`` cannot run this
         algorithm. The default holds for every private algorithm."""

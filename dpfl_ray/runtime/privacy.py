@@ -43,8 +43,7 @@ def planned_mechanism(scenario) -> Mechanism | None:
     algorithm without a ledger or with per-client (record-level) ledgers."""
     from ..algorithms import algorithm_class
 
-    cls = algorithm_class(scenario)
-    if not cls.private or cls.record_level:
+    if not algorithm_class(scenario).client_level():
         return None
     p = scenario.privacy
     weights = np.ones(scenario.data.num_clients)
