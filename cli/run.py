@@ -44,7 +44,8 @@ def run(
         from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
         from dpfl_ray.runtime.resources import plan_pool
     if shutdown.requested:
-        model.wait()
+        with shutdown.protect():
+            model.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)
         raise typer.Exit(shutdown.exit_code)
 
