@@ -400,13 +400,23 @@ class Coordinator:
         return combine_shards(sums, n)
 
     def _replace(self, dead: list) -> None:
-        """A fresh worker for each dead one, a bounded number of times per run."""
+        """A fresh worker for each dead one, a bounded number of times per run.
+
+        The coordinator waits for the fresh workers to start, as for the first pool (bounded;
+        one that does not start surfaces in its round, as a crash). Otherwise a fresh worker's
+        start-up (torch's import, the data) fell inside the next round's real deadline, and on a
+        loaded machine the worker was cut off as a straggler: the results depended on timing."""
+        fresh = []
         for w in dead:
             self.replacements += 1
             if self.replacements > MAX_REPLACEMENTS:
                 raise RuntimeError(f"{self.replacements} workers died or hung in this run; giving up "
                                    "(see the rounds' 'dropped' records)")
-            self.workers[self.workers.index(w)] = self._new_worker()
+            fresh.append(self._new_worker())
+            self.workers[self.workers.index(w)] = fresh[-1]
+        refs = [w.info.remote() for w in fresh]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_SECONDS)
 
 
 def _one_torch_thread() -> None:
