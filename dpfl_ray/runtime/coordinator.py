@@ -344,7 +344,7 @@ class Coordinator:
         ready, late = ray.wait(list(calls), num_returns=len(calls),
                                timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])
         survivors, sums, updates, rejected, reports = [], {}, {} if spec.per_client else None, {}, {}
-        worker_s = None
+        worker_s, dead = None, []
         for ref in ready:
             w, groups = calls[ref]
             try:
@@ -355,7 +355,7 @@ class Coordinator:
                 # A dead worker's clients are this round's dropouts; a fresh worker takes its place.
                 cause, phase = struck.get(w, (CRASH, "training"))  # an unplanned death: while training
                 dropped.update({c: f"{cause}@{phase}" for ids in groups.values() for c in ids})
-                self._replace([w])
+                dead.append(w)
                 continue
             survivors += reply.client_ids
             worker_s = max(worker_s or 0.0, reply.seconds)
@@ -368,7 +368,8 @@ class Coordinator:
             w, groups = calls[ref]
             dropped.update({c: f"{STRAGGLER}@upload" for ids in groups.values() for c in ids})
             ray.kill(w, no_restart=True)
-            self._replace([w])
+            dead.append(w)
+        self._replace(dead)  # all at once: the fresh workers start side by side, not one after another
         total = sum(sums[g] for g in sorted(sums)) if sums else None
         return sorted(survivors), total, updates, rejected, reports, worker_s
 
