@@ -1,8 +1,15 @@
 from dpfl_ray.scenario import scenario_from_dict
 
 
+# Tests about the pool itself (several workers' replies merged, a worker crashing or hanging while
+# another serves, SecAgg's masks cancelling across workers) ask for it with resources=TWO_WORKERS;
+# the others run one worker: each worker process costs about 1.7 s of CPU to start (torch's import),
+# which over the suite's runs was a tenth of `make test`.
+TWO_WORKERS = {"workers": 2, "num_cpus_per_worker": 0.5}
+
+
 def tiny_scenario(**sections):
-    """A scenario that trains in seconds: synthetic blobs, logistic model, 20 clients."""
+    """A scenario that trains in seconds: synthetic blobs, logistic model, 20 clients, one worker."""
     raw = {
         "name": "tiny", "seed": 3,
         "data": {"source": "synthetic", "num_clients": 20, "synthetic_examples": 600,
@@ -10,7 +17,7 @@ def tiny_scenario(**sections):
         "model": {"name": "logistic"},
         "training": {"rounds": 3, "batch_size": 8, "lr": 0.2},
         "sampling": {"mode": "fixed", "clients_per_round": 10},
-        "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+        "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
     }
     for key, value in sections.items():
         raw.setdefault(key, {}).update(value) if isinstance(value, dict) else raw.__setitem__(key, value)

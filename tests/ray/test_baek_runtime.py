@@ -16,7 +16,7 @@ from dpfl_ray.privacy import FixedSizeSampling, epsilon_for
 from dpfl_ray.privacy.dropouts import effective_noise_multipliers
 from dpfl_ray.results import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
-from tests.helpers import tiny_scenario
+from tests.helpers import TWO_WORKERS, tiny_scenario
 
 MODES = ["none", "baek", "baek-extended", "layered"]
 UPLOAD_30 = {"model": "tail", "rate": 0.3, "phase": "upload"}
@@ -30,9 +30,9 @@ def _root() -> None:
     """Stand-in for cli/main.py."""
 
 
-def _scenario(mode: str, dropout=UPLOAD_30, rounds: int = 3, **privacy):
+def _scenario(mode: str, dropout=UPLOAD_30, rounds: int = 3, resources=None, **privacy):
     # 40 clients with 15 examples each: every weight is 1; 10 sampled per round, 3 drop.
-    return tiny_scenario(
+    return tiny_scenario(resources=resources or {},
         data={"num_clients": 40}, training={"algorithm": "baek", "rounds": rounds},
         sampling={"mode": "fixed", "clients_per_round": 10},
         privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp", "calibration": mode,
@@ -82,13 +82,14 @@ def test_calibration_and_unmask_dropouts(ray_session, tmp_path):
     leave their first noise in; layered loses nothing (the others' shares remove the layers)."""
     drops = [UPLOAD_30, {"model": "tail", "rate": 0.15, "phase": "unmask"},
              {"model": "tail", "rate": 0.35, "phase": "calibration"}]
-    _, rounds = _run(_scenario("baek", dropout=drops, rounds=2), tmp_path / "baek")
+    # two workers: the calibration terms and the unmasking shares cross the pool
+    _, rounds = _run(_scenario("baek", dropout=drops, rounds=2, resources=TWO_WORKERS), tmp_path / "baek")
     for r in rounds:
         assert r["dropped_by_phase"] == {"upload": 3, "unmask": 1, "calibration": 2} and r["survived"] == 7
         assert r["calibration_senders"] == 4
         _, z_eff = effective_noise_multipliers(1.0, "baek", 10.0, 7.0, 3.0)
         assert r["noise_multiplier_effective"] == pytest.approx(z_eff, rel=1e-12)
-    _, rounds = _run(_scenario("layered", dropout=drops, rounds=2), tmp_path / "layered")
+    _, rounds = _run(_scenario("layered", dropout=drops, rounds=2, resources=TWO_WORKERS), tmp_path / "layered")
     for r in rounds:
         assert r["survived"] == 7 and r["noise_multiplier_effective"] == 1.0 and r["layers_removed"] == 14
 

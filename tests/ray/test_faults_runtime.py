@@ -11,7 +11,7 @@ from dpfl_ray.data import build_federation
 from dpfl_ray.results import RunRecord
 from dpfl_ray.runtime.coordinator import make_coordinator
 from dpfl_ray.runtime.driver import put_federation, run_scenario
-from tests.helpers import tiny_scenario
+from tests.helpers import TWO_WORKERS, tiny_scenario
 
 DP_FEDAVG = {"algorithm": "dp_fedavg", "rounds": 3}
 POISSON = {"mode": "poisson", "rate": 0.5, "clients_per_round": None}
@@ -39,7 +39,7 @@ def _accounted(row):
 
 def test_a_planned_crash_mid_round_is_survived_and_booked(ray_session, tmp_path):
     # worker 0 is killed after it was handed its clients (round 2), worker 1 while uploading (round 3)
-    sc = tiny_scenario(training=DP_FEDAVG, sampling=POISSON, privacy=PRIVACY,
+    sc = tiny_scenario(training=DP_FEDAVG, sampling=POISSON, privacy=PRIVACY, resources=TWO_WORKERS,
                        faults={"crash": {"at": [[2, "training", 0], [3, "upload", 1]]}})
     summary, rows, state = _run(sc, tmp_path / "crash")
     assert summary["stop_reason"] == "completed" and [r["round"] for r in rows] == [1, 2, 3]
@@ -77,7 +77,7 @@ def _hang_run_clients(worker):
 
 
 def test_a_hung_worker_is_cut_off_by_the_deadline_in_plain_fedavg(ray_session):
-    sc = tiny_scenario(training={"rounds": 3, "round_deadline_s": 1.0})
+    sc = tiny_scenario(training={"rounds": 3, "round_deadline_s": 1.0}, resources=TWO_WORKERS)
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     ray_session.get(coord.start_pool.remote())
     before = [i["pid"] for i in ray_session.get(coord.worker_info.remote())]
@@ -123,7 +123,7 @@ CHAOS = {
 
 def test_the_same_chaos_scenario_and_seed_give_the_same_faults_and_results(ray_session, tmp_path):
     sc = tiny_scenario(training={**DP_FEDAVG, "rounds": 4, "round_deadline_s": 0.2}, sampling=POISSON,
-                       privacy=PRIVACY, faults=CHAOS)
+                       privacy=PRIVACY, faults=CHAOS, resources=TWO_WORKERS)
     _, rows_a, state_a = _run(sc, tmp_path / "a")
     _, rows_b, state_b = _run(sc, tmp_path / "b")
     causes = {c for r in rows_a for c in r["dropped"]}

@@ -14,7 +14,7 @@ from dpfl_ray.algorithms.nbafl import uplink_std
 from dpfl_ray.data import build_federation
 from dpfl_ray.results import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
-from tests.helpers import tiny_scenario
+from tests.helpers import TWO_WORKERS, tiny_scenario
 
 
 def _scenario(secagg: bool):
@@ -23,7 +23,7 @@ def _scenario(secagg: bool):
                          sampling={"mode": "fixed", "clients_per_round": 20},
                          privacy={"clipping": {"norm": 5.0}, "delta": 0.01, "accountant": "rdp",
                                   "nbafl": {"epsilon": 60}},
-                         secagg={"enabled": secagg})
+                         secagg={"enabled": secagg}, resources=TWO_WORKERS)
 
 
 def _run(sc, path):

@@ -10,7 +10,7 @@ from dpfl_ray.data import build_federation
 from dpfl_ray.privacy import FixedSizeSampling, delta_for, epsilon_for, rounds_within_budget
 from dpfl_ray.results import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
-from tests.helpers import tiny_scenario
+from tests.helpers import TWO_WORKERS, tiny_scenario
 
 DP = {"algorithm": "dp_fedavg", "rounds": 6}
 POISSON = {"mode": "poisson", "rate": 0.5, "clients_per_round": None}
@@ -73,7 +73,7 @@ def test_noise_is_calibrated_to_the_target_when_not_given(ray_session, tmp_path)
 def test_dp_fedavg_same_model_with_and_without_secagg(ray_session, tmp_path):
     common = dict(training=DP, sampling=POISSON,
                   privacy={"noise_multiplier": 1.0, "clipping": {"mode": "adaptive", "norm": 0.3}, "accountant": "pld"},
-                  faults={"dropout": {"model": "tail", "rate": 0.2, "phase": "upload"}})
+                  faults={"dropout": {"model": "tail", "rate": 0.2, "phase": "upload"}}, resources=TWO_WORKERS)
     _, plain = _run(tiny_scenario(**common), tmp_path / "plain")
     _, secure = _run(tiny_scenario(secagg={"enabled": True, "scale": 2.0 ** 40}, **common), tmp_path / "sa")
     assert [r["survived"] for r in plain] == [r["survived"] for r in secure]

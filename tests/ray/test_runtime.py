@@ -9,7 +9,7 @@ from dpfl_ray.data import build_federation
 from dpfl_ray.results import RunRecord
 from dpfl_ray.runtime.coordinator import make_coordinator
 from dpfl_ray.runtime.driver import put_federation, run_scenario
-from tests.helpers import tiny_scenario
+from tests.helpers import TWO_WORKERS, tiny_scenario
 
 
 def _run(sc, tmp_path, name):
@@ -72,7 +72,7 @@ def test_same_seed_same_model_for_any_pool_size(ray_session, tmp_path):
 
 
 def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
-    sc = tiny_scenario(training={"rounds": 2})
+    sc = tiny_scenario(training={"rounds": 2}, resources=TWO_WORKERS)
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     ray_session.get(coord.start_pool.remote())
     pids = [i["pid"] for i in ray_session.get(coord.worker_info.remote())]

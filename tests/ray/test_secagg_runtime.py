@@ -9,7 +9,7 @@ from dpfl_ray.data import build_federation
 from dpfl_ray.results import RunRecord
 from dpfl_ray.runtime.coordinator import make_coordinator
 from dpfl_ray.runtime.driver import put_federation, run_scenario
-from tests.helpers import tiny_scenario
+from tests.helpers import TWO_WORKERS, tiny_scenario
 
 
 def _run(sc, path):
@@ -21,8 +21,9 @@ def _run(sc, path):
 
 def test_secagg_gives_the_plain_model_within_the_rounding_bound(ray_session, tmp_path):
     drop = {"dropout": {"model": "tail", "rate": 0.3, "phase": "unmask"}}
-    plain_rounds, plain = _run(tiny_scenario(faults=drop), tmp_path / "plain")
-    sa_rounds, secure = _run(tiny_scenario(faults=drop, secagg={"enabled": True}), tmp_path / "sa")
+    plain_rounds, plain = _run(tiny_scenario(faults=drop, resources=TWO_WORKERS), tmp_path / "plain")
+    sa_rounds, secure = _run(tiny_scenario(faults=drop, secagg={"enabled": True}, resources=TWO_WORKERS),
+                             tmp_path / "sa")
     # dropping after the masked input: the inputs are in the sum, the protocol recovers the masks
     assert [r["survived"] for r in sa_rounds] == [10, 10, 10] == [r["survived"] for r in plain_rounds]
     assert all(r["dropped_by_phase"] == {"unmask": 3} for r in sa_rounds)
@@ -38,7 +39,8 @@ def test_secagg_gives_the_plain_model_within_the_rounding_bound(ray_session, tmp
 
 def test_secagg_plus_with_upload_dropouts(ray_session, tmp_path):
     sc = tiny_scenario(faults={"dropout": {"model": "tail", "rate": 0.3, "phase": "upload"}},
-                       secagg={"enabled": True, "protocol": "secagg+", "bits": 32, "scale": 2.0 ** 16})
+                       secagg={"enabled": True, "protocol": "secagg+", "bits": 32, "scale": 2.0 ** 16},
+                       resources=TWO_WORKERS)
     rounds, _ = _run(sc, tmp_path / "plus")
     assert all(r["survived"] == 7 and r["dropped_by_phase"] == {"upload": 3} for r in rounds)
     assert all(r["secagg_protocol"] == "secagg+" for r in rounds)
@@ -57,7 +59,7 @@ def test_too_few_survivors_abort_the_round_and_leave_the_model(ray_session, tmp_
 
 
 def test_a_crashed_worker_drops_its_clients_mid_protocol(ray_session):
-    sc = tiny_scenario(secagg={"enabled": True, "threshold": 4}, training={"rounds": 2})
+    sc = tiny_scenario(secagg={"enabled": True, "threshold": 4}, training={"rounds": 2}, resources=TWO_WORKERS)
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     ray_session.get(coord.start_pool.remote())
     ray_session.kill(ray_session.get(coord.worker_handle.remote(1)))
