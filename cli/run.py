@@ -1,6 +1,7 @@
 """``dpfl run``: one scenario, locally or on a cluster, with live progress and a run directory."""
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from pathlib import Path
@@ -129,6 +130,16 @@ def _prepare(scenario, set_, out, address, resume):
     return sc, fed, run_dir, checkpoint, startup
 
 
+# Modules the model thread loads (torch imports both) that register an at-fork hook run in the
+# parent, os.register_at_fork(before=..., after_in_parent=...): imported in the main thread before
+# the thread starts. ray.init starts Ray's processes with a preexec_fn, so each fork runs the
+# parent's "before" hooks, then the "after" ones; a hook the thread registered in between ran only
+# its second half, and concurrent.futures' `lock.release` printed "Exception ignored ... RuntimeError:
+# release unlocked lock" with a traceback on the user's stderr (seen in the signal tests, rarely).
+# tests/e2e/test_cli.py reads the installed torch's and matplotlib's source for any others.
+PARENT_FORK_HOOK_MODULES = ("logging", "concurrent.futures.thread")
+
+
 class _InitialModel:
     """The run's initial model (models.initial_theta), built in a thread while ``ray.init`` runs;
     then matplotlib is loaded for the plots the run ends with.
@@ -143,6 +154,8 @@ class _InitialModel:
 
     def __init__(self, sc, fed):
         self._theta, self._error, self.seconds = None, None, None
+        for name in PARENT_FORK_HOOK_MODULES:
+            importlib.import_module(name)
         self._thread = threading.Thread(target=self._build, args=(sc, fed.dataset.input_shape, fed.dataset.num_classes),
                                         name="dpfl-initial-model", daemon=True)
         self._thread.start()

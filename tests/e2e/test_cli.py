@@ -1,4 +1,5 @@
 """The real ``dpfl`` command in a subprocess: a happy path and every kind of user mistake."""
+import ast
 import json
 import os
 import subprocess
@@ -114,6 +115,41 @@ def test_the_command_line_loads_no_accounting_or_training_library():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def _parent_fork_hooks(path: str) -> bool:
+    """Whether the module at ``path`` calls os.register_at_fork with a hook run in the parent."""
+    source = Path(path).read_text(errors="replace")
+    if "register_at_fork" not in source:
+        return False
+    return any(isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) ==
+               "register_at_fork" and {k.arg for k in node.keywords} & {"before", "after_in_parent"}
+               for node in ast.walk(ast.parse(source)))
+
+
+def test_the_model_thread_registers_no_fork_hook_while_ray_starts():
+    """`dpfl run` imports torch and matplotlib in a thread while ray.init forks Ray's processes
+    (each fork runs the parent's at-fork hooks before and after it). No module that thread loads
+    for the first time may register a parent-side hook: one registered between a fork's two halves
+    runs only its second, as concurrent.futures' lock release did ("Exception ignored ... release
+    unlocked lock" on stderr). Checked on the installed torch and matplotlib, by their source."""
+    code = ("import importlib, json, sys; from cli.run import PARENT_FORK_HOOK_MODULES; "
+            "from dpfl_ray.scenario import load_scenario; sc = load_scenario('scenarios/quickstart.yaml'); "
+            "[importlib.import_module(m) for m in PARENT_FORK_HOOK_MODULES]; "
+            "before = set(sys.modules); "
+            "from dpfl_ray.models import initial_theta; from dpfl_ray.results import plotting_library; "
+            "initial_theta(sc.model, (1, 28, 28), 10, sc.seed); plotting_library(); "
+            "print(json.dumps(sorted({getattr(m, '__file__', None) or '' for n, m in list(sys.modules.items()) "
+            "if n not in before})))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    loaded = [f for f in json.loads(res.stdout.strip().splitlines()[-1]) if f.endswith(".py") and Path(f).is_file()]
+    assert any("/torch/" in f for f in loaded) and any("/matplotlib/" in f for f in loaded)
+    assert [f for f in loaded if _parent_fork_hooks(f)] == []
+    # the probe finds the hook that caused it when the module is not imported first
+    import concurrent.futures.thread
+
+    assert _parent_fork_hooks(concurrent.futures.thread.__file__)
 
 
 @pytest.mark.parametrize("scenario, loaded", [("quickstart.yaml", []),
