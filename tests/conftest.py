@@ -12,7 +12,7 @@ os.environ.pop("COLUMNS", None)
 @pytest.fixture(scope="session")
 def ray_session():
     """One real local Ray for the whole test session (for each pytest-xdist process: `make test`
-    runs three), bound to 127.0.0.1.
+    runs two), bound to 127.0.0.1.
 
     Two GPUs are declared (they do not exist) so fractional-GPU scheduling is tested on a CPU box.
     """
