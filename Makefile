@@ -31,8 +31,9 @@ test: $(STAMP)
 	# processes start and tests wait on subprocesses. Each process has its own local Ray
 	# (tests/conftest.py); every test is independent of the others' order and process. Three were
 	# chosen while most runtime tests started two workers (488 s with two, 490 s with three); since
-	# they start one, two and three are within noise (back to back in one checkout: 387 and 376 s with two, 404 and 386 s with three;
-	# fresh clones: 7:07 with two, 7:03 with three), and two start one Ray fewer.
+	# they start one, two and three are within noise (back to back in one checkout: 387 and 376 s
+	# with two, 404 and 386 s with three; fresh clones: 7:07 with two, 7:03 with three), and two
+	# start one Ray fewer.
 	# --dist worksteal: with the default `load` one process was handed most of tests/ray in one chunk
 	# and ran it alone for the last ~250 s while the others had finished (10% of the CPU idle);
 	# worksteal lets an idle process take queued tests from a busy one.
