@@ -51,10 +51,10 @@ MODEL_NAMES = ("cnn", "mlp", "logistic")
 def build_model(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
     """Build the model named in the scenario; the same seed gives the same initial weights."""
     name = model_cfg.name
+    check_model_input(model_cfg, input_shape)  # the check `dpfl run` makes before Ray starts
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "cnn":
-            check_model_input(model_cfg, input_shape)
             return TFPrivacyCNN(*input_shape, num_classes)
         flat = int(math.prod(input_shape))
         if name == "mlp":
