@@ -4,9 +4,12 @@ Why this is more than ``ray.init(address)`` (issue #11): on a dead address ray.i
 for minutes and ignores signals meanwhile; on a cluster with token authentication it retries for
 20 s and reports ``InvalidAuthToken`` only in its own log; with an explicit address it never turns
 token mode on by itself. So the address is parsed and the token found first (runtime/cluster.py),
-the GCS is probed with short gRPC calls that return to Python every 50 ms, and only then is
-ray.init called -- in a helper thread, while the main thread waits in short steps (a signal
-handler that raises KeyboardInterrupt in the main thread is honoured at once).
+the GCS is probed with short gRPC calls, and only then is ray.init called. The probe and ray.init
+both run in a helper thread while the main thread waits in short steps (:func:`call_bounded`): a
+signal handler that raises KeyboardInterrupt in the main thread is honoured at once, and it never
+lands inside gRPC's or Ray's own code. (It did, when the probe ran in the main thread: about one
+SIGTERM in fifteen sent just after the probe connected left gRPC's channel waiting forever, at
+close, for a call the interrupt had cut in half.)
 
 ``ray`` is imported only inside the functions that talk to it, after
 :func:`~dpfl_ray.runtime.cluster.stay_on_loopback` has set what Ray reads at import time.
@@ -59,27 +62,28 @@ def probe_tcp(target: Target, timeout_s: float = TCP_TIMEOUT_S) -> None:
 
 
 def _rpc(stub_call, request, token: Token | None, timeout_s: float):
-    """One unary gRPC call whose wait returns to Python every 50 ms; returns (reply, None) or
-    (None, grpc.RpcError)."""
+    """One unary gRPC call with a deadline; returns (reply, None) or (None, grpc.RpcError)."""
     import grpc
 
     metadata = [("authorization", f"Bearer {token.value}")] if token else []
-    future = stub_call.future(request, timeout=timeout_s, metadata=metadata)
     try:
-        while not future.done():
-            time.sleep(0.05)
-    except BaseException:
-        future.cancel()
-        raise
-    try:
-        return future.result(), None
+        return stub_call(request, timeout=timeout_s, metadata=metadata), None
     except grpc.RpcError as err:
         return None, err
 
 
 def probe_gcs(target: Target, token: Token | None, timeout_s: float = RPC_TIMEOUT_S) -> tuple[bool, list]:
     """Ask the GCS two cheap questions: does it need a token (and accept ours), and which nodes are
-    alive. Returns (token needed, alive GcsNodeInfo list); every failure is a one-line DPFLError."""
+    alive. Returns (token needed, alive GcsNodeInfo list); every failure is a one-line DPFLError.
+
+    The gRPC calls run in a helper thread (:func:`call_bounded`), at most three of ``timeout_s``
+    each; the calling thread only waits, so a signal interrupts the wait, not gRPC."""
+    where = f"{target.address} ({target.source})"
+    return call_bounded(lambda: _ask_gcs(target, token, timeout_s), 3 * timeout_s + 1.0,
+                        f"asking the Ray GCS at {where}")
+
+
+def _ask_gcs(target: Target, token: Token | None, timeout_s: float) -> tuple[bool, list]:
     import grpc
     from ray.core.generated import gcs_service_pb2 as msgs
     from ray.core.generated import gcs_service_pb2_grpc as stubs

@@ -1,5 +1,8 @@
 """Address forms, token discovery and the placement record (runtime/cluster.py), bounded calls
 (runtime/connect.py) and the Jobs helpers that need no cluster (runtime/jobs.py). No Ray is started."""
+import socket
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -9,7 +12,7 @@ from dpfl_ray.errors import DPFLError
 from dpfl_ray.runtime.cluster import (
     Token, find_auth_token, placement_summary, recorded_address, resolve_target, stay_on_loopback,
 )
-from dpfl_ray.runtime.connect import call_bounded
+from dpfl_ray.runtime.connect import call_bounded, probe_gcs
 from dpfl_ray.runtime.jobs import EXCLUDES, SCENARIO_ENV, dashboard_address, job_runtime_env, submission_id
 
 
@@ -113,6 +116,46 @@ def test_call_bounded_returns_raises_and_gives_up():
         call_bounded(lambda: time.sleep(0.6), 0.2, "slow thing")
     assert time.monotonic() - t0 < 0.55
     time.sleep(0.6)  # the abandoned call ends before this process does: no forced exit
+
+
+def test_the_gcs_probe_runs_grpc_outside_the_thread_a_signal_interrupts():
+    """A signal handler raises KeyboardInterrupt in the main thread. Raised inside gRPC's own code, it
+    left the channel waiting forever at close for a half-made call (`dpfl run --address` hung after
+    SIGTERM, about once in fifteen). The thread that calls the probe must only wait: sampled every
+    millisecond while a real gRPC probe talks to a listener that never answers, its stack never holds
+    the probe's gRPC calls, which another thread makes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    threading.Thread(target=lambda: [listener.accept() for _ in range(4)], daemon=True).start()
+    caller, samples, elsewhere, done = threading.get_ident(), [], [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            for ident, frame in sys._current_frames().items():
+                names = []
+                while frame is not None:
+                    names.append((frame.f_code.co_name, frame.f_code.co_filename))
+                    frame = frame.f_back
+                (samples if ident == caller else elsewhere).append(names)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    target = resolve_target(f"127.0.0.1:{listener.getsockname()[1]}", environ={})
+    try:
+        with pytest.raises(DPFLError, match="answers but not as a Ray GCS"):
+            probe_gcs(target, None, timeout_s=0.5)
+    finally:
+        done.set()
+        sampler.join(5)
+        listener.close()
+
+    def in_grpc(names):
+        return [n for n in names if n[0] in ("_ask_gcs", "_rpc") or "/grpc/" in n[1].replace("\\", "/")]
+
+    assert len(samples) > 100 and any(name == "_rpc" for names in elsewhere for name, _ in names)
+    assert not [in_grpc(names) for names in samples if in_grpc(names)]
 
 
 def test_placement_summary_counts_workers_and_gpu_ids_per_node():
