@@ -59,8 +59,6 @@ def run(
         if shutdown.requested:  # Ray may swallow the KeyboardInterrupt a signal raised while it started
             raise KeyboardInterrupt("signal received while Ray started")
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
-        theta0 = model.result()
-        startup["initial_model"] = model.seconds
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, checkpoint["round"])
         console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds, "
@@ -69,7 +67,7 @@ def run(
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
                                      completed=len(record.rounds))
             summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown,
-                                   resume=checkpoint, startup=startup, theta0=theta0)
+                                   resume=checkpoint, startup=startup, theta0=model.result)
     except KeyboardInterrupt:
         if checkpoint is not None and record is None:  # the directory is as the last stop left it
             stop_ray()
@@ -148,12 +146,12 @@ class _InitialModel:
     Ray's start-up spends most of its 3-5 s waiting for its own processes, which leaves a core idle
     on a 2-core machine. The model's fit to the data was checked before Ray started
     (model_inputs.check_model_input), so nothing the user wrote can fail here. Signals go to the
-    main thread, as before. ``seconds``: until the model was built."""
+    main thread, as before."""
 
     DEADLINE_SECONDS = 120.0
 
     def __init__(self, sc, fed):
-        self._theta, self._error, self.seconds = None, None, None
+        self._theta, self._error, self._built = None, None, threading.Event()
         for name in PARENT_FORK_HOOK_MODULES:
             importlib.import_module(name)
         self._thread = threading.Thread(target=self._build, args=(sc, fed.dataset.input_shape, fed.dataset.num_classes),
@@ -161,14 +159,13 @@ class _InitialModel:
         self._thread.start()
 
     def _build(self, sc, input_shape, num_classes) -> None:
-        t0 = time.time()
         try:
             from dpfl_ray.models import initial_theta
 
             self._theta = initial_theta(sc.model, input_shape, num_classes, sc.seed)
         except BaseException as err:  # noqa: BLE001 - handed to the main thread by result()
             self._error = err
-        self.seconds = time.time() - t0
+        self._built.set()
         try:
             from dpfl_ray.results import plotting_library
 
@@ -181,10 +178,17 @@ class _InitialModel:
         self._thread.join(self.DEADLINE_SECONDS)
 
     def result(self):
-        """The flat initial model once the thread is done (bounded, and matplotlib is then loaded
-        too: no second thread imports it while this one does); the thread's error, if it had one."""
-        self.wait()
-        if self._thread.is_alive():
+        """The flat initial model once the thread has built it (bounded; matplotlib may still be
+        loading: results.plotting_library lets one thread import it at a time); the thread's error,
+        if it had one."""
+        try:
+            built = self._built.wait(self.DEADLINE_SECONDS)
+        except KeyboardInterrupt:
+            # The stopped run may still build a model for its files: torch's import in the thread
+            # ends first, so that no second thread imports it meanwhile.
+            self.wait()
+            raise
+        if not built:
             from dpfl_ray.errors import DPFLError
 
             raise DPFLError(f"building the initial model took over {self.DEADLINE_SECONDS:.0f} s", field="model")

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -221,13 +222,19 @@ def _atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+_PLOTTING_IMPORT = threading.Lock()
+
+
 def plotting_library():
     """matplotlib's pyplot on the Agg backend (files only, no display), imported on first use:
-    0.35 s that only commands which draw should pay (`dpfl run` loads it while Ray starts)."""
-    import matplotlib
+    0.35 s that only commands which draw should pay (`dpfl run` loads it in a thread while Ray
+    starts). One thread imports it at a time: a second one, importing the same package meanwhile,
+    could see a partly initialised module."""
+    with _PLOTTING_IMPORT:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     return plt
 

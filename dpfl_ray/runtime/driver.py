@@ -68,7 +68,7 @@ CALL_TIMEOUT_SECONDS = 60.0
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
                  poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None,
-                 theta0: np.ndarray | None = None) -> dict:
+                 theta0: np.ndarray | Callable[[], np.ndarray] | None = None) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
     Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
@@ -78,7 +78,9 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     (runtime/checkpoint.py); ``resume`` continues from one (``record`` then holds its rows).
     ``startup``: seconds the caller spent before the run (loading data, joining Ray), for the
     summary's ``timings``. ``theta0``: the initial model (models.initial_theta) if the caller
-    built it already, as ``dpfl run`` does while Ray starts.
+    builds it, or a function that returns it: ``dpfl run`` builds it in a thread while Ray starts,
+    and it is awaited only after the workers were requested. Joining a Ray that is already running,
+    the driver's torch import then overlaps the workers' start instead of preceding it.
     """
     t0 = time.time()
     timings = Timings(t0, dict(startup or {}))
@@ -89,8 +91,11 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
-        coord = make_coordinator(scenario, data, start_workers(scenario, data, fed.num_clients), resume,
-                                 FaultPlan.from_scenario(scenario), theta0)
+        workers = start_workers(scenario, data, fed.num_clients)
+        if callable(theta0):  # the caller's model thread, awaited while the workers start
+            theta0 = theta0()
+            timings.mark("initial_model_ready")
+        coord = make_coordinator(scenario, data, workers, resume, FaultPlan.from_scenario(scenario), theta0)
         timings.mark("actors_requested")
         run_ref = coord.run.remote()
         every = scenario.output.checkpoint_every
