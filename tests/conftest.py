@@ -16,9 +16,17 @@ def ray_session():
 
     Two GPUs are declared (they do not exist) so fractional-GPU scheduling is tested on a CPU box.
     """
+    import warnings
+
     import ray
 
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=True, logging_level="ERROR")
+    from dpfl_ray.runtime.connect import start_local_ray
+
+    # As `dpfl run` does: a second try if Ray's own start-up fails (once in `make test`, the raylet
+    # never registered and every test of this process errored at set-up).
+    start_local_ray(lambda: ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False,
+                                     _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=True,
+                                     logging_level="ERROR"),
+                    warn=lambda message: warnings.warn(message, RuntimeWarning))
     yield ray
     ray.shutdown()

@@ -159,9 +159,11 @@ def package_runtime_env() -> dict:
 
 
 # -- connecting ------------------------------------------------------------------------------------
-def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S) -> bool:
+def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S,
+            interrupted: Callable[[], bool] = lambda: False) -> bool:
     """Join the cluster ``address`` names (see :func:`resolve_target`) or start a private local
-    Ray bound to 127.0.0.1. Returns True when this call connected (the caller shuts Ray down)."""
+    Ray bound to 127.0.0.1. Returns True when this call connected (the caller shuts Ray down).
+    ``interrupted``: whether a signal came meanwhile (see :func:`start_local_ray`)."""
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return False
     target = resolve_target(address, recorded=recorded_address)
@@ -172,8 +174,8 @@ def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S) 
     if target.kind == "local":
         # address="local" always starts a private instance, never joins one found on the machine.
         # Its start-up waits in Python, so it stays in this thread.
-        ray.init(address="local", num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1", include_dashboard=False,
-                 **kwargs)
+        start_local_ray(lambda: ray.init(address="local", num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1",
+                                         include_dashboard=False, **kwargs), interrupted=interrupted)
         return True
     token = find_auth_token()
     probe_tcp(target)
@@ -187,6 +189,51 @@ def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S) 
         kwargs["runtime_env"] = package_runtime_env()
     _join(target, kwargs, join_timeout_s)
     return True
+
+
+# Ray's own start-up, tried this many times. Once, on this 2-core machine during `make test` (about
+# 450 local starts that day), the raylet never registered and ray.init gave up after its 30 s: "The
+# current node timed out during startup". Nothing of ours runs in that start; a second one works.
+LOCAL_START_ATTEMPTS = 2
+
+
+def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTEMPTS,
+                    clear: Callable[[], None] | None = None, warn: Callable[[str], None] | None = None,
+                    interrupted: Callable[[], bool] = lambda: False) -> None:
+    """Start a private local Ray with ``init`` (a ``ray.init(address="local", ...)``). When Ray's
+    own start-up fails, ``clear`` removes what it left (default: ``ray.shutdown()``, then every
+    process this one started, as :func:`~dpfl_ray.runtime.driver.stop_ray` does) and ``warn`` says
+    so (default: a line on stderr) before the next try. After the last try: a one-line DPFLError.
+    A failure after a signal (``interrupted()``: Ray may turn the KeyboardInterrupt into an error of
+    its own) is a stop, not a failed start: KeyboardInterrupt, and no second try."""
+    for attempt in range(1, attempts + 1):
+        try:
+            init()
+            return
+        except Exception as err:  # noqa: BLE001 - ray.init raises a bare Exception when its node never comes up
+            reason = _one_line(err)
+            (clear or _clear_failed_start)()
+            if interrupted():
+                raise KeyboardInterrupt("signal received while Ray started") from None
+            if attempt == attempts:
+                raise DPFLError(f"the private local Ray did not start ({attempts} tries): {reason}") from None
+            (warn or _warn)(f"Ray's local start failed ({reason}); starting it again")
+
+
+def _clear_failed_start() -> None:
+    import ray
+
+    from .shutdown import kill_descendants
+
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - half-started: whatever shutdown cannot do, the kill below does
+        pass
+    kill_descendants()
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _join(target: Target, kwargs: dict, timeout_s: float) -> None:

@@ -12,7 +12,7 @@ from dpfl_ray.errors import DPFLError
 from dpfl_ray.runtime.cluster import (
     Token, find_auth_token, placement_summary, recorded_address, resolve_target, stay_on_loopback,
 )
-from dpfl_ray.runtime.connect import call_bounded, probe_gcs
+from dpfl_ray.runtime.connect import call_bounded, probe_gcs, start_local_ray
 from dpfl_ray.runtime.jobs import EXCLUDES, SCENARIO_ENV, dashboard_address, job_runtime_env, submission_id
 
 
@@ -156,6 +156,41 @@ def test_the_gcs_probe_runs_grpc_outside_the_thread_a_signal_interrupts():
 
     assert len(samples) > 100 and any(name == "_rpc" for names in elsewhere for name, _ in names)
     assert not [in_grpc(names) for names in samples if in_grpc(names)]
+
+
+def test_a_failed_local_start_is_cleared_and_tried_once_more_then_one_line():
+    """The retry policy of the private Ray's start-up, with plain functions in place of ray.init
+    (the failure it answers cannot be caused on purpose: Ray's raylet once never registered)."""
+    calls = []
+
+    def flaky():
+        calls.append("init")
+        if calls.count("init") == 1:
+            raise Exception("The current node timed out during startup. This could happen because\nsome raylet...")
+
+    start_local_ray(flaky, clear=lambda: calls.append("clear"), warn=lambda m: calls.append(f"warn: {m}"))
+    assert calls[:2] == ["init", "clear"] and calls[3] == "init" and len(calls) == 4
+    assert calls[2].startswith("warn: Ray's local start failed (The current node timed out during startup.")
+
+    calls.clear()
+
+    def broken():
+        calls.append("init")
+        raise RuntimeError("no space left on device")
+
+    with pytest.raises(DPFLError, match=r"^the private local Ray did not start \(2 tries\): no space left on device$"):
+        start_local_ray(broken, clear=lambda: calls.append("clear"), warn=lambda m: calls.append("warn"))
+    assert calls == ["init", "clear", "warn", "init", "clear"]
+
+    with pytest.raises(KeyboardInterrupt):  # a signal is not a failed start: no second try
+        start_local_ray(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), clear=lambda: calls.append("x"))
+    assert "x" not in calls
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt, match="signal received while Ray started"):
+        # Ray turned the signal's KeyboardInterrupt into an error of its own: cleared, not tried again
+        start_local_ray(broken, clear=lambda: calls.append("clear"), warn=lambda m: calls.append("warn"),
+                        interrupted=lambda: True)
+    assert calls == ["init", "clear"]
 
 
 def test_placement_summary_counts_workers_and_gpu_ids_per_node():
