@@ -154,7 +154,7 @@ def test_the_gcs_probe_runs_grpc_outside_the_thread_a_signal_interrupts():
     def in_grpc(names):
         return [n for n in names if n[0] in ("_ask_gcs", "_rpc") or "/grpc/" in n[1].replace("\\", "/")]
 
-    assert len(samples) > 100 and any(name == "_rpc" for names in elsewhere for name, _ in names)
+    assert len(samples) > 20 and any(name == "_rpc" for names in elsewhere for name, _ in names)
     assert not [in_grpc(names) for names in samples if in_grpc(names)]
 
 
