@@ -201,18 +201,24 @@ def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTE
                     clear: Callable[[], None] | None = None, warn: Callable[[str], None] | None = None,
                     interrupted: Callable[[], bool] = lambda: False) -> None:
     """Start a private local Ray with ``init`` (a ``ray.init(address="local", ...)``). When Ray's
-    own start-up fails, ``clear`` removes what it left (default: ``ray.shutdown()``, then every
-    process this one started, as :func:`~dpfl_ray.runtime.driver.stop_ray` does) and ``warn`` says
-    so (default: a line on stderr) before the next try. After the last try: a one-line DPFLError.
+    own start-up fails, ``clear`` removes what it left (default: ``ray.shutdown()``, then the
+    processes started since the try began) and ``warn`` says so (default: a line on stderr) before
+    the next try. After the last try: a one-line DPFLError.
     A failure after a signal (``interrupted()``: Ray may turn the KeyboardInterrupt into an error of
     its own) is a stop, not a failed start: KeyboardInterrupt, and no second try."""
+    from .shutdown import descendant_pids
+
     for attempt in range(1, attempts + 1):
+        before = descendant_pids()  # e.g. a test session's Ray head: not this start's to clear
         try:
             init()
             return
         except Exception as err:  # noqa: BLE001 - ray.init raises a bare Exception when its node never comes up
             reason = _one_line(err)
-            (clear or _clear_failed_start)()
+            if clear is None:
+                _clear_failed_start(before)
+            else:
+                clear()
             if interrupted():
                 raise KeyboardInterrupt("signal received while Ray started") from None
             if attempt == attempts:
@@ -220,7 +226,9 @@ def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTE
             (warn or _warn)(f"Ray's local start failed ({reason}); starting it again")
 
 
-def _clear_failed_start() -> None:
+def _clear_failed_start(before: set[int]) -> None:
+    """ray.shutdown(), then kill the processes the failed start left: those started since ``before``
+    was taken, except what the processes already running then started meanwhile."""
     import ray
 
     from .shutdown import kill_descendants
@@ -229,7 +237,7 @@ def _clear_failed_start() -> None:
         ray.shutdown()
     except Exception:  # noqa: BLE001 - half-started: whatever shutdown cannot do, the kill below does
         pass
-    kill_descendants()
+    kill_descendants(spare=before)
 
 
 def _warn(message: str) -> None:

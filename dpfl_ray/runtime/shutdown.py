@@ -82,15 +82,33 @@ def keep_handlers():
         ray_utils.set_sigterm_handler = original
 
 
-def kill_descendants(grace: float = 2.0) -> int:
+def descendant_pids() -> set[int]:
+    """The pids of every process this one started, and they started, now."""
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def kill_descendants(grace: float = 2.0, spare: frozenset[int] | set[int] = frozenset()) -> int:
     """Stop every process this one started (a private Ray's GCS, raylet, agents and workers):
-    SIGTERM, then SIGKILL for those still alive after ``grace`` seconds. Returns how many there were."""
+    SIGTERM, then SIGKILL for those still alive after ``grace`` seconds. Returns how many there were.
+    ``spare``: pids left alone, with every process they started."""
     import psutil
 
     try:
         children = psutil.Process(os.getpid()).children(recursive=True)
     except psutil.Error:
         return 0
+    if spare:
+        def spared(p) -> bool:
+            try:
+                return p.pid in spare or any(a.pid in spare for a in p.parents())
+            except psutil.Error:
+                return True  # gone already
+        children = [p for p in children if not spared(p)]
     for p in children:
         with contextlib.suppress(psutil.Error):
             p.terminate()

@@ -1,6 +1,7 @@
 """Address forms, token discovery and the placement record (runtime/cluster.py), bounded calls
 (runtime/connect.py) and the Jobs helpers that need no cluster (runtime/jobs.py). No Ray is started."""
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -191,6 +192,55 @@ def test_a_failed_local_start_is_cleared_and_tried_once_more_then_one_line():
         start_local_ray(broken, clear=lambda: calls.append("clear"), warn=lambda m: calls.append("warn"),
                         interrupted=lambda: True)
     assert calls == ["init", "clear"]
+
+
+CLEAR_SCRIPT = r"""
+import subprocess, sys, time
+import psutil
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.runtime.connect import start_local_ray
+
+quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+older = psutil.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                      f"subprocess.Popen({sleeper!r}); time.sleep(60)"], **quiet)
+started, lines = [], []
+try:
+    end = time.monotonic() + 30
+    while not older.children() and time.monotonic() < end:  # the older process has started its own child
+        time.sleep(0.05)
+
+    def failing_init():  # as a half-started Ray: processes left behind, then ray.init's bare Exception
+        started.append(subprocess.Popen(sleeper, **quiet))
+        raise Exception("The current node timed out during startup.")
+
+    try:
+        start_local_ray(failing_init, warn=lines.append)
+    except DPFLError as err:
+        lines.append(str(err))
+    older_tree = [older] + older.children(recursive=True)
+    print(len(lines), len(started), sum(p.poll() is None for p in started), len(older_tree),
+          sum(p.status() != psutil.STATUS_ZOMBIE for p in older_tree))
+    print(lines[-1])
+finally:
+    for p in [older] + older.children(recursive=True) + started:
+        try:
+            p.kill()
+        except Exception:
+            pass
+"""
+
+
+def test_a_failed_local_start_kills_what_it_started_and_nothing_older():
+    """The default clearing after a failed start, in a process of its own (it calls ray.shutdown(),
+    which must not meet this test process's Ray): the processes the failed tries started are
+    killed; a process started before, and the process that one started, are left alone."""
+    r = subprocess.run([sys.executable, "-c", CLEAR_SCRIPT], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts, last = r.stdout.strip().splitlines()
+    assert counts == "2 2 0 2 2"  # 1 warning + the error; 2 tries, none left running; the older 2 alive
+    assert last == "the private local Ray did not start (2 tries): The current node timed out during startup."
 
 
 def test_placement_summary_counts_workers_and_gpu_ids_per_node():
