@@ -54,7 +54,7 @@ def run(
     try:
         t_ray = time.time()
         with keep_handlers():
-            ensure_ray(address, interrupted=lambda: shutdown.requested)
+            ensure_ray(address, pending_signal=lambda: shutdown.first)
         startup["ray_init"] = time.time() - t_ray
         if shutdown.requested:  # Ray may swallow the KeyboardInterrupt a signal raised while it started
             raise KeyboardInterrupt("signal received while Ray started")

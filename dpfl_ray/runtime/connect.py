@@ -72,7 +72,8 @@ def _rpc(stub_call, request, token: Token | None, timeout_s: float):
         return None, err
 
 
-def probe_gcs(target: Target, token: Token | None, timeout_s: float = RPC_TIMEOUT_S) -> tuple[bool, list]:
+def probe_gcs(target: Target, token: Token | None, timeout_s: float = RPC_TIMEOUT_S,
+              pending_signal: Callable[[], int] = lambda: 0) -> tuple[bool, list]:
     """Ask the GCS two cheap questions: does it need a token (and accept ours), and which nodes are
     alive. Returns (token needed, alive GcsNodeInfo list); every failure is a one-line DPFLError.
 
@@ -80,7 +81,7 @@ def probe_gcs(target: Target, token: Token | None, timeout_s: float = RPC_TIMEOU
     each; the calling thread only waits, so a signal interrupts the wait, not gRPC."""
     where = f"{target.address} ({target.source})"
     return call_bounded(lambda: _ask_gcs(target, token, timeout_s), 3 * timeout_s + 1.0,
-                        f"asking the Ray GCS at {where}")
+                        f"asking the Ray GCS at {where}", pending_signal=pending_signal)
 
 
 def _ask_gcs(target: Target, token: Token | None, timeout_s: float) -> tuple[bool, list]:
@@ -160,10 +161,10 @@ def package_runtime_env() -> dict:
 
 # -- connecting ------------------------------------------------------------------------------------
 def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S,
-            interrupted: Callable[[], bool] = lambda: False) -> bool:
+            pending_signal: Callable[[], int] = lambda: 0) -> bool:
     """Join the cluster ``address`` names (see :func:`resolve_target`) or start a private local
     Ray bound to 127.0.0.1. Returns True when this call connected (the caller shuts Ray down).
-    ``interrupted``: whether a signal came meanwhile (see :func:`start_local_ray`)."""
+    ``pending_signal``: the number of a signal that came meanwhile, else 0 (see :func:`start_local_ray`)."""
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return False
     target = resolve_target(address, recorded=recorded_address)
@@ -175,19 +176,19 @@ def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S,
         # address="local" always starts a private instance, never joins one found on the machine.
         # Its start-up waits in Python, so it stays in this thread.
         start_local_ray(lambda: ray.init(address="local", num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1",
-                                         include_dashboard=False, **kwargs), interrupted=interrupted)
+                                         include_dashboard=False, **kwargs), pending_signal=pending_signal)
         return True
     token = find_auth_token()
     probe_tcp(target)
     if target.kind == "gcs":
-        needs_token, alive = probe_gcs(target, token)
+        needs_token, alive = probe_gcs(target, token, pending_signal=pending_signal)
         kwargs["_node_ip_address"] = local_node(alive, target).node_manager_address
         _use_token_mode(target, needs_token)
     elif token is not None and "RAY_AUTH_MODE" not in os.environ:
         _use_token_mode(target, True)  # Ray Client: the header is harmless where auth is off
     if not target.inside_job:
         kwargs["runtime_env"] = package_runtime_env()
-    _join(target, kwargs, join_timeout_s)
+    _join(target, kwargs, join_timeout_s, pending_signal)
     return True
 
 
@@ -199,13 +200,13 @@ LOCAL_START_ATTEMPTS = 2
 
 def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTEMPTS,
                     clear: Callable[[], None] | None = None, warn: Callable[[str], None] | None = None,
-                    interrupted: Callable[[], bool] = lambda: False) -> None:
+                    pending_signal: Callable[[], int] = lambda: 0) -> None:
     """Start a private local Ray with ``init`` (a ``ray.init(address="local", ...)``). When Ray's
     own start-up fails, ``clear`` removes what it left (default: ``ray.shutdown()``, then the
     processes started since the try began) and ``warn`` says so (default: a line on stderr) before
     the next try. After the last try: a one-line DPFLError.
-    A failure after a signal (``interrupted()``: Ray may turn the KeyboardInterrupt into an error of
-    its own) is a stop, not a failed start: KeyboardInterrupt, and no second try."""
+    A failure after a signal (``pending_signal()``, its number or 0: Ray may turn the KeyboardInterrupt
+    into an error of its own) is a stop, not a failed start: KeyboardInterrupt, and no second try."""
     from .shutdown import descendant_pids
 
     for attempt in range(1, attempts + 1):
@@ -219,8 +220,8 @@ def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTE
                 _clear_failed_start(before)
             else:
                 clear()
-            if interrupted():
-                raise KeyboardInterrupt("signal received while Ray started") from None
+            if pending_signal():
+                raise KeyboardInterrupt(_signal_name(pending_signal())) from None
             if attempt == attempts:
                 raise DPFLError(f"the private local Ray did not start ({attempts} tries): {reason}") from None
             (warn or _warn)(f"Ray's local start failed ({reason}); starting it again")
@@ -244,13 +245,13 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _join(target: Target, kwargs: dict, timeout_s: float) -> None:
+def _join(target: Target, kwargs: dict, timeout_s: float, pending_signal: Callable[[], int] = lambda: 0) -> None:
     import ray
 
     where = f"{target.address} ({target.source})"
     try:
         call_bounded(lambda: ray.init(address=target.address, **kwargs), timeout_s,
-                     f"joining the Ray cluster at {where}")
+                     f"joining the Ray cluster at {where}", pending_signal=pending_signal)
     except DPFLError:
         raise
     except Exception as err:  # ray.init's ConnectionError/RuntimeError/AuthenticationError, one line each
@@ -269,11 +270,14 @@ def _one_line(err: BaseException) -> str:
     return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:400]
 
 
-def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.1):
+def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.1,
+                 pending_signal: Callable[[], int] = lambda: 0):
     """Run ``fn`` in a helper thread and wait for it in ``poll_s`` steps, so a KeyboardInterrupt
     raised by a signal handler in this thread ends the wait at once, and a call that never returns
     becomes a one-line error after ``timeout_s``. The abandoned call cannot be cancelled: the
-    process then exits without running Ray's exit hooks (they would wait on it)."""
+    process then exits without running Ray's exit hooks (they would wait on it). ``pending_signal``
+    (a number, or 0): a signal recorded without a KeyboardInterrupt (shutdown.inside_import) ends the
+    wait the same way."""
     box: dict = {}
 
     def body() -> None:
@@ -288,6 +292,8 @@ def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: 
     try:
         while worker.is_alive():
             worker.join(poll_s)
+            if worker.is_alive() and pending_signal():
+                raise KeyboardInterrupt(_signal_name(pending_signal()))
             if worker.is_alive() and time.monotonic() > deadline:
                 _exit_without_waiting_for(worker, 2)
                 raise DPFLError(f"{what} did not finish within {timeout_s:g} s")
@@ -298,6 +304,15 @@ def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: 
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "SIGINT"
 
 
 def _signal_number(interrupt: KeyboardInterrupt) -> int:

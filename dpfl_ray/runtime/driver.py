@@ -20,13 +20,13 @@ from .checkpoint import write_checkpoint
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
 
 
-def ensure_ray(address: str | None = None, interrupted: Callable[[], bool] = lambda: False) -> bool:
+def ensure_ray(address: str | None = None, pending_signal: Callable[[], int] = lambda: 0) -> bool:
     """Join the cluster ``address`` (or RAY_ADDRESS) names, or start a private local Ray bound to
     127.0.0.1 (runtime/connect.py). Returns True when this call connected (so the caller shuts it down).
-    ``interrupted``: whether a signal came meanwhile (a failed local start is then not tried again)."""
+    ``pending_signal``: the number of a signal that came meanwhile, or 0 (``Shutdown.first``)."""
     from .connect import connect
 
-    return connect(address, interrupted=interrupted)
+    return connect(address, pending_signal=pending_signal)
 
 
 _RAY_STOPPED = False

@@ -2,9 +2,11 @@
 
 The first signal raises KeyboardInterrupt in the main thread wherever it waits -- connecting,
 starting Ray or the workers, or between polls of a running round -- so the command can stop the
-coordinator between rounds and write its files. While those files are written (``protect()``) a
-further signal is only remembered: the write finishes first. Ray replaces the SIGTERM handler when
-it connects, so ``install()`` is called again after ``ray.init``.
+coordinator between rounds and write its files. Inside an import it is only recorded
+(:func:`inside_import`), and the command's next check of ``requested`` acts on it. While those
+files are written (``protect()``) a further signal is only remembered: the write finishes first.
+Ray replaces the SIGTERM handler when it connects, so ``install()`` is called again after
+``ray.init``.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class Shutdown:
 
     def _handle(self, signum, frame) -> None:
         self.received.append(signum)
-        if not self._protected and len(self.received) == 1:
+        if not self._protected and len(self.received) == 1 and not inside_import(frame):
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def done(self) -> None:
@@ -39,6 +41,11 @@ class Shutdown:
     @property
     def requested(self) -> bool:
         return bool(self.received)
+
+    @property
+    def first(self) -> int:
+        """The first signal's number, 0 before any."""
+        return self.received[0] if self.received else 0
 
     @property
     def exit_code(self) -> int:
@@ -63,6 +70,22 @@ class Shutdown:
             yield
         if before == 0 and self.received:
             raise KeyboardInterrupt(signal.Signals(self.received[0]).name)
+
+
+def inside_import(frame) -> bool:
+    """Is ``frame``, or a frame that called it, the interpreter's import machinery at work?
+
+    A KeyboardInterrupt is not raised there; the signal stays recorded (``requested``), and the
+    command acts on it at its next check. Raised there, it can leave a module half-initialised, or
+    the interpreter's import lock held for good: ``_get_module_lock``'s weakref callback acquires
+    it one line before its ``try``. That happened once in `make test`: a SIGINT while `dpfl run`
+    started Ray landed on that line ("Exception ignored in: <function _get_module_lock.<locals>.cb>"),
+    the thread that imports torch waited on the lock forever, and so did the stopped run."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Address forms, token discovery and the placement record (runtime/cluster.py), bounded calls
 (runtime/connect.py) and the Jobs helpers that need no cluster (runtime/jobs.py). No Ray is started."""
+import signal
 import socket
 import subprocess
 import sys
@@ -187,10 +188,10 @@ def test_a_failed_local_start_is_cleared_and_tried_once_more_then_one_line():
         start_local_ray(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), clear=lambda: calls.append("x"))
     assert "x" not in calls
     calls.clear()
-    with pytest.raises(KeyboardInterrupt, match="signal received while Ray started"):
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
         # Ray turned the signal's KeyboardInterrupt into an error of its own: cleared, not tried again
         start_local_ray(broken, clear=lambda: calls.append("clear"), warn=lambda m: calls.append("warn"),
-                        interrupted=lambda: True)
+                        pending_signal=lambda: signal.SIGTERM)
     assert calls == ["init", "clear"]
 
 
