@@ -118,6 +118,12 @@ def test_call_bounded_returns_raises_and_gives_up():
         call_bounded(lambda: time.sleep(0.6), 0.2, "slow thing")
     assert time.monotonic() - t0 < 0.55
     time.sleep(0.6)  # the abandoned call ends before this process does: no forced exit
+    # a signal recorded without a KeyboardInterrupt (it came inside an import) ends the wait too
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        call_bounded(lambda: time.sleep(0.6), 5, "x", pending_signal=lambda: signal.SIGTERM)
+    assert time.monotonic() - t0 < 0.55
+    time.sleep(0.6)
 
 
 def test_the_gcs_probe_runs_grpc_outside_the_thread_a_signal_interrupts():
