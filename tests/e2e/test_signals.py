@@ -161,7 +161,12 @@ def test_a_signal_while_the_command_loads_is_a_quiet_stop(tmp_path, delay):
         time.sleep(0.005)
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:  # a run that did not stop must not outlive the test, nor its private Ray
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
     assert proc.returncode == 130, err.decode()[-2000:]
     assert b"Traceback" not in err
     summary = out / "summary.json"
