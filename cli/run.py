@@ -56,7 +56,7 @@ def run(
         with keep_handlers():
             ensure_ray(address, pending_signal=lambda: shutdown.first)
         startup["ray_init"] = time.time() - t_ray
-        if shutdown.requested:  # Ray may swallow the KeyboardInterrupt a signal raised while it started
+        if shutdown.requested:  # a signal while Ray started (signals are only recorded: runtime/shutdown.py)
             raise KeyboardInterrupt("signal received while Ray started")
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)

@@ -5,11 +5,11 @@ for minutes and ignores signals meanwhile; on a cluster with token authenticatio
 20 s and reports ``InvalidAuthToken`` only in its own log; with an explicit address it never turns
 token mode on by itself. So the address is parsed and the token found first (runtime/cluster.py),
 the GCS is probed with short gRPC calls, and only then is ray.init called. The probe and ray.init
-both run in a helper thread while the main thread waits in short steps (:func:`call_bounded`): a
-signal handler that raises KeyboardInterrupt in the main thread is honoured at once, and it never
-lands inside gRPC's or Ray's own code. (It did, when the probe ran in the main thread: about one
-SIGTERM in fifteen sent just after the probe connected left gRPC's channel waiting forever, at
-close, for a call the interrupt had cut in half.)
+both run in a helper thread while the main thread waits in short steps (:func:`call_bounded`) and
+stops as soon as a signal has been recorded (runtime/shutdown.py). When signals still raised
+KeyboardInterrupt in the main thread, the probe ran there: about one SIGTERM in fifteen, sent just
+after the probe connected, left gRPC's channel waiting forever, at close, for a call the interrupt
+had cut in half.
 
 ``ray`` is imported only inside the functions that talk to it, after
 :func:`~dpfl_ray.runtime.cluster.stay_on_loopback` has set what Ray reads at import time.
@@ -205,8 +205,8 @@ def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTE
     own start-up fails, ``clear`` removes what it left (default: ``ray.shutdown()``, then the
     processes started since the try began) and ``warn`` says so (default: a line on stderr) before
     the next try. After the last try: a one-line DPFLError.
-    A failure after a signal (``pending_signal()``, its number or 0: Ray may turn the KeyboardInterrupt
-    into an error of its own) is a stop, not a failed start: KeyboardInterrupt, and no second try."""
+    A failure after a signal (``pending_signal()``: its number, or 0) is a stop, not a failed start:
+    KeyboardInterrupt, and no second try."""
     from .shutdown import descendant_pids
 
     for attempt in range(1, attempts + 1):
@@ -272,12 +272,10 @@ def _one_line(err: BaseException) -> str:
 
 def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.1,
                  pending_signal: Callable[[], int] = lambda: 0):
-    """Run ``fn`` in a helper thread and wait for it in ``poll_s`` steps, so a KeyboardInterrupt
-    raised by a signal handler in this thread ends the wait at once, and a call that never returns
-    becomes a one-line error after ``timeout_s``. The abandoned call cannot be cancelled: the
-    process then exits without running Ray's exit hooks (they would wait on it). ``pending_signal``
-    (a number, or 0): a signal recorded without a KeyboardInterrupt (shutdown.inside_import) ends the
-    wait the same way."""
+    """Run ``fn`` in a helper thread and wait for it in ``poll_s`` steps, so a recorded signal
+    (``pending_signal``: its number, or 0) ends the wait at once with KeyboardInterrupt, and a call
+    that never returns becomes a one-line error after ``timeout_s``. The abandoned call cannot be
+    cancelled: the process then exits without running Ray's exit hooks (they would wait on it)."""
     box: dict = {}
 
     def body() -> None:

@@ -102,7 +102,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         every = scenario.output.checkpoint_every
         next_checkpoint = (len(record.rounds) // every + 1) * every if every else None
         while True:
-            if shutdown.requested:  # a signal whose KeyboardInterrupt was swallowed (e.g. inside ray.init)
+            if shutdown.requested:  # signals are only recorded (runtime/shutdown.py): this is where a run stops
                 raise KeyboardInterrupt("signal received earlier")
             done, _ = ray.wait([run_ref], timeout=poll_seconds)
             events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)

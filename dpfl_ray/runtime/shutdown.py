@@ -1,10 +1,14 @@
 """One shutdown path for every long command (SIGINT, SIGTERM and SIGHUP alike).
 
-The first signal raises KeyboardInterrupt in the main thread wherever it waits -- connecting,
-starting Ray or the workers, or between polls of a running round -- so the command can stop the
-coordinator between rounds and write its files. Inside an import it is only recorded
-(:func:`inside_import`), and the command's next check of ``requested`` acts on it. While those
-files are written (``protect()``) a further signal is only remembered: the write finishes first.
+A signal is only recorded, never raised: the command checks ``requested`` wherever it waits --
+after Ray has started or joined (``call_bounded`` polls it while it joins a cluster), before every
+poll of a running round -- and stops there: it stops the coordinator between rounds and writes its
+files. Raised from the handler, a KeyboardInterrupt lands wherever the main thread happens to be,
+and library code is not written for that: inside importlib's weakref callback and inside logging's
+at-fork lock release it left a lock held for good, and `dpfl run` hung (both seen in `make test`
+runs, and by py-spy and faulthandler dumps). A stop therefore waits for the step in progress:
+at most Ray's own start-up (3-5 s here), a round's poll (0.2 s) or a bounded call.
+``protect()`` and ``defer()`` mark the writes of a run's files, which a signal never cuts short.
 Ray replaces the SIGTERM handler when it connects, so ``install()`` is called again after
 ``ray.init``.
 """
@@ -28,9 +32,7 @@ class Shutdown:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.received.append(signum)
-        if not self._protected and len(self.received) == 1 and not inside_import(frame):
-            raise KeyboardInterrupt(signal.Signals(signum).name)
+        self.received.append(signum)  # acted on at the command's next check (module docstring)
 
     def done(self) -> None:
         """Everything is written and stopped: a late signal must not kill the exiting process
@@ -54,7 +56,7 @@ class Shutdown:
 
     @contextlib.contextmanager
     def protect(self):
-        """Signals arriving inside only get recorded (the final write of a run's files)."""
+        """Marks the final write of a run's files (a signal there, as anywhere, is only recorded)."""
         self._protected = True
         try:
             yield
@@ -63,29 +65,13 @@ class Shutdown:
 
     @contextlib.contextmanager
     def defer(self):
-        """A first signal arriving inside is raised when the block ends, not in its middle (a row
-        half-written to rounds.jsonl)."""
+        """A first signal arriving inside is raised as KeyboardInterrupt when the block ends (after a
+        row is written to rounds.jsonl), in our own code, where the run loop handles it."""
         before = len(self.received)
         with self.protect():
             yield
         if before == 0 and self.received:
             raise KeyboardInterrupt(signal.Signals(self.received[0]).name)
-
-
-def inside_import(frame) -> bool:
-    """Is ``frame``, or a frame that called it, the interpreter's import machinery at work?
-
-    A KeyboardInterrupt is not raised there; the signal stays recorded (``requested``), and the
-    command acts on it at its next check. Raised there, it can leave a module half-initialised, or
-    the interpreter's import lock held for good: ``_get_module_lock``'s weakref callback acquires
-    it one line before its ``try``. That happened once in `make test`: a SIGINT while `dpfl run`
-    started Ray landed on that line ("Exception ignored in: <function _get_module_lock.<locals>.cb>"),
-    the thread that imports torch waited on the lock forever, and so did the stopped run."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 @contextlib.contextmanager
