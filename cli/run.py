@@ -33,8 +33,8 @@ def run(
     """Train a federation as the scenario says and write its run directory."""
     from dpfl_ray.runtime.shutdown import Shutdown, keep_handlers
 
-    # From here on a signal is recorded, never raised in the middle of an import or a check (a
-    # library's bare `except:` could swallow the KeyboardInterrupt and the run would go on).
+    # From here on a signal is only recorded (runtime/shutdown.py): the command stops at its next
+    # check, never in the middle of an import or of a library's own code.
     shutdown = Shutdown().install()
     with shutdown.protect():
         sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
@@ -181,14 +181,7 @@ class _InitialModel:
         """The flat initial model once the thread has built it (bounded; matplotlib may still be
         loading: results.plotting_library lets one thread import it at a time); the thread's error,
         if it had one."""
-        try:
-            built = self._built.wait(self.DEADLINE_SECONDS)
-        except KeyboardInterrupt:
-            # The stopped run may still build a model for its files: torch's import in the thread
-            # ends first, so that no second thread imports it meanwhile.
-            self.wait()
-            raise
-        if not built:
+        if not self._built.wait(self.DEADLINE_SECONDS):
             from dpfl_ray.errors import DPFLError
 
             raise DPFLError(f"building the initial model took over {self.DEADLINE_SECONDS:.0f} s", field="model")
