@@ -36,17 +36,15 @@ def run(
     # From here on a signal is only recorded (runtime/shutdown.py): the command stops at its next
     # check, never in the middle of an import or of a library's own code.
     shutdown = Shutdown().install()
-    with shutdown.protect():
-        sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
-        model = _InitialModel(sc, fed)  # torch loads while Ray starts
-        import ray
+    sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
+    model = _InitialModel(sc, fed)  # torch loads while Ray starts
+    import ray
 
-        from dpfl_ray.results import RunRecord
-        from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
-        from dpfl_ray.runtime.resources import plan_pool
+    from dpfl_ray.results import RunRecord
+    from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
+    from dpfl_ray.runtime.resources import plan_pool
     if shutdown.requested:
-        with shutdown.protect():
-            model.wait()
+        model.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)
         raise typer.Exit(shutdown.exit_code)
 
@@ -73,14 +71,12 @@ def run(
             stop_ray()
             raise typer.Exit(shutdown.exit_code)
         # interrupted while Ray or the run was starting: leave a consistent run of 0 rounds
-        with shutdown.protect():
-            model.wait()  # its torch import finishes before the summary's model is built here
-            record = record or RunRecord(run_dir)
-            summary = write_unstarted(sc, fed, record, time.time() - t0)
+        model.wait()  # its torch import finishes before the summary's model is built here
+        record = record or RunRecord(run_dir)
+        summary = write_unstarted(sc, fed, record, time.time() - t0)
     finally:
-        with shutdown.protect():
-            stop_ray()
-            model.wait()
+        stop_ray()
+        model.wait()
         shutdown.done()
     _print_summary(summary, record)
     if summary["stop_reason"] == "interrupted":

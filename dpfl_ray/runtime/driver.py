@@ -119,28 +119,27 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
-        _stop_between_rounds(coord, run_ref, shutdown)
+        _stop_between_rounds(coord, run_ref)
     except ray.exceptions.RayError as err:
         stop_reason, error = "error", _one_line(err)
     except Exception as err:  # noqa: BLE001 - e.g. an OSError writing a row: the summary still gets written
         stop_reason = "error"
         error = _one_line(err) if isinstance(err, DPFLError) else f"{type(err).__name__}: {_one_line(err)}"
-        _stop_between_rounds(coord, run_ref, shutdown)
-    with shutdown.protect():
-        if shutdown.requested:
-            stop_reason = "interrupted"
-        summary = _finish(scenario, fed, record, coord, seen, stop_reason, error, time.time() - t0, timings)
+        _stop_between_rounds(coord, run_ref)
+    if shutdown.requested:
+        stop_reason = "interrupted"
+    summary = _finish(scenario, fed, record, coord, seen, stop_reason, error, time.time() - t0, timings)
     if error:
         raise DPFLError(f"run failed after {summary['rounds_completed']} rounds ({record.path}): {error}")
     return summary
 
 
-def _stop_between_rounds(coord, run_ref, shutdown: Shutdown) -> None:
+def _stop_between_rounds(coord, run_ref) -> None:
     """Ask the coordinator (if it exists yet) to stop after the round in flight, and give that
     round (if the run has begun) a moment."""
     if coord is None:
         return
-    with contextlib.suppress(ray.exceptions.RayError), shutdown.protect():
+    with contextlib.suppress(ray.exceptions.RayError):
         coord.stop.remote()
         if run_ref is not None:
             ray.wait([run_ref], timeout=STOP_GRACE_SECONDS)

@@ -8,7 +8,8 @@ and library code is not written for that: inside importlib's weakref callback an
 at-fork lock release it left a lock held for good, and `dpfl run` hung (both seen in `make test`
 runs, and by py-spy and faulthandler dumps). A stop therefore waits for the step in progress:
 at most Ray's own start-up (3-5 s here), a round's poll (0.2 s) or a bounded call.
-``protect()`` and ``defer()`` mark the writes of a run's files, which a signal never cuts short.
+So no write of a run's files is ever cut short by a signal; ``defer()`` raises one at the end of a
+block, in the run loop.
 Ray replaces the SIGTERM handler when it connects, so ``install()`` is called again after
 ``ray.init``.
 """
@@ -24,7 +25,6 @@ SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGH
 class Shutdown:
     def __init__(self):
         self.received: list[int] = []
-        self._protected = False
 
     def install(self) -> "Shutdown":
         for sig in SIGNALS:
@@ -55,21 +55,11 @@ class Shutdown:
         return 128 + (self.received[0] if self.received else signal.SIGINT)
 
     @contextlib.contextmanager
-    def protect(self):
-        """Marks the final write of a run's files (a signal there, as anywhere, is only recorded)."""
-        self._protected = True
-        try:
-            yield
-        finally:
-            self._protected = False
-
-    @contextlib.contextmanager
     def defer(self):
         """A first signal arriving inside is raised as KeyboardInterrupt when the block ends (after a
         row is written to rounds.jsonl), in our own code, where the run loop handles it."""
         before = len(self.received)
-        with self.protect():
-            yield
+        yield
         if before == 0 and self.received:
             raise KeyboardInterrupt(signal.Signals(self.received[0]).name)
 
