@@ -81,14 +81,19 @@ def keep_handlers():
         ray_utils.set_sigterm_handler = original
 
 
-def descendant_pids() -> set[int]:
-    """The pids of every process this one started, and they started, now."""
+def _descendants() -> list:
+    """Every process this one started, and they started, now (psutil.Process objects)."""
     import psutil
 
     try:
-        return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+        return psutil.Process(os.getpid()).children(recursive=True)
     except psutil.Error:
-        return set()
+        return []
+
+
+def descendant_pids() -> set[int]:
+    """The pids of :func:`_descendants`."""
+    return {p.pid for p in _descendants()}
 
 
 def kill_descendants(grace: float = 2.0, spare: frozenset[int] | set[int] = frozenset()) -> int:
@@ -97,10 +102,7 @@ def kill_descendants(grace: float = 2.0, spare: frozenset[int] | set[int] = froz
     ``spare``: pids left alone, with every process they started."""
     import psutil
 
-    try:
-        children = psutil.Process(os.getpid()).children(recursive=True)
-    except psutil.Error:
-        return 0
+    children = _descendants()
     if spare:
         def spared(p) -> bool:
             try:
