@@ -238,8 +238,8 @@ def local_paths(
     data: str = typer.Option("mnist5k", "--data", help="mnist5k | random | PATH.npz"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Time K clients' local updates one after another and as one batched (vmapped) computation,
-    in this process with one thread. W1-like: --examples 50 --batch-size 10 --clients 5;
+    """Time K clients' local updates one after another and as one batched computation (the stacked
+    network, and vmap for comparison), in this process with one thread. W1-like: --examples 50 --batch-size 10 --clients 5;
     W2-like: --examples 5 --batch-size 5 --clients 50."""
     import torch
 
@@ -256,7 +256,7 @@ def local_paths(
         return
     table = Table("path", "median ms", "min ms", "max |diff| to sequential",
                   title=f"{model}: {clients} clients x {examples} examples, B={batch_size}, E={epochs}, 1 thread")
-    for name in ("sequential", "batched", "batched_own_pool"):
+    for name in ("sequential", "batched", "batched_vmap", "batched_vmap_own_pool"):
         table.add_row(name, f"{r['seconds_median'][name] * 1e3:.1f}", f"{r['seconds_min'][name] * 1e3:.1f}",
                       f"{r['max_abs_diff_to_sequential'][name]:.1e}")
     console.print(table)

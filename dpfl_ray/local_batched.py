@@ -2,22 +2,28 @@
 
 When several clients share the model and the local hyperparameters, their local updates
 (Baek et al. 2021, Alg. 1, as :func:`dpfl_ray.local.local_update` runs it for one client) are the
-same program on different data. Stacking the K parameter copies along a leading axis, the
-forward pass runs as ``vmap(functional_call(model, ...))`` and one backward pass of the summed
-per-client losses gives every client its own gradient. K small forward/backward passes become
-one larger one, which removes the per-client Python and dispatch overhead that dominates small
-clients. The stacked model's 2-d max-pools run channels-last (same values and gradients, a
-faster CPU kernel).
+same program on different data. Stacking the K parameter copies along a leading axis, one
+backward pass of the summed per-client losses gives every client its own gradient: K small
+forward/backward passes become one larger one, which removes the per-client Python and dispatch
+overhead that dominates small clients. The forward is one of two programs:
+
+- the *stacked network* (:func:`stacked_program`), for models built from convolutions, linear
+  layers, ReLU, zero-padding, max-pools and a flatten, as the built-in CNN, MLP and logistic
+  models are: K convolutions become one grouped convolution over the K inputs laid side by side
+  on the channel axis (channels-last), K linear layers one batched matmul. About half the time of
+  vmap on the CNN (benchmarks/RESULTS.md);
+- otherwise ``vmap(functional_call(model, ...))``, whose 2-d max-pools run channels-last (same
+  values and gradients, a faster CPU kernel).
 
 Determinism: a client's update must not depend on which other clients share its batch (the
 worker pool size changes that). Clients are grouped by size, so every client in a group has the
-same batch shapes; within a group each vmapped slot runs the same kernels on its own data. On
-CPU with a fixed thread count, PyTorch's vmapped kernels give bitwise the same result for a slot
-for every K >= 2, but a K = 1 vmap takes a different (ungrouped) convolution kernel, so a lone
-client is padded with a copy of itself (tests/unit/test_local_batched.py checks both facts).
+same batch shapes; within a group each slot runs the same kernels on its own data. On CPU with a
+fixed thread count, both programs give bitwise the same result for a slot for every K >= 2, but a
+K = 1 stack takes a different (ungrouped) convolution kernel, so a lone client is padded with a
+copy of itself (tests/unit/test_local_batched.py checks both facts for both programs).
 cuBLAS/cuDNN choose kernels by shape, so on CUDA every stack is padded to one fixed K.
-The batched result equals the sequential path to float tolerance, not bitwise: the vmapped
-kernels sum in a different order.
+The batched result equals the sequential path to float tolerance, not bitwise in general: the
+batched kernels may sum in a different order.
 """
 from __future__ import annotations
 
@@ -98,7 +104,7 @@ def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.n
                           *, epochs: int, batch_size: int, lr: float, clip_norm: float | None,
                           rngs: Sequence[np.random.Generator], torch_seeds: Sequence[int],
                           max_clients: int = DEFAULT_MAX_CLIENTS, fixed_shape: bool | None = None,
-                          fast_pool: bool = True) -> list[np.ndarray]:
+                          fast_pool: bool = True, stacked: bool = True) -> list[np.ndarray]:
     """Baek et al. 2021, Alg. 1 for each client i of ``xs``/``ys``/``rngs``: E epochs of minibatch
     SGD from theta in the order ``rngs[i]`` draws, the update clipped to C after every step
     (line 11). Returns each client's Delta_i = w_i - theta (float32), in input order.
@@ -108,7 +114,9 @@ def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.n
     stochastic layers; at most ``max_clients`` are stacked at once (:func:`clients_per_batch`).
     ``fixed_shape`` pads every stack to ``max_clients`` (default: on CUDA, whose libraries pick
     kernels by shape); otherwise only a lone client is padded, to 2 (see the module docstring).
-    ``fast_pool=False`` keeps the model's own max-pool kernel (for benchmarks).
+    Models made of the layers :func:`stacked_program` knows run as one grouped network;
+    ``stacked=False`` vmaps them instead, and ``fast_pool=False`` keeps the vmapped model's own
+    max-pool kernel (both for tests and benchmarks).
     """
     if not (len(xs) == len(ys) == len(rngs) == len(torch_seeds)):
         raise ValueError("xs, ys, rngs and torch_seeds must have one entry per client")
@@ -126,6 +134,7 @@ def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.n
     if fixed_shape is None:
         fixed_shape = next(model.parameters()).device.type == "cuda"
     stack = chunk if fixed_shape else 2
+    program = stacked_program(model, np.asarray(xs[0]).ndim - 1) if stacked and len(xs) else None
     for members in by_size.values():
         for lo in range(0, len(members), chunk):
             part = members[lo:lo + chunk]
@@ -133,14 +142,15 @@ def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.n
             orders = [np.stack([rngs[i].permutation(len(ys[i])) for _ in range(epochs)]) for i in part]
             deltas = _train_group(model, start, [xs[i] for i in part], [ys[i] for i in part], orders,
                                   batch_size=batch_size, lr=lr, clip_norm=clip_norm, min_stack=stack,
-                                  fast_pool=fast_pool)
+                                  fast_pool=fast_pool, program=program)
             for i, d in zip(part, deltas):
                 out[i] = d
     return out  # type: ignore[return-value]
 
 
 def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, orders, *, batch_size: int,
-                 lr: float, clip_norm: float | None, min_stack: int, fast_pool: bool) -> list[np.ndarray]:
+                 lr: float, clip_norm: float | None, min_stack: int, fast_pool: bool,
+                 program=None) -> list[np.ndarray]:
     """Local SGD of clients of equal size, stacked on a leading axis of K parameter copies."""
     k_real = len(xs)
     if k_real < min_stack:
@@ -167,7 +177,12 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
     names = list(params)
     for p in params.values():
         p.requires_grad_(True)
-    per_client_loss = vmap(loss)
+    if program is None:
+        per_client_loss = vmap(loss)
+    else:
+        def per_client_loss(ps, xb, yb):
+            logp = nn.functional.log_softmax(_stacked_forward(program, ps, xb), dim=-1)
+            return -logp.gather(2, yb.unsqueeze(2)).squeeze(2).mean(dim=1)
 
     def step(ps, xb, yb):
         # Client k's loss depends only on its own slice of the stack, so the gradient of the sum
@@ -204,3 +219,95 @@ def _clip_to(params: dict, theta: dict, clip_norm: float) -> None:
         shape = (k, *([1] * (p.dim() - 1)))
         # An unclipped client keeps w exactly: t + (w - t) * 1 would round w.
         p.copy_(torch.where(clipped.view(shape), t + (p - t) * factor.view(shape), p))
+
+
+# --- The stacked program: K clients' forward as one grouped network, without vmap. ---------------
+#
+# For the layer types below, K copies of a network are themselves one network: K convolutions
+# over K inputs are one grouped convolution (groups=K) over the inputs laid side by side on the
+# channel axis, and K linear layers are one batched matmul. Images travel as (B, K*C, H, W) in
+# channels-last memory (the fast CPU layout for convolution and max-pool), vectors as (K, B, F).
+# This skips vmap's batching rules and the layout copies they make, and halves the CNN's step.
+# Any other layer makes the model take the vmap path.
+
+_IMAGE, _FLAT, _RAW = "image", "flat", "raw"
+
+
+def _leaves(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]] | None:
+    """``module``'s layers in forward order, with their parameter-name prefixes, when its forward
+    is known to be their composition: an nn.Sequential, or the models' CNN (features then
+    classifier). None for anything else."""
+    from .models import TFPrivacyCNN
+
+    if type(module) is nn.Sequential:
+        parts = [(f"{prefix}{name}.", child) for name, child in module.named_children()]
+    elif type(module) is TFPrivacyCNN:
+        parts = [(f"{prefix}features.", module.features), (f"{prefix}classifier.", module.classifier)]
+    else:
+        return [(prefix, module)]
+    out: list[tuple[str, nn.Module]] = []
+    for pre, child in parts:
+        sub = _leaves(child, pre)
+        if sub is None:
+            return None
+        out += sub
+    return out
+
+
+def stacked_program(model: nn.Module, input_ndim: int) -> list[tuple[str, nn.Module]] | None:
+    """The model's layers when every one has a stacked form for examples of ``input_ndim``
+    dimensions (a vector, or a (C, H, W) image) and the output is a vector per example; None when
+    the model must be vmapped instead."""
+    leaves = _leaves(model)
+    if leaves is None or input_ndim not in (1, 3):
+        return None
+    layout = _FLAT if input_ndim == 1 else _RAW
+    for _, m in leaves:
+        t = type(m)
+        if (t is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros") or t is nn.ZeroPad2d \
+                or (t is nn.MaxPool2d and not m.return_indices):
+            if layout == _FLAT:
+                return None
+            layout = _IMAGE
+        elif t is nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
+            layout = _FLAT
+        elif t is nn.Linear and layout == _FLAT:
+            pass
+        elif t is nn.ReLU:
+            pass
+        else:
+            return None
+    return leaves if layout == _FLAT else None
+
+
+def _stacked_forward(program, ps: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
+    """Logits (K, B, classes) of K stacked clients on their batches ``xb`` (K, B, *input_shape)."""
+    F = nn.functional
+    k, b = xb.shape[0], xb.shape[1]
+    h, layout = xb, (_FLAT if xb.dim() == 3 else _RAW)
+    for prefix, m in program:
+        t = type(m)
+        if t is nn.Flatten:
+            h = h.contiguous().view(b, k, -1).transpose(0, 1) if layout == _IMAGE else h.reshape(k, b, -1)
+            layout = _FLAT
+            continue
+        if t is nn.ReLU:
+            h = F.relu(h)
+            continue
+        if layout == _RAW and t is not nn.Linear:
+            # (K, B, C, H, W) -> (B, K*C, H, W): client k's channels are block k of the channel axis.
+            h = h.transpose(0, 1).reshape(b, -1, *h.shape[3:]).contiguous(memory_format=torch.channels_last)
+            layout = _IMAGE
+        if t is nn.ZeroPad2d:
+            h = F.pad(h, m.padding).contiguous(memory_format=torch.channels_last)
+        elif t is nn.MaxPool2d:
+            h = F.max_pool2d(h, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+        elif t is nn.Conv2d:
+            w = ps[prefix + "weight"]
+            w = w.reshape(-1, *w.shape[2:]).contiguous(memory_format=torch.channels_last)
+            bias = ps[prefix + "bias"].reshape(-1) if m.bias is not None else None
+            h = F.conv2d(h, w, bias, m.stride, m.padding, m.dilation, groups=k)
+        else:  # nn.Linear on (K, B, F)
+            w = ps[prefix + "weight"].transpose(1, 2)
+            h = torch.baddbmm(ps[prefix + "bias"].unsqueeze(1), h, w) if m.bias is not None else torch.bmm(h, w)
+    return h

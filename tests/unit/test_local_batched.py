@@ -15,7 +15,8 @@ from torch import nn
 
 from dpfl_ray import rng as rngmod
 from dpfl_ray.local import local_update
-from dpfl_ray.local_batched import batched_local_updates, batching_pays, can_batch, clients_per_batch, warm_up
+from dpfl_ray.local_batched import (batched_local_updates, batching_pays, can_batch, clients_per_batch,
+                                   stacked_program, warm_up)
 from dpfl_ray.models import build_model, get_flat
 
 SHAPE = (1, 28, 28)
@@ -76,13 +77,14 @@ def test_batched_matches_sequential_with_ragged_sizes(name, clip_norm):
         assert max(np.linalg.norm(s) for s in seq) > 0.99 * clip_norm
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "vmap"])
 @pytest.mark.parametrize("name", ["cnn", "logistic"])
 @pytest.mark.parametrize("clip_norm", [None, 0.05])
-def test_a_clients_update_does_not_depend_on_its_batch(name, clip_norm):
+def test_a_clients_update_does_not_depend_on_its_batch(name, clip_norm, stacked):
     model = _model(name)
     theta = get_flat(model)
     xs, ys = _clients([10] * 9, seed=1)
-    kw = dict(epochs=1, batch_size=5, lr=0.1, clip_norm=clip_norm)
+    kw = dict(epochs=1, batch_size=5, lr=0.1, clip_norm=clip_norm, stacked=stacked)
 
     def update_of_client_0(ids, max_clients=64, fixed_shape=None):
         out = _batched(model, theta, [xs[i] for i in ids], [ys[i] for i in ids], ids, max_clients, fixed_shape,
@@ -173,11 +175,12 @@ def test_warm_up_leaves_the_model_and_later_results_unchanged():
 
 
 def test_channels_last_pool_gives_the_same_bits():
-    """The stacked model's max-pool runs channels-last: same maxima, same argmax on ties (ReLU zeros)."""
+    """The vmapped model's max-pool runs channels-last: same maxima, same argmax on ties (ReLU zeros)."""
     model = _model("cnn")
     theta = get_flat(model)
     xs, ys = _clients([10, 10, 10], seed=7)
-    kw = dict(epochs=1, batch_size=5, lr=0.1, clip_norm=None, rngs=_rngs([0, 1, 2]), torch_seeds=[0] * 3)
+    kw = dict(epochs=1, batch_size=5, lr=0.1, clip_norm=None, rngs=_rngs([0, 1, 2]), torch_seeds=[0] * 3,
+              stacked=False)
     fast = batched_local_updates(model, theta, xs, ys, fast_pool=True, **kw)
     kw["rngs"] = _rngs([0, 1, 2])
     own = batched_local_updates(model, theta, xs, ys, fast_pool=False, **kw)
@@ -212,3 +215,49 @@ def test_batching_pays_when_clients_share_sizes():
     assert batching_pays(cnn, [5, 6] * 500, cohort=100)  # two sizes, 50 clients each per round
     dropout = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(784, 10))
     assert not batching_pays(dropout, [50] * 100, cohort=10)
+
+
+def test_the_models_run_as_one_stacked_network_with_the_vmapped_result():
+    """The built-in models have a stacked form (grouped convolutions, batched matmuls); it gives
+    the vmapped path's updates to float tolerance, clipped or not, over ragged groups."""
+    for name in ("cnn", "mlp", "logistic"):
+        model = _model(name)
+        assert stacked_program(model, len(SHAPE)) is not None, name
+        theta = get_flat(model)
+        xs, ys = _clients([12, 12, 7, 12, 3], seed=8)
+        for clip in (None, 0.05):
+            kw = dict(epochs=2, batch_size=5, lr=0.1, clip_norm=clip)
+            fast = _batched(model, theta, xs, ys, list(range(5)), stacked=True, **kw)
+            vmapped = _batched(model, theta, xs, ys, list(range(5)), stacked=False, **kw)
+            for a, b in zip(fast, vmapped):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_vector_inputs_and_unknown_layers():
+    """A vector-input MLP is stacked; a layer without a stacked form (Tanh, a channel-first
+    Linear on images, a grouped conv) sends the model to vmap, which still matches sequential."""
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    assert stacked_program(mlp, 1) is not None
+    assert stacked_program(nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), 3) is not None
+    assert stacked_program(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()), 3) is not None
+    for other in (nn.Sequential(nn.Flatten(), nn.Linear(784, 8), nn.Tanh(), nn.Linear(8, 10)),
+                  nn.Sequential(nn.Linear(28, 10)),
+                  nn.Sequential(nn.Conv2d(1, 2, 3, groups=1, padding_mode="circular"), nn.Flatten()),
+                  nn.Sequential(nn.Conv2d(1, 2, 3)),  # images out, not one vector per example
+                  nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.MaxPool2d(2))):
+        assert stacked_program(other, 3) is None, other
+    g = np.random.default_rng(9)
+    xs = [g.random((6, 4), dtype=np.float32) for _ in range(3)]
+    ys = [g.integers(0, 3, 6) for _ in range(3)]
+    theta = get_flat(mlp)
+    kw = dict(epochs=2, batch_size=4, lr=0.1, clip_norm=None)
+    seq = _sequential(mlp, theta, xs, ys, [0, 1, 2], **kw)
+    for stacked in (True, False):
+        for s, b in zip(seq, _batched(mlp, theta, xs, ys, [0, 1, 2], stacked=stacked, **kw)):
+            np.testing.assert_allclose(b, s, rtol=1e-4, atol=1e-6)
+    tanh = nn.Sequential(nn.Flatten(), nn.Linear(784, 8), nn.Tanh(), nn.Linear(8, 10))
+    xs, ys = _clients([6, 6], seed=10)
+    theta = get_flat(tanh)
+    seq = _sequential(tanh, theta, xs, ys, [0, 1], **kw)
+    for s, b in zip(seq, _batched(tanh, theta, xs, ys, [0, 1], **kw)):
+        np.testing.assert_allclose(b, s, rtol=1e-4, atol=1e-6)
