@@ -169,10 +169,7 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
     net = _twin(model) if fast_pool else model
 
     def loss(p, xb, yb):
-        # cross-entropy spelled out: vmap runs F.cross_entropy through a Python decomposition that
-        # imports sympy (a third of a second at a worker's first call)
-        logp = nn.functional.log_softmax(functional_call(net, p, (xb,)), dim=1)
-        return -logp.gather(1, yb.unsqueeze(1)).mean()
+        return _mean_nll(functional_call(net, p, (xb,)), yb)
 
     names = list(params)
     for p in params.values():
@@ -181,8 +178,7 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
         per_client_loss = vmap(loss)
     else:
         def per_client_loss(ps, xb, yb):
-            logp = nn.functional.log_softmax(_stacked_forward(program, ps, xb), dim=-1)
-            return -logp.gather(2, yb.unsqueeze(2)).squeeze(2).mean(dim=1)
+            return _mean_nll(_stacked_forward(program, ps, xb), yb)
 
     def step(ps, xb, yb):
         # Client k's loss depends only on its own slice of the stack, so the gradient of the sum
@@ -204,6 +200,14 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
     with torch.no_grad():
         delta = torch.cat([(params[name] - theta[name]).reshape(k, -1) for name in start], dim=1)
     return list(delta[:k_real].cpu().numpy().astype(np.float32))
+
+
+def _mean_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the batch axis (the one before the classes), per leading index.
+    Spelled out: vmap runs F.cross_entropy through a Python decomposition that imports sympy (a
+    third of a second at a worker's first call)."""
+    logp = nn.functional.log_softmax(logits, dim=-1)
+    return -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1).mean(dim=-1)
 
 
 def _clip_to(params: dict, theta: dict, clip_norm: float) -> None:
