@@ -314,6 +314,9 @@ def measure(names: list[str], repeat: int = 1, overrides: list[str] | None = Non
         raise DPFLError("must be at least 1", field="--repeat")
     for n in names:
         scenario(n, overrides)  # an unknown name or a bad override fails before anything runs
+    if workdir is not None and Path(workdir).exists() and any(Path(workdir).iterdir()):
+        # its runs' folders would refuse their `--out`, and report.json would be overwritten
+        raise DPFLError(f"{workdir} already holds files; choose an empty or new folder", field="--keep")
     base = Path(workdir or tempfile.mkdtemp(prefix="dpfl-bench-"))
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "repeat": repeat,
                     "overrides": overrides or [], "workloads": {}}

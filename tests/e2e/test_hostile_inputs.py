@@ -147,6 +147,16 @@ def test_bench_secagg_refuses_what_cannot_fit(args, limit):
     assert_one_error_line(res, "GiB is available")
 
 
+def test_bench_keep_refuses_a_folder_that_holds_files(tmp_path):
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "report.json").write_text('{"earlier": "results"}')
+    res = dpfl("bench", "run", "W1", "--keep", keep)
+    assert_one_error_line(res, "--keep")
+    assert [p.name for p in keep.iterdir()] == ["report.json"]  # nothing ran, nothing was overwritten
+    assert (keep / "report.json").read_text() == '{"earlier": "results"}'
+
+
 def test_any_exception_is_one_line(tmp_path):
     # a report folder that is a file: the plots cannot be written (an OSError deep in matplotlib/csv)
     run = _run_dir(tmp_path / "run", {"name": "x"}, '{"round": 1, "test_accuracy": 0.5}\n')
