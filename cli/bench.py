@@ -239,8 +239,8 @@ def local_paths(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Time K clients' local updates one after another and as one batched computation (the stacked
-    network, and vmap for comparison), in this process with one thread. W1-like: --examples 50 --batch-size 10 --clients 5;
-    W2-like: --examples 5 --batch-size 5 --clients 50."""
+    network, and vmap for comparison), in this process with one thread.
+    W1-like: --examples 50 --batch-size 10 --clients 5; W2-like: --examples 5 --batch-size 5 --clients 50."""
     import torch
 
     from benchmarks.microbatch import time_paths
