@@ -234,8 +234,9 @@ def test_the_models_run_as_one_stacked_network_with_the_vmapped_result():
 
 
 def test_vector_inputs_and_unknown_layers():
-    """A vector-input MLP is stacked; a layer without a stacked form (Tanh, a channel-first
-    Linear on images, a grouped conv) sends the model to vmap, which still matches sequential."""
+    """A vector-input MLP is stacked; a model without a stacked form (Tanh, a Linear on image rows, a
+    circular-padded or grouped convolution, images out, a pool after the flatten) goes to vmap,
+    which still matches sequential."""
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     assert stacked_program(mlp, 1) is not None
     assert stacked_program(nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), 3) is not None
@@ -243,6 +244,7 @@ def test_vector_inputs_and_unknown_layers():
     for other in (nn.Sequential(nn.Flatten(), nn.Linear(784, 8), nn.Tanh(), nn.Linear(8, 10)),
                   nn.Sequential(nn.Linear(28, 10)),
                   nn.Sequential(nn.Conv2d(1, 2, 3, groups=1, padding_mode="circular"), nn.Flatten()),
+                  nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten()),
                   nn.Sequential(nn.Conv2d(1, 2, 3)),  # images out, not one vector per example
                   nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.MaxPool2d(2))):
         assert stacked_program(other, 3) is None, other
