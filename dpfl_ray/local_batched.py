@@ -36,8 +36,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .local import local_update
+from .models import TFPrivacyCNN, set_flat
 from .models import pool_twin as _twin
-from .models import set_flat
 
 # Layers whose forward depends on state or randomness that vmap would have to split per client.
 _UNBATCHABLE = (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
@@ -166,16 +166,12 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
     theta = {name: t.unsqueeze(0).expand(k, *t.shape) for name, t in start.items()}
     params = {name: t.clone() for name, t in theta.items()}
 
-    net = _twin(model) if fast_pool else model
-
-    def loss(p, xb, yb):
-        return _mean_nll(functional_call(net, p, (xb,)), yb)
-
     names = list(params)
     for p in params.values():
         p.requires_grad_(True)
     if program is None:
-        per_client_loss = vmap(loss)
+        net = _twin(model) if fast_pool else model
+        per_client_loss = vmap(lambda p, xb, yb: _mean_nll(functional_call(net, p, (xb,)), yb))
     else:
         def per_client_loss(ps, xb, yb):
             return _mean_nll(_stacked_forward(program, ps, xb), yb)
@@ -241,8 +237,6 @@ def _leaves(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]] 
     """``module``'s layers in forward order, with their parameter-name prefixes, when its forward
     is known to be their composition: an nn.Sequential, or the models' CNN (features then
     classifier). None for anything else."""
-    from .models import TFPrivacyCNN
-
     if type(module) is nn.Sequential:
         parts = [(f"{prefix}{name}.", child) for name, child in module.named_children()]
     elif type(module) is TFPrivacyCNN:
@@ -275,11 +269,7 @@ def stacked_program(model: nn.Module, input_ndim: int) -> list[tuple[str, nn.Mod
             layout = _IMAGE
         elif t is nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
             layout = _FLAT
-        elif t is nn.Linear and layout == _FLAT:
-            pass
-        elif t is nn.ReLU:
-            pass
-        else:
+        elif not (t is nn.ReLU or (t is nn.Linear and layout == _FLAT)):
             return None
     return leaves if layout == _FLAT else None
 
@@ -298,7 +288,7 @@ def _stacked_forward(program, ps: dict[str, torch.Tensor], xb: torch.Tensor) -> 
         if t is nn.ReLU:
             h = F.relu(h)
             continue
-        if layout == _RAW and t is not nn.Linear:
+        if layout == _RAW:  # an image layer (stacked_program allows no Linear before a Flatten here)
             # (K, B, C, H, W) -> (B, K*C, H, W): client k's channels are block k of the channel axis.
             h = h.transpose(0, 1).reshape(b, -1, *h.shape[3:]).contiguous(memory_format=torch.channels_last)
             layout = _IMAGE
