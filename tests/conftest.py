@@ -30,3 +30,12 @@ def ray_session():
                     warn=lambda message: warnings.warn(message, RuntimeWarning))
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_session) -> str:
+    """The session Ray's GCS address, for `dpfl` subprocesses that join it (``--address`` or
+    RAY_ADDRESS) instead of starting a private Ray of their own: about 3 s of CPU and 2-3 s of wall
+    time less per run. Tests of a private Ray's start-up and tear-down (signals, quickstart) keep
+    their own."""
+    return ray_session.get_runtime_context().gcs_address

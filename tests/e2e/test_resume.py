@@ -1,5 +1,9 @@
 """Exact resume: a private SecAgg run whose driver is killed with SIGKILL after round k, resumed with
-`dpfl run --resume`, ends with the same bytes as an uninterrupted run of the same scenario."""
+`dpfl run --resume`, ends with the same bytes as an uninterrupted run of the same scenario.
+
+The runs join the test session's Ray (RAY_ADDRESS), as runs on a cluster do: a killed driver's
+actors are ended by Ray, and its resume is a new driver. A private Ray's start and stop under
+signals is tests/e2e/test_signals.py's subject."""
 import json
 import os
 import signal
@@ -22,14 +26,14 @@ BAEK = {
     "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp", "calibration": "baek"},
     "secagg": {"enabled": True, "threshold": "majority"},
     "faults": {"dropout": {"model": "tail", "rate": 0.2, "phase": "upload"}},
-    "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+    "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
     "output": {"checkpoint_every": 1},
 }
 
 
-def _dpfl(*args, **kw):
+def _dpfl(address, *args, **kw):
     return subprocess.Popen([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT,
-                            env=dict(os.environ, COLUMNS="200"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, COLUMNS="200", RAY_ADDRESS=address), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
 
 
@@ -38,25 +42,25 @@ def _rows(path):
     return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
 
 
-def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(tmp_path):
+def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(ray_address, tmp_path):
     scenario = tmp_path / "baek.yaml"
     scenario.write_text(yaml.safe_dump(BAEK))
     full, cut = tmp_path / "full", tmp_path / "cut"
-    # the reference and the victim run side by side (each with its own private Ray): nothing in a
-    # run depends on timing, which is what the equal bytes below show
-    ref = _dpfl("run", scenario, "--out", full)
-    victim = _dpfl("run", scenario, "--out", cut, start_new_session=True)
+    # the reference and the victim run side by side: nothing in a run depends on timing, which is
+    # what the equal bytes below show
+    ref = _dpfl(ray_address, "run", scenario, "--out", full)
+    victim = _dpfl(ray_address, "run", scenario, "--out", cut, start_new_session=True)
     end = time.monotonic() + 300
     while not ((cut / "rounds.jsonl").exists() and len((cut / "rounds.jsonl").read_text().splitlines()) >= 3
                and (cut / "checkpoint.npz").exists()):
         assert victim.poll() is None and time.monotonic() < end, victim.communicate()
         time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)  # the driver and everything it started, without warning
+    os.killpg(victim.pid, signal.SIGKILL)  # the driver, without warning
     victim.wait(timeout=30)
     assert not (cut / "summary.json").exists()
     assert ref.wait(timeout=300) == 0, ref.communicate()
 
-    resumed = _dpfl("run", "--resume", cut)
+    resumed = _dpfl(ray_address, "run", "--resume", cut)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
 
@@ -70,11 +74,11 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(tmp_path):
     assert summary["rounds_completed"] == 8 and summary["stop_reason"] == "completed"
 
 
-def test_ctrl_c_prints_the_resume_command_and_resume_finishes(tmp_path):
+def test_ctrl_c_prints_the_resume_command_and_resume_finishes(ray_address, tmp_path):
     scenario = tmp_path / "baek.yaml"
     scenario.write_text(yaml.safe_dump({**BAEK, "training": {**BAEK["training"], "rounds": 12}}))
     run = tmp_path / "run"
-    proc = _dpfl("run", scenario, "--out", run)
+    proc = _dpfl(ray_address, "run", scenario, "--out", run)
     end = time.monotonic() + 300
     while not ((run / "rounds.jsonl").exists() and len((run / "rounds.jsonl").read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.monotonic() < end, proc.communicate()
@@ -83,7 +87,7 @@ def test_ctrl_c_prints_the_resume_command_and_resume_finishes(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and f"dpfl run --resume {run}" in out.replace("\n", "")
     stopped = json.loads((run / "summary.json").read_text())["rounds_completed"]
-    resumed = _dpfl("run", "--resume", run)
+    resumed = _dpfl(ray_address, "run", "--resume", run)
     assert resumed.wait(timeout=300) == 0, resumed.communicate()
     rows = _rows(run)
     assert [r["round"] for r in rows] == list(range(1, 13)) and stopped < 12

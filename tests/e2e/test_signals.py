@@ -28,7 +28,7 @@ PRIVATE = {
     "training": {"algorithm": "dp_fedavg", "rounds": 400, "batch_size": 8, "lr": 0.3},
     "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
     "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp"},
-    "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+    "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
 }
 
 

@@ -1,5 +1,6 @@
 """`dpfl sweep` for real: a two-run sweep of the tiny synthetic scenario through `dpfl run`
-subprocesses, its resume, and a bad grid refused before anything runs."""
+subprocesses, its resume, and a bad grid refused before anything runs. The runs join the test
+session's Ray (`--address`), which the sweep hands to every run."""
 import csv
 import json
 
@@ -8,13 +9,13 @@ import yaml
 from .test_cli import TINY, dpfl
 
 
-def test_a_real_sweep_writes_runs_csv_and_plots_and_resumes(tmp_path):
+def test_a_real_sweep_writes_runs_csv_and_plots_and_resumes(ray_address, tmp_path):
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 2},
                                         "resources": {"workers": 1, "num_cpus_per_worker": 0.5}}))
     out = tmp_path / "sweep"
     args = ("sweep", scenario, "--grid", "faults.dropout.rate=0,0.5", "--set", "faults.dropout.model=tail",
-            "--out", out, "--timeout", "240")
+            "--out", out, "--timeout", "240", "--address", ray_address)
     res = dpfl(*args)
     assert res.returncode == 0, res.stdout + res.stderr
     with open(out / "sweep.csv") as fh:
@@ -42,11 +43,13 @@ def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
     assert not out.exists()
 
 
-def test_runs_past_their_timeout_are_stopped_and_recorded(tmp_path):
+def test_runs_past_their_timeout_are_stopped_and_recorded(ray_address, tmp_path):
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text(yaml.safe_dump(TINY))
+    # joining a running Ray is quick: enough rounds that no run can finish within its 1 s
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 500}}))
     out = tmp_path / "sweep"
-    res = dpfl("sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "1")
+    res = dpfl("sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "1",
+               "--address", ray_address)
     assert res.returncode == 1 and "2 of 2 runs did not finish" in res.stdout, res.stdout + res.stderr
     with open(out / "sweep.csv") as fh:
         rows = list(csv.DictReader(fh))
