@@ -20,13 +20,15 @@ def _run(sc, tmp_path, name):
     return summary, rounds, torch.load(tmp_path / name / "model.pt")
 
 
-def test_fractional_gpus_pack_four_workers_per_gpu(ray_session):
-    sc = tiny_scenario(resources={"workers": "auto", "num_cpus_per_worker": 0, "num_gpus_per_worker": 0.25})
+def test_fractional_gpus_pack_two_workers_per_gpu(ray_session):
+    # "auto" fills the session's two declared GPUs; a quarter GPU each (eight worker processes)
+    # tests nothing more than a half and costs four more torch imports
+    sc = tiny_scenario(resources={"workers": "auto", "num_cpus_per_worker": 0, "num_gpus_per_worker": 0.5})
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     infos = ray_session.get(coord.start_pool.remote())
-    assert len(infos) == 8
+    assert len(infos) == 4
     gpu_ids = sorted(g for info in infos for g in info["gpu_ids"])
-    assert gpu_ids == ["0"] * 4 + ["1"] * 4
+    assert gpu_ids == ["0"] * 2 + ["1"] * 2
     ray_session.kill(coord)
 
 
@@ -58,17 +60,17 @@ def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):
 
 def test_same_seed_same_model_for_any_pool_size(ray_session, tmp_path):
     results = {}
-    for workers in (1, 2, 4):
+    # one worker, and three, which cannot split the ten clients of a round evenly
+    for workers in (1, 3):
         sc = tiny_scenario(resources={"workers": workers, "num_cpus_per_worker": 0.5})
         _, rounds, state = _run(sc, tmp_path, f"w{workers}")
         results[workers] = ([r["test_accuracy"] for r in rounds], torch.cat([v.flatten() for v in state.values()]))
-    # three separate runs agree to the bit, so a run also repeats itself
-    for workers in (1, 4):
-        assert results[workers][0] == results[2][0]
-        assert torch.equal(results[workers][1], results[2][1])
+    # separate runs agree to the bit, so a run also repeats itself
+    assert results[1][0] == results[3][0]
+    assert torch.equal(results[1][1], results[3][1])
     other = tiny_scenario(seed=4)
     _, _, state = _run(other, tmp_path, "seed4")
-    assert not torch.equal(torch.cat([v.flatten() for v in state.values()]), results[2][1])
+    assert not torch.equal(torch.cat([v.flatten() for v in state.values()]), results[1][1])
 
 
 def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):

@@ -10,13 +10,13 @@ import yaml
 
 from .conftest import BIN, ROOT, client_env, dpfl
 
-QUICK = ["scenarios/quickstart.yaml", "--set", "training.rounds=2", "--set", "resources.workers=2",
+QUICK = ["scenarios/quickstart.yaml", "--set", "training.rounds=2", "--set", "resources.workers=1",
          "--set", "resources.num_cpus_per_worker=0.5"]
 TINY = {"name": "tiny", "seed": 3,
         "data": {"source": "synthetic", "num_clients": 12, "synthetic_examples": 240, "synthetic_features": 4},
         "model": {"name": "logistic"}, "training": {"rounds": 2, "batch_size": 8, "lr": 0.2},
         "sampling": {"mode": "fixed", "clients_per_round": 6},
-        "resources": {"workers": 2, "num_cpus_per_worker": 0.5}}
+        "resources": {"workers": 1, "num_cpus_per_worker": 0.5}}
 
 
 def _timed(label, fn):
@@ -106,7 +106,7 @@ def test_stop_ends_a_running_job_and_its_files_still_come_back(ray_head, tmp_pat
     while " clients, 5000 rounds" not in dpfl("jobs", "logs", job_id, "--address", url, env=env, timeout=60).stdout:
         assert time.monotonic() < end, "the job never started its run"
         time.sleep(2)
-    time.sleep(3)  # a few rounds in
+    time.sleep(1.5)  # a few rounds in
     assert "stop requested" in _ok(dpfl("jobs", "stop", job_id, "--address", url, env=env, timeout=60)).stdout
     end = time.monotonic() + 90
     while f"{job_id} STOPPED" not in dpfl("jobs", "status", job_id, "--address", url, env=env, timeout=60).stdout:
