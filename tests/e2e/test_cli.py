@@ -24,7 +24,7 @@ TINY = {
     "model": {"name": "logistic"},
     "training": {"rounds": 3, "batch_size": 8, "lr": 0.3},
     "sampling": {"mode": "fixed", "clients_per_round": 6},
-    "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+    "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
 }
 
 

@@ -13,7 +13,7 @@ COMMON = {
     "seed": 4,
     "data": {"source": "mnist5k", "num_clients": 40, "partition": {"kind": "iid"}},
     "model": {"name": "logistic"},
-    "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+    "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
 }
 
 

@@ -32,14 +32,21 @@ def test_fractional_gpus_pack_two_workers_per_gpu(ray_session):
     ray_session.kill(coord)
 
 
-def test_three_round_run_writes_every_file(ray_session, tmp_path):
-    summary, rounds, state = _run(tiny_scenario(), tmp_path, "run")
+@pytest.fixture(scope="module")
+def one_worker_run(ray_session, tmp_path_factory):
+    """tiny_scenario() as it is, on one worker: the files test reads it, the pool test compares with it."""
+    tmp = tmp_path_factory.mktemp("one_worker")
+    return (*_run(tiny_scenario(), tmp, "run"), tmp / "run")
+
+
+def test_three_round_run_writes_every_file(one_worker_run):
+    summary, rounds, state, run_dir = one_worker_run
     assert summary["stop_reason"] == "completed" and summary["rounds_completed"] == 3
     assert [r["round"] for r in rounds] == [1, 2, 3]
     assert all(r["sampled"] == 10 and r["survived"] == 10 for r in rounds)
     assert rounds[-1]["test_accuracy"] > 0.5  # 3 Gaussian blobs: well above chance (1/3)
     for name in ("scenario.yaml", "summary.json", "model.pt", "accuracy.png"):
-        assert (tmp_path / "run" / name).stat().st_size > 0
+        assert (run_dir / name).stat().st_size > 0
     assert set(state) and all(isinstance(v, torch.Tensor) for v in state.values())
     # where the time went (issue #14): marks in order, and each evaluated round's evaluation time
     marks = summary["timings"]
@@ -58,19 +65,18 @@ def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):
     assert rounds[-1]["test_accuracy"] > 0.5
 
 
-def test_same_seed_same_model_for_any_pool_size(ray_session, tmp_path):
-    results = {}
-    # one worker, and three, which cannot split the ten clients of a round evenly
-    for workers in (1, 3):
-        sc = tiny_scenario(resources={"workers": workers, "num_cpus_per_worker": 0.5})
-        _, rounds, state = _run(sc, tmp_path, f"w{workers}")
-        results[workers] = ([r["test_accuracy"] for r in rounds], torch.cat([v.flatten() for v in state.values()]))
+def test_same_seed_same_model_for_any_pool_size(one_worker_run, tmp_path):
+    def flat(state):
+        return torch.cat([v.flatten() for v in state.values()])
+
+    _, rounds_1, state_1, _ = one_worker_run
+    # three workers, which cannot split the ten clients of a round evenly, against one
+    _, rounds_3, state_3 = _run(tiny_scenario(resources={"workers": 3, "num_cpus_per_worker": 0.5}), tmp_path, "w3")
     # separate runs agree to the bit, so a run also repeats itself
-    assert results[1][0] == results[3][0]
-    assert torch.equal(results[1][1], results[3][1])
-    other = tiny_scenario(seed=4)
-    _, _, state = _run(other, tmp_path, "seed4")
-    assert not torch.equal(torch.cat([v.flatten() for v in state.values()]), results[1][1])
+    assert [r["test_accuracy"] for r in rounds_3] == [r["test_accuracy"] for r in rounds_1]
+    assert torch.equal(flat(state_3), flat(state_1))
+    _, _, state = _run(tiny_scenario(seed=4), tmp_path, "seed4")
+    assert not torch.equal(flat(state), flat(state_1))
 
 
 def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
