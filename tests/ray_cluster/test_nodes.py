@@ -1,0 +1,122 @@
+"""Across nodes, on one three-node ray.cluster_utils.Cluster (declared GPUs, all on this machine):
+
+1. a tiny scenario's workers land on every node, each holding the GPU fraction it asked for;
+2. then a node is lost mid-run (faults.node_failure): the runtime kills one node's raylet in round
+   2, the round records that node's clients as node_lost, and the run completes on the two nodes
+   that are left.
+
+Both runs share the cluster: starting one costs more CPU than either run. The cluster and the
+driver live in a child process (this pytest process never calls ray.init)."""
+import json
+import subprocess
+import sys
+import textwrap
+
+from .conftest import ROOT, client_env
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray._private.state import available_resources_per_node
+
+    from dpfl_ray.data import build_federation
+    from dpfl_ray.results import RunRecord
+    from dpfl_ray.runtime.cluster import placement_summary
+    from dpfl_ray.runtime.driver import ensure_ray, run_scenario
+    from dpfl_ray.scenario import scenario_from_dict
+
+    out = Path(sys.argv[1])
+    # A lost raylet is noticed by the GCS's health checks: check every 0.5 s so the test stays short.
+    fast = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 2}
+    # Two CPUs and two GPUs per node: Ray's default placement would pack the first workers onto
+    # the driver's node; SPREAD puts one on each.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "include_dashboard": False,
+                                                            "_system_config": fast})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, num_gpus=2)
+    cluster.wait_for_nodes()
+
+    def tiny(name, **sections):
+        return scenario_from_dict({
+            "name": name, "seed": 2,
+            "data": {"source": "synthetic", "num_clients": 12, "synthetic_examples": 240, "synthetic_features": 4},
+            "model": {"name": "logistic"},
+            "training": {"rounds": 3, "batch_size": 8, "lr": 0.2},
+            "sampling": {"mode": "fixed", "clients_per_round": 6},
+            **sections,
+        })
+
+    try:
+        ensure_ray(cluster.address)  # the same door as `dpfl run --address`
+        seen = {"gpu_free": []}
+
+        def on_event(ev):
+            if ev["event"] == "start":
+                seen["pool"] = ev["pool"]
+            seen["gpu_free"].append({n: r.get("GPU", 0.0) for n, r in available_resources_per_node().items()})
+
+        sc = tiny("spread", resources={"workers": 3, "num_cpus_per_worker": 0.5, "num_gpus_per_worker": 0.5})
+        summary = run_scenario(sc, build_federation(sc), RunRecord(out / "spread"), on_event=on_event)
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        print("SPREAD " + json.dumps({"summary": summary, "nodes": nodes, "pool": seen["pool"],
+                                      "gpu_free": seen["gpu_free"],
+                                      "placement": placement_summary(seen["pool"], 0.5, 0.5)}), flush=True)
+
+        seen = {"gpu_free": []}
+        sc = tiny("node_loss", faults={"node_failure": {"at_round": 2, "phase": "training"}},
+                  resources={"workers": 3, "num_cpus_per_worker": 0.5})
+        before = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        summary = run_scenario(sc, build_federation(sc), RunRecord(out / "node_loss"), on_event=on_event)
+        after = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        print("LOSS " + json.dumps({"summary": summary, "before": before, "after": after, "pool": seen["pool"]}))
+    finally:
+        ray.shutdown()
+        try:
+            cluster.shutdown()
+        except Exception:  # the lost node's processes are already gone
+            pass
+''')
+
+
+def _result(stdout: str, tag: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(tag + " ")]
+    assert lines, f"no {tag} line"
+    return json.loads(lines[-1][len(tag) + 1:])
+
+
+def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost(tmp_path):
+    script = tmp_path / "nodes.py"
+    script.write_text(SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=ROOT,
+                       env=client_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=480)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+
+    # 1. spread: one worker on each node, each holding a fraction of one GPU
+    out = _result(r.stdout, "SPREAD")
+    assert out["summary"]["rounds_completed"] == 3 and len(out["nodes"]) == 3
+    assert sorted(w["node"] for w in out["pool"]) == out["nodes"]  # one worker on each node
+    for w in out["pool"]:
+        assert len(w["gpu_ids"]) == 1  # a fraction of one GPU, not a whole set
+    placement = out["placement"]
+    assert set(placement["nodes"]) == set(out["nodes"])
+    assert all(n["workers"] == 1 and len(n["gpu_ids"]) == 1 for n in placement["nodes"].values())
+    # While the run went, each node had exactly 2 - 0.5 of its GPUs free: the requested fraction.
+    during = [snap for snap in out["gpu_free"] if set(snap) == set(out["nodes"])]
+    assert any(all(free == 1.5 for free in snap.values()) for snap in during), out["gpu_free"]
+
+    # 2. node loss: the lost node held a worker, its clients are node_lost in round 2, the run completes
+    out = _result(r.stdout, "LOSS")
+    rows = [json.loads(line) for line in (tmp_path / "node_loss" / "rounds.jsonl").read_text().splitlines()]
+    assert out["summary"]["stop_reason"] == "completed" and out["summary"]["rounds_completed"] == 3
+    assert len(out["before"]) == 3 and len(out["after"]) == 2
+    (lost_node,) = set(out["before"]) - set(out["after"])
+    assert lost_node in {w["node"] for w in out["pool"]}  # a node that held a worker
+    lost = rows[1]["dropped_clients"]["node_lost"]
+    assert lost and rows[1]["dropped"] == {"node_lost": {"training": len(lost)}}
+    assert rows[1]["survived"] == 6 - len(lost) > 0
+    assert rows[0]["survived"] == rows[2]["survived"] == 6  # the replacement runs on the nodes left
+    model = tmp_path / "node_loss" / "model.pt"
+    assert rows[2]["test_accuracy"] is not None and model.stat().st_size > 0
