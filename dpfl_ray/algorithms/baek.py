@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from dp_accounting import NeighboringRelation
 
 from ..privacy.dropouts import (
     calibrates, effective_noise_multipliers, layer_variances, planned_noise_multipliers, server_view,
@@ -54,6 +53,8 @@ def booked_multiplier(z_view: float, clip_norm: float = 1.0) -> float:
     """What the ledger books for a view carrying noise std 2C z_view on the weighted sum. Baek et
     al. (Prop. 2) state the replace-one sensitivity 2C with n public; under Poisson sampling's
     add/remove relation the sensitivity is C, so booking 2C keeps an upper bound under both."""
+    from dp_accounting import NeighboringRelation  # here, not at the top: see privacy/sampling.py
+
     return booked_noise_multiplier(2.0 * clip_norm * z_view, l2_sensitivity(clip_norm, NeighboringRelation.REPLACE_ONE))
 
 

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from ..errors import DPFLError
-from ..privacy import gaussian_noise
+from ..privacy.mechanisms import gaussian_noise
 from ..privacy.randomness import DPRandomness
 from ..privacy.sampling import sampling_of
 from ..privacy.sensitivity import booked_noise_multiplier, l2_sensitivity

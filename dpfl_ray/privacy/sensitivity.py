@@ -20,15 +20,20 @@ the larger sensitivity gives a smaller multiplier and a larger epsilon, which st
 """
 from __future__ import annotations
 
-from dp_accounting import NeighboringRelation
+from typing import TYPE_CHECKING
 
 from dpfl_ray.privacy.validation import _check_noise, _check_real
+
+if TYPE_CHECKING:
+    from dp_accounting import NeighboringRelation
 
 __all__ = ["relation_factor", "l2_sensitivity", "booked_noise_multiplier"]
 
 
 def relation_factor(relation: NeighboringRelation) -> float:
     """How many add/remove steps one neighbouring step of ``relation`` is: 1, or 2 for replace-one."""
+    from dp_accounting import NeighboringRelation  # here, not at the top: see privacy/sampling.py
+
     if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
         return 1.0
     if relation is NeighboringRelation.REPLACE_ONE:
