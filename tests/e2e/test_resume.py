@@ -33,8 +33,8 @@ BAEK = {
 
 def _dpfl(address, *args, **kw):
     return subprocess.Popen([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT,
-                            env=dict(os.environ, COLUMNS="200", RAY_ADDRESS=address), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kw)
+                            env=dict(os.environ, COLUMNS="200", RAY_ADDRESS=address), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
 
 
 def _rows(path):

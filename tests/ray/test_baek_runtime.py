@@ -57,7 +57,8 @@ def _cli_epsilon(mode: str, rounds: int) -> dict:
 
 def _check_epsilon_against_the_server(summary, ledger):
     """The server picks the sample: against it, the rounds a client took part in compose without
-    sampling amplification (Gaussians: their precisions add). Checked on the layered run above."""
+    sampling amplification (Gaussians: their precisions add). Checked on the layered run of the test
+    below."""
     import dp_accounting
     from dp_accounting.rdp import RdpAccountant
 
