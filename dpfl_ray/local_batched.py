@@ -17,13 +17,14 @@ overhead that dominates small clients. The forward is one of two programs:
 
 Determinism: a client's update must not depend on which other clients share its batch (the
 worker pool size changes that). Clients are grouped by size, so every client in a group has the
-same batch shapes; within a group each slot runs the same kernels on its own data. On CPU with a
-fixed thread count, both programs give bitwise the same result for a slot for every K >= 2, but a
-K = 1 stack takes a different (ungrouped) convolution kernel, so a lone client is padded with a
-copy of itself (tests/unit/test_local_batched.py checks both facts for both programs).
-cuBLAS/cuDNN choose kernels by shape, so on CUDA every stack is padded to one fixed K.
-The batched result equals the sequential path to float tolerance, not bitwise in general: the
-batched kernels may sum in a different order.
+same batch shapes; within a group each slot runs the same kernels on its own data. oneDNN and MKL
+choose kernels by shape, and K is part of the shape: a lone client is padded to a stack of two with
+a copy of itself, and each other K is checked once per process against that stack of two
+(:func:`_invariant_stack`): a K whose kernels give a slot other bits (K = 3 for the CNN on AMD EPYC
+with AVX2) is padded to the next K that does not (:func:`stack_padding` says which; summary.json
+records it). cuBLAS/cuDNN choose kernels by shape too, so on CUDA every stack is padded to one
+fixed K. The batched result equals the sequential path to float tolerance, not bitwise in general:
+the batched kernels may sum in a different order.
 """
 from __future__ import annotations
 
@@ -142,20 +143,103 @@ def batched_local_updates(model: nn.Module, theta: np.ndarray, xs: Sequence[np.n
             orders = [np.stack([rngs[i].permutation(len(ys[i])) for _ in range(epochs)]) for i in part]
             deltas = _train_group(model, start, [xs[i] for i in part], [ys[i] for i in part], orders,
                                   batch_size=batch_size, lr=lr, clip_norm=clip_norm, min_stack=stack,
-                                  fast_pool=fast_pool, program=program)
+                                  checked=not fixed_shape, fast_pool=fast_pool, program=program)
             for i, d in zip(part, deltas):
                 out[i] = d
     return out  # type: ignore[return-value]
 
 
 def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, orders, *, batch_size: int,
-                 lr: float, clip_norm: float | None, min_stack: int, fast_pool: bool,
+                 lr: float, clip_norm: float | None, min_stack: int, checked: bool, fast_pool: bool,
                  program=None) -> list[np.ndarray]:
-    """Local SGD of clients of equal size, stacked on a leading axis of K parameter copies."""
+    """Local SGD of clients of equal size, stacked on a leading axis of K parameter copies. With
+    ``checked`` (stacks of varying size), K is one that gives every client the result it would get
+    in a stack of two (:func:`_invariant_stack`)."""
+    loss = _per_client_loss(model, program, fast_pool)
+    k = max(len(xs), min_stack)
+    if checked:
+        n = len(ys[0])
+        sizes = tuple(sorted({min(batch_size, n - lo) for lo in range(0, n, batch_size)}))
+        key = (str(model), program is None, fast_pool, tuple(xs[0].shape[1:]), k, sizes,
+               next(iter(start.values())).device.type)
+        k = _invariant_stack(key, loss, start, xs[0], ys[0], k, sizes)
+    if k == 0:  # no padded size gave the reference's bits here: each client alone in a stack of two
+        return [d for i in range(len(xs))
+                for d in _train_stack(loss, start, xs[i:i + 1], ys[i:i + 1], orders[i:i + 1], batch_size=batch_size,
+                                      lr=lr, clip_norm=clip_norm, stack=2)]
+    return _train_stack(loss, start, xs, ys, orders, batch_size=batch_size, lr=lr, clip_norm=clip_norm, stack=k)
+
+
+def _per_client_loss(model: nn.Module, program, fast_pool: bool):
+    """(stacked parameters, xb (K, B, ...), yb (K, B)) -> each client's mean loss, shape (K,)."""
+    if program is None:
+        net = _twin(model) if fast_pool else model
+        return vmap(lambda p, xb, yb: _mean_nll(functional_call(net, p, (xb,)), yb))
+    return lambda ps, xb, yb: _mean_nll(_stacked_forward(program, ps, xb), yb)
+
+
+def _grads(loss, ps: dict[str, torch.Tensor], xb, yb) -> dict[str, torch.Tensor]:
+    # Client k's loss depends only on its own slice of the stack, so the gradient of the sum is
+    # every client's own gradient. Plain autograd here rather than vmap(grad(...)):
+    # torch.func.grad imports torch._dynamo on its first call, 2-5 s of every worker's start.
+    names = list(ps)
+    with torch.enable_grad():
+        grads = torch.autograd.grad(loss(ps, xb, yb).sum(), [ps[nm] for nm in names])
+    return dict(zip(names, grads))
+
+
+# Stack sizes this process has checked: (model, program, input shape, K, batch sizes, device) -> the
+# K to run (K itself, a larger K, or 0 for one client at a time in a stack of two).
+_STACK_FOR: dict[tuple, int] = {}
+MAX_STACK_PADDING = 8
+
+
+def stack_padding() -> dict[str, int]:
+    """The stack sizes this process could not run as they were, ``{"K": K'}``: padded to K' clients,
+    or K' = 0, trained one client at a time in a stack of two."""
+    return {str(key[4]): k for key, k in sorted(_STACK_FOR.items(), key=lambda kv: kv[0][4]) if k != key[4]}
+
+
+def _invariant_stack(key: tuple, loss, start, x0: np.ndarray, y0: np.ndarray, k: int, sizes: tuple[int, ...]) -> int:
+    """The smallest K' >= k whose stacked step gives every slot the bits a stack of two gives.
+
+    oneDNN and MKL pick kernels by shape, and a grouped convolution's shape includes K: on AMD EPYC
+    (AVX2) a first convolution whose K groups total 3 input channels takes oneDNN's special
+    3-channel weight-gradient kernel, which sums in another order than every other K. Which K are
+    affected depends on the CPU and the library build, so it is measured here, once per process
+    and shape: one gradient step of the first client's first examples copied into all K slots,
+    for each batch size the client's epoch uses, against the same step in a stack of two."""
+    device = next(iter(start.values())).device
+    if key in _STACK_FOR:
+        return _STACK_FOR[key]
+    probes = [(torch.from_numpy(np.ascontiguousarray(x0[:b])).to(device), torch.from_numpy(y0[:b]).to(device))
+              for b in sizes]
+
+    def slot_grads(width: int) -> list[torch.Tensor]:
+        out = []
+        for xb, yb in probes:
+            ps = {nm: t.unsqueeze(0).expand(width, *t.shape).clone().requires_grad_(True) for nm, t in start.items()}
+            g = _grads(loss, ps, xb.expand(width, *xb.shape).contiguous(), yb.expand(width, *yb.shape).contiguous())
+            out += [v.reshape(width, -1) for v in g.values()]
+        return out
+
+    reference = [g[0] for g in slot_grads(2)]
+    chosen = 0
+    for width in range(k, k + MAX_STACK_PADDING + 1):
+        if width == 2 or all(torch.equal(g, r.expand_as(g)) for g, r in zip(slot_grads(width), reference)):
+            chosen = width
+            break
+    _STACK_FOR[key] = chosen
+    return chosen
+
+
+def _train_stack(loss, start: dict[str, torch.Tensor], xs, ys, orders, *, batch_size: int, lr: float,
+                 clip_norm: float | None, stack: int) -> list[np.ndarray]:
+    """Local SGD of the clients ``xs`` in a stack of ``stack`` parameter copies."""
     k_real = len(xs)
-    if k_real < min_stack:
+    if k_real < stack:
         # Copies of the first client fill the stack: kernels chosen by K never see another K.
-        pad = min_stack - k_real
+        pad = stack - k_real
         xs, ys, orders = xs + xs[:1] * pad, ys + ys[:1] * pad, orders + orders[:1] * pad
     device = next(iter(start.values())).device
     x = torch.from_numpy(np.stack(xs)).to(device)
@@ -165,29 +249,13 @@ def _train_group(model: nn.Module, start: dict[str, torch.Tensor], xs, ys, order
     rows = torch.arange(k, device=device).unsqueeze(1)
     theta = {name: t.unsqueeze(0).expand(k, *t.shape) for name, t in start.items()}
     params = {name: t.clone() for name, t in theta.items()}
-
-    names = list(params)
     for p in params.values():
         p.requires_grad_(True)
-    if program is None:
-        net = _twin(model) if fast_pool else model
-        per_client_loss = vmap(lambda p, xb, yb: _mean_nll(functional_call(net, p, (xb,)), yb))
-    else:
-        def per_client_loss(ps, xb, yb):
-            return _mean_nll(_stacked_forward(program, ps, xb), yb)
-
-    def step(ps, xb, yb):
-        # Client k's loss depends only on its own slice of the stack, so the gradient of the sum
-        # is every client's own gradient. Plain autograd here rather than vmap(grad(...)):
-        # torch.func.grad imports torch._dynamo on its first call, 2-5 s of every worker's start.
-        with torch.enable_grad():
-            grads = torch.autograd.grad(per_client_loss(ps, xb, yb).sum(), [ps[nm] for nm in names])
-        return dict(zip(names, grads))
 
     for epoch in range(order.shape[1]):
         for lo in range(0, n, batch_size):
             batch = order[:, epoch, lo:lo + batch_size]
-            grads = step(params, x[rows, batch], y[rows, batch])
+            grads = _grads(loss, params, x[rows, batch], y[rows, batch])
             with torch.no_grad():
                 for name, p in params.items():
                     p.add_(grads[name], alpha=-lr)

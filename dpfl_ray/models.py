@@ -125,7 +125,9 @@ def pool_twin(model: nn.Module) -> nn.Module:
 
 def pool_forward(model: nn.Module):
     """``model``'s forward in its current mode and with its current parameters, run through
-    :func:`pool_twin`: the same maxima and argmax, so the same outputs and gradients, in less time."""
+    :func:`pool_twin`: the same maxima and argmax, in less time. A convolution after a pool then
+    gets channels-last input and may run another oneDNN kernel (AMD EPYC/AVX2 does), so outputs and
+    gradients equal the model's own forward to float tolerance; for one input they are always the same."""
     twin = pool_twin(model)
     if twin is model:
         return model

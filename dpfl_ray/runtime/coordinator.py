@@ -202,7 +202,17 @@ class Coordinator:
                 stop_reason = "privacy_budget_exhausted"
                 break
             self._round(t, self.last_eval)
+        self._record_stack_padding()
         return {"stop_reason": stop_reason}
+
+    def _record_stack_padding(self) -> None:
+        """Put the stack sizes the workers' CPUs made them pad (dpfl_ray.local_batched) into the
+        summary's placement: what made the run's bits independent of the pool on this host."""
+        padding: dict[str, int] = {}
+        for info in self.worker_info():
+            padding.update((info or {}).get("stack_padding", {}))
+        with self._lock:
+            self.pool = {**self.pool, "stack_padding": dict(sorted(padding.items(), key=lambda kv: int(kv[0])))}
 
     def _round(self, t: int, last_eval) -> dict:
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..local import local_update
-    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
+    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
     from ..models import build_model, set_flat, shard_sums
 
 
@@ -40,12 +40,13 @@ def _load_training() -> None:
     Not at import: Ray imports an actor's class module wherever a handle to it is deserialized,
     and the coordinator holds handles to every worker but trains nothing; importing torch there
     cost every run a second of CPU and 200 MB."""
-    global torch, local_update, batched_local_updates, batching_pays, clients_per_batch, warm_up  # noqa: PLW0603
+    global torch, local_update, batched_local_updates, batching_pays, clients_per_batch, stack_padding  # noqa: PLW0603
+    global warm_up  # noqa: PLW0603
     global build_model, set_flat, shard_sums  # noqa: PLW0603
     import torch
 
     from ..local import local_update
-    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, warm_up
+    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
     from ..models import build_model, set_flat, shard_sums
 
 
@@ -86,8 +87,10 @@ class ClientWorker:
             warm_up(self.model, tuple(data["input_shape"]), tr.batch_size, data["num_classes"])
 
     def info(self) -> dict:
+        """Where this worker runs, and the stack sizes its CPU made it pad (local_batched.stack_padding)."""
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "device": str(self.device)}
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "device": str(self.device),
+                "stack_padding": stack_padding()}
 
     def _local(self, round_idx: int, theta: np.ndarray, cid: int, spec: ClientSpec) -> np.ndarray:
         tr, seed = self.sc.training, self.sc.seed

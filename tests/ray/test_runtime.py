@@ -79,6 +79,23 @@ def test_same_seed_same_model_for_any_pool_size(one_worker_run, tmp_path):
     assert not torch.equal(flat(state), flat(state_1))
 
 
+def test_the_cnn_gives_the_same_model_on_one_worker_and_on_three_half_cpu_workers(ray_session, tmp_path):
+    """The run-level form of the batch-invariance promise, on the model whose stacked kernels
+    depend on the stack on some CPUs: ten equal clients a round split 10 / 4+3+3 over the pools,
+    so stacks of 3 (the size oneDNN's AVX2 kernels treat apart) meet stacks of 10 and 4."""
+    def cnn(resources):
+        return tiny_scenario(data={"source": "mnist5k", "num_clients": 20, "examples_per_client": 10},
+                             model={"name": "cnn"}, training={"rounds": 2, "batch_size": 5, "lr": 0.1},
+                             resources=resources)
+
+    summary_1, _, state_1 = _run(cnn({"workers": 1, "num_cpus_per_worker": 1}), tmp_path, "w1")
+    summary_3, _, state_3 = _run(cnn({"workers": 3, "num_cpus_per_worker": 0.5}), tmp_path, "w3")
+    assert all(torch.equal(state_1[k], state_3[k]) for k in state_1)
+    for summary in (summary_1, summary_3):  # what each host had to pad is on record
+        padding = summary["placement"]["stack_padding"]
+        assert isinstance(padding, dict) and all(int(v) == 0 or int(v) > int(k) for k, v in padding.items())
+
+
 def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
     sc = tiny_scenario(training={"rounds": 2}, resources=TWO_WORKERS)
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
