@@ -202,7 +202,9 @@ class Mechanism:
     knows the sample (None: the server sees un-noised client data, as in central DP).
     ``public``: data-dependent quantities the analysis treats as public. ``paper_epsilon``: the
     epsilon the paper claims for the round by its own analysis, where that is no multiplier
-    (``claim_note``: where the claim is outside its validity range).
+    (``claim_note``: where the claim is outside its validity range). ``assumed_noise_multipliers``:
+    the multipliers under a sensitivity the paper assumes and the code does not enforce, booked
+    apart as ``epsilon_assumed`` (never as the run's epsilon); ``assumption`` says what is assumed.
     """
 
     noise_multipliers: tuple[float, ...]
@@ -214,6 +216,8 @@ class Mechanism:
     public: tuple[str, ...] = ()
     paper_epsilon: float | None = None
     claim_note: str = ""
+    assumed_noise_multipliers: tuple[float, ...] | None = None
+    assumption: str = ""
 
 
 class Algorithm(ABC):

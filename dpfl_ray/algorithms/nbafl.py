@@ -12,13 +12,17 @@ Noise (the paper's calibration, classic Gaussian mechanism):
     sigma_D = 2 c C sqrt(T^2 - L^2 N) / (m N epsilon)    when T > L sqrt(N), else 0,
 with N the clients aggregated per round (all of them, or K with K-of-N scheduling, Fig. 10).
 
-What the ledger books (docs/nbafl.md): record-level, replace-one adjacency, sensitivity Delta s_U of
-one client's clipped parameters (the paper's assumption); each round one Gaussian, unsampled
-(:class:`~dpfl_ray.privacy.sampling.NoSampling`), composed by dp_accounting over the rounds. Its
-noise depends on ``privacy.nbafl.threat_model``: ``server`` -- the server sees each upload (or, with
-SecAgg, only their sum); ``broadcast`` -- an observer of the broadcast models, protected by the
-uploads' noise in the average plus the downlink noise. The paper's own claim, epsilon after the L
-uploads by basic composition of per-upload epsilon / L, is booked beside it as ``paper_epsilon``.
+What the ledger books (docs/nbafl.md): record-level, replace-one adjacency, each round one Gaussian,
+unsampled (:class:`~dpfl_ray.privacy.sampling.NoSampling`), composed by dp_accounting over the rounds.
+Its sensitivity is the one the code enforces: the client runs E epochs of SGD, not an exact argmin,
+so one record replaced can move its clipped parameters anywhere in the ball of radius C, 2C apart.
+That gives the run's ``epsilon``. The paper's Delta s_U = 2C/m (the argmin is an average of
+per-record argmins) is booked beside it as ``assumed_noise_multipliers``, the run's
+``epsilon_assumed``: what the same noise would give if that assumption held. The noise depends on
+``privacy.nbafl.threat_model``: ``server`` -- the server sees each upload (or, with SecAgg, only
+their sum); ``broadcast`` -- an observer of the broadcast models, protected by the uploads' noise in
+the average plus the downlink noise. The paper's own claim, epsilon after the L uploads by basic
+composition of per-upload epsilon / L, is booked as ``paper_epsilon``.
 """
 from __future__ import annotations
 
@@ -52,27 +56,49 @@ def downlink_std(epsilon: float, delta: float, clip: float, min_size: int, expos
         / (min_size * clients * epsilon)
 
 
-def booked_multiplier(noise_std: float, clip: float, min_size: int, weight_share: float = 1.0) -> float:
+#: Where the paper's sensitivity comes from, and why the code does not enforce it.
+ASSUMPTION = ("Wei et al.'s Delta s_U = 2C/m: the local solution is an average of m per-record argmins, so "
+              "one record replaced moves it by at most 2C/m; the code runs E epochs of SGD and clips the "
+              "parameters to C, which enforces 2C, not 2C/m")
+
+
+#: The project's pld accountant composes Poisson-sampled Gaussians only; NbAFL's rounds are unsampled.
+PLD_REFUSAL = ("privacy.accountant: nbafl's rounds are unsampled Gaussians, which the pld accountant does not "
+               "compose; use rdp or rdp-classic")
+
+
+def enforced_bound(clip: float) -> float:
+    """Half the replace-one sensitivity of a client's clipped parameters as the code computes them:
+    any record set gives parameters in the ball of radius C, so two neighbours differ by at most 2C."""
+    return clip
+
+
+def assumed_bound(clip: float, min_size: int) -> float:
+    """Half of the paper's Delta s_U = 2C/m (Wei et al., Sec. III-B), which needs the exact argmin."""
+    return clip / min_size
+
+
+def booked_multiplier(noise_std: float, bound: float, weight_share: float = 1.0) -> float:
     """A release carrying ``noise_std`` of noise, in which one client's parameters count with
-    ``weight_share`` (p_i): one record moves it by p_i Delta s_U, the replace-one sensitivity of the
-    client's parameters whose add/remove bound is C / m."""
+    ``weight_share`` (p_i) and one record moves them by at most ``bound`` when added or removed:
+    the replace-one sensitivity is 2 p_i ``bound`` (docs/sensitivity.md)."""
     from dp_accounting import NeighboringRelation
 
-    return booked_noise_multiplier(noise_std, l2_sensitivity(weight_share * clip / min_size,
-                                                             NeighboringRelation.REPLACE_ONE))
+    return booked_noise_multiplier(noise_std, l2_sensitivity(weight_share * bound, NeighboringRelation.REPLACE_ONE))
 
 
-def round_multipliers(sigma_u: float, sigma_d: float, clip: float, min_size: int, shares: np.ndarray,
-                      secure: bool, threat_model: str) -> tuple[float, float]:
+def round_multipliers(sigma_u: float, sigma_d: float, bound: float, shares: np.ndarray, secure: bool,
+                      threat_model: str) -> tuple[float, float]:
     """(booked for the threat model, booked against the server) for a round aggregating clients
-    with weight shares p_i. The server sees each upload, or with SecAgg only sum p_i w~_i; an
-    observer of the broadcast sees that sum plus the downlink noise."""
+    with weight shares p_i, one record moving its client's parameters by ``bound`` (add/remove).
+    The server sees each upload, or with SecAgg only sum p_i w~_i; an observer of the broadcast
+    sees that sum plus the downlink noise."""
     share_sq, p_max = float(np.sum(np.square(shares))), float(np.max(shares))
     uploads_in_sum = sigma_u * math.sqrt(share_sq)
-    server = (booked_multiplier(uploads_in_sum, clip, min_size, p_max) if secure
-              else booked_multiplier(sigma_u, clip, min_size))
+    server = (booked_multiplier(uploads_in_sum, bound, p_max) if secure
+              else booked_multiplier(sigma_u, bound))
     if threat_model == "broadcast":
-        return booked_multiplier(math.sqrt(uploads_in_sum ** 2 + sigma_d ** 2), clip, min_size, p_max), server
+        return booked_multiplier(math.sqrt(uploads_in_sum ** 2 + sigma_d ** 2), bound, p_max), server
     return server, server
 
 
@@ -109,6 +135,8 @@ class NbAFL(Algorithm):
         if p.noise_multiplier is not None or p.target_epsilon is not None:
             raise ValueError("privacy.noise_multiplier: nbafl derives its noise from privacy.nbafl.epsilon; "
                              "remove noise_multiplier and target_epsilon")
+        if p.accountant == "pld":
+            raise ValueError(PLD_REFUSAL)
         if p.clipping.mode != "fixed":
             raise ValueError("privacy.clipping.mode: nbafl clips the parameters to a fixed norm C")
         if p.calibration != "none" or p.denominator is not None or p.geyer is not None:
@@ -152,12 +180,17 @@ class NbAFL(Algorithm):
 
     # -- what the ledger books -------------------------------------------------------------------
     def _mechanism(self, shares: np.ndarray) -> Mechanism:
-        """The round's Gaussian for weight shares p_i of the aggregated clients."""
-        z, server = round_multipliers(self.sigma_u, self.sigma_d, self.clip, self.min_size, shares, self.secure,
-                                      self.threat_model)
-        return Mechanism((z,), NoSampling(), f"nbafl, threat_model={self.threat_model}",
+        """The round's Gaussian for weight shares p_i of the aggregated clients: booked with the
+        sensitivity the code enforces (2C), and beside it with the paper's 2C/m."""
+        def booked(bound):
+            return round_multipliers(self.sigma_u, self.sigma_d, bound, shares, self.secure, self.threat_model)
+
+        z, server = booked(enforced_bound(self.clip))
+        assumed, _ = booked(assumed_bound(self.clip, self.min_size))
+        return Mechanism((z,), NoSampling(), f"nbafl, threat_model={self.threat_model}, sensitivity 2C",
                          server_noise_multipliers=(server,), paper_epsilon=self.epsilon / self.rounds,
-                         claim_note=claim_note(self.epsilon, self.exposures))
+                         claim_note=claim_note(self.epsilon, self.exposures),
+                         assumed_noise_multipliers=(assumed,), assumption=ASSUMPTION)
 
     def planned_mechanism(self) -> Mechanism:
         return self._mechanism(np.full(self.per_round, 1.0 / self.per_round))
@@ -166,13 +199,16 @@ class NbAFL(Algorithm):
         return self._current or self.planned_mechanism()
 
     def canary_norm(self) -> float:
-        """One record moves its client's clipped parameters by at most C / m when it is added
-        (Delta s_U = 2C/m under replacement): a canary is one record's worth."""
-        return self.clip / self.min_size
+        """One record can move its client's clipped parameters anywhere in the C-ball (the bound
+        the code enforces and the ledger books): a canary moves them by C. A canary of C/m would
+        probe only the paper's assumption."""
+        return enforced_bound(self.clip)
 
     def summary_fields(self) -> dict:
         return {"nbafl_sigma_uplink": self.sigma_u, "nbafl_sigma_downlink": self.sigma_d,
                 "nbafl_exposures": self.exposures, "nbafl_min_size": self.min_size,
+                "nbafl_sensitivity": 2 * enforced_bound(self.clip),
+                "nbafl_sensitivity_assumed": 2 * assumed_bound(self.clip, self.min_size),
                 "threat_model": self.threat_model}
 
     # -- the server ------------------------------------------------------------------------------

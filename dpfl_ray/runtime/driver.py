@@ -247,6 +247,9 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timing
             note = (ledger.get("accountant_details") or {}).get("note")
             if note:
                 summary["accountant_note"] = note
+        if "assumption" in ledger:  # beside epsilon, never instead of it (Mechanism.assumed_noise_multipliers)
+            summary.update(epsilon_assumed=ledger["epsilon_assumed"], assumption=ledger["assumption"],
+                           noise_multiplier_assumed=ledger["noise_multiplier_assumed"])
         if ledger.get("record_level"):  # one ledger per client: the row's epsilon is the worst client's
             summary["record_level"] = True
         for key in ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min"):

@@ -55,6 +55,10 @@ def planned_mechanism(scenario) -> Mechanism | None:
     return make_algorithm(scenario, weights, z, sizes=sizes).planned_mechanism()
 
 
+def _finite(eps: float) -> float | None:
+    return None if math.isinf(eps) else eps
+
+
 class RunPrivacy:
     def __init__(self, scenario, weights, sizes=None):
         self.sc = scenario
@@ -72,6 +76,10 @@ class RunPrivacy:
         # Gaussians of the rounds it took part in (Gaussians compose exactly: precisions add)
         self.server_precision = np.zeros(len(weights))
         self.server_blind = True  # every release so far carried noise the server cannot remove
+        # the same rounds under a sensitivity a paper assumes and the code does not enforce
+        # (Mechanism.assumed_noise_multipliers): its epsilon is reported apart, never as the run's
+        self.assumed: PrivacyLedger | None = None
+        self.assumption = ""
         if self.noise_multiplier is None and p.target_epsilon is not None:
             self.noise_multiplier = calibrated_noise_multiplier(scenario, weights, sizes, p.accountant)
             self.calibrated = True
@@ -114,12 +122,20 @@ class RunPrivacy:
                                      covered=mech.covered, claimed_noise_multiplier=mech.claimed_noise_multipliers,
                                      round=t + 1, public=mech.public, paper_epsilon=mech.paper_epsilon,
                                      claim_note=mech.claim_note, dropouts=dropped)
+            if mech.assumed_noise_multipliers is not None:
+                if self.assumed is None:
+                    self.assumed = PrivacyLedger(accountant=p.accountant, delta=p.delta)
+                self.assumed.record_round(mech.assumed_noise_multipliers, mech.sampling, reason=mech.description,
+                                          round=t + 1)
+                self.assumption = mech.assumption
             if mech.server_noise_multipliers is None:
                 self.server_blind = False
             else:
                 self.server_precision[list(survivors)] += sum(z ** -2 for z in mech.server_noise_multipliers)
         else:
             self.ledger.record_no_release(why, round=t + 1, dropouts=dropped)
+            if self.assumed is not None:
+                self.assumed.record_no_release(why, round=t + 1)
         eps = self.ledger.epsilon()
         row = {"epsilon": None if math.isinf(eps) else eps, "dp_covered": self.ledger.fully_covered}
         if self.algorithm.reports_claimed_epsilon:
@@ -127,6 +143,8 @@ class RunPrivacy:
             row["epsilon_claimed"] = None if math.isinf(claimed_eps) else claimed_eps
         if not self.ledger.fully_covered:
             row["epsilon_nominal"] = self.ledger.claimed_epsilon()
+        if self.assumed is not None:
+            row["epsilon_assumed"] = _finite(self.assumed.epsilon())
         if p.geyer is not None:
             # the shadow ledger holds exactly rounds 1..t+1 now: the nominal delta at Geyer's epsilon
             row["delta_at_epsilon"] = self.shadow.delta_for_epsilon(p.geyer.epsilon)
@@ -154,13 +172,18 @@ class RunPrivacy:
         shadow["rounds"] = [r for r in shadow["rounds"] if r["round"] <= rounds_done]
         return {"ledger": self.ledger.to_dict(include_epsilon=False), "shadow": shadow, "exhausted": self.exhausted,
                 "noise_multiplier": self.noise_multiplier, "calibrated": self.calibrated,
-                "server_blind": self.server_blind, "arrays": {"server_precision": self.server_precision}}
+                "server_blind": self.server_blind, "arrays": {"server_precision": self.server_precision},
+                "assumed": None if self.assumed is None else self.assumed.to_dict(include_epsilon=False),
+                "assumption": self.assumption}
 
     def load_state_dict(self, state: dict) -> None:
         self.ledger = PrivacyLedger.from_dict(state["ledger"])
         self.shadow = PrivacyLedger.from_dict(state["shadow"])
-        for ledger in (self.ledger, self.shadow):
-            ledger.replay()
+        self.assumed = PrivacyLedger.from_dict(state["assumed"]) if state.get("assumed") else None
+        self.assumption = state.get("assumption", "")
+        for ledger in (self.ledger, self.shadow, self.assumed):
+            if ledger is not None:
+                ledger.replay()
         self.exhausted, self.calibrated = state["exhausted"], state["calibrated"]
         self.noise_multiplier, self.server_blind = state["noise_multiplier"], state["server_blind"]
         self.server_precision = np.array(state["arrays"]["server_precision"], dtype=np.float64)
@@ -172,6 +195,10 @@ class RunPrivacy:
         booked = self.algorithm.planned_mechanism().noise_multipliers
         out["noise_multiplier_booked"] = list(booked)
         out["randomness"] = self.sc.privacy.randomness
+        if self.assumed is not None:
+            out["epsilon_assumed"] = _finite(self.assumed.epsilon())
+            out["noise_multiplier_assumed"] = list(self.algorithm.planned_mechanism().assumed_noise_multipliers or [])
+            out["assumption"] = self.assumption
         out["epsilon_vs_server"], out["epsilon_vs_server_note"] = self.epsilon_vs_server()
         return out
 

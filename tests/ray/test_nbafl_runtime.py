@@ -1,6 +1,7 @@
 """NbAFL (Wei et al. 2020) on a real local Ray, with and without secure aggregation: the same
 noisy uploads give the same model, and the ledger books what dp_accounting gives for the view
-the server has in each case."""
+the server has in each case: ``epsilon`` with the sensitivity the code enforces (2C), and
+``epsilon_assumed`` with the paper's 2C/m beside it."""
 import json
 
 import dp_accounting
@@ -39,11 +40,22 @@ def test_nbafl_with_and_without_secagg(ray_session, tmp_path):
     for k in a:  # the same noisy uploads, summed in the clear or securely (fixed point, 2^-40)
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
     sigma_u = uplink_std(60, 0.01, 5.0, 24, 3)
-    for ledger, z in ((plain_ledger, sigma_u / (2 * 5.0 / 24)), (secure_ledger, sigma_u / (2 * 5.0 / 24) * 20 ** 0.5)):
+
+    def direct(z):
+        return RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(
+            dp_accounting.GaussianDpEvent(z), 3).get_epsilon(0.01)
+
+    for ledger, summary, aggregated in ((plain_ledger, plain, 1.0), (secure_ledger, secure, 20 ** 0.5)):
+        z, z_assumed = sigma_u / (2 * 5.0) * aggregated, sigma_u / (2 * 5.0 / 24) * aggregated
         assert ledger["rounds"][0]["noise_multipliers"] == pytest.approx([z])
-        direct = RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(dp_accounting.GaussianDpEvent(z), 3)
-        assert ledger["epsilon"] == pytest.approx(direct.get_epsilon(0.01), rel=1e-9)
-        assert ledger["epsilon_claimed"] == pytest.approx(60.0)
+        assert ledger["noise_multiplier_assumed"] == pytest.approx([z_assumed])
+        for figures in (ledger, summary):  # summary.json carries the ledger's figures
+            assert figures["epsilon"] == pytest.approx(direct(z), rel=1e-9)
+            assert figures["epsilon_assumed"] == pytest.approx(direct(z_assumed), rel=1e-9)
+            assert figures["epsilon_claimed"] == pytest.approx(60.0)
+            assert "2C/m" in figures["assumption"]
+        assert ledger["fully_covered"] and summary["dp_covered"]
         assert "outside its validity range" in ledger["rounds"][0]["claim_note"]  # epsilon / L = 20
-    assert plain["epsilon_claimed"] == pytest.approx(60.0) and plain["nbafl_min_size"] == 24
+    assert plain["nbafl_min_size"] == 24 and plain["nbafl_sensitivity"] == 10.0
+    assert plain["nbafl_sensitivity_assumed"] == pytest.approx(10.0 / 24)
     assert secure["epsilon"] < plain["epsilon"]  # the server only sees the sum of 20 uploads

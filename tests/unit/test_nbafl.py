@@ -1,5 +1,7 @@
 """NbAFL (Wei et al. 2020) without Ray: the noise calibration, parameter clipping, the proximal
-term, the uplink noise's variance, and claimed vs accounted epsilon against dp_accounting."""
+term, the uplink noise's variance, the accounted epsilon (sensitivity 2C, what the code enforces)
+and the assumed one (the paper's 2C/m) against dp_accounting, the paper's claim beside them, and a
+distinguishing test of the real local procedure against the booked multiplier."""
 import math
 
 import dp_accounting
@@ -11,7 +13,8 @@ from dp_accounting.rdp import RdpAccountant
 from scipy import stats
 
 from dpfl_ray.algorithms import NbAFL, RoundOutcome
-from dpfl_ray.algorithms.nbafl import classic_c, downlink_std, uplink_std
+from dpfl_ray import rng as rngmod
+from dpfl_ray.algorithms.nbafl import ASSUMPTION, classic_c, downlink_std, uplink_std
 from dpfl_ray.local import local_update
 from dpfl_ray.models import build_model, get_flat
 from dpfl_ray.privacy import PrivacyLedger
@@ -110,24 +113,66 @@ def test_the_proximal_term_pulls_towards_theta():
 
 @pytest.mark.parametrize("secagg,threat", [(False, "server"), (True, "server"), (False, "broadcast")])
 def test_accounted_epsilon_is_dp_accounting_of_the_same_noise(secagg, threat):
+    """epsilon books the sensitivity the code enforces, 2C (parameters clipped to C, any record set);
+    epsilon_assumed the paper's 2C/m, with the same noise."""
     sc = _scenario(per_round=10, secagg=secagg, threat=threat)
     alg = NbAFL(sc, np.ones(50), sizes=np.full(50, 80))
     mech = alg.planned_mechanism()
-    delta_s = 2 * 20.0 / 80
-    if threat == "broadcast":  # uploads averaged over 10 equal shares, plus the downlink noise
-        z = math.sqrt(alg.sigma_u ** 2 / 10 + alg.sigma_d ** 2) / (delta_s / 10)
-    else:
-        z = alg.sigma_u / delta_s * (math.sqrt(10) if secagg else 1.0)
-    assert mech.noise_multipliers == pytest.approx((z,))
-    ledger = PrivacyLedger("rdp", 0.01)
-    for _ in range(25):
-        ledger.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description,
-                            paper_epsilon=mech.paper_epsilon, claim_note=mech.claim_note)
-    direct = RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(dp_accounting.GaussianDpEvent(z), 25)
-    assert ledger.epsilon() == pytest.approx(direct.get_epsilon(0.01), rel=1e-12)
-    assert ledger.claimed_epsilon() == pytest.approx(60.0)  # the paper: (epsilon, delta) after the T rounds
+    ledgers = {}
+    for name, delta_s in (("enforced", 2 * 20.0), ("assumed", 2 * 20.0 / 80)):
+        if threat == "broadcast":  # uploads averaged over 10 equal shares, plus the downlink noise
+            z = math.sqrt(alg.sigma_u ** 2 / 10 + alg.sigma_d ** 2) / (delta_s / 10)
+        else:
+            z = alg.sigma_u / delta_s * (math.sqrt(10) if secagg else 1.0)
+        booked = mech.noise_multipliers if name == "enforced" else mech.assumed_noise_multipliers
+        assert booked == pytest.approx((z,))
+        ledger = ledgers[name] = PrivacyLedger("rdp", 0.01)
+        for _ in range(25):
+            ledger.record_round(booked, mech.sampling, reason=mech.description,
+                                paper_epsilon=mech.paper_epsilon, claim_note=mech.claim_note)
+        direct = RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(dp_accounting.GaussianDpEvent(z), 25)
+        assert ledger.epsilon() == pytest.approx(direct.get_epsilon(0.01), rel=1e-12)
+        assert ledger.claimed_epsilon() == pytest.approx(60.0)  # the paper: (epsilon, delta) after the T rounds
+    assert mech.covered and mech.assumption == ASSUMPTION and "2C/m" in ASSUMPTION
+    assert mech.noise_multipliers[0] == pytest.approx(mech.assumed_noise_multipliers[0] / 80)  # m = 80
+    assert ledgers["enforced"].epsilon() > ledgers["assumed"].epsilon()
     # epsilon / L = 12 per upload: the classic bound's epsilon < 1 does not hold, and the ledger says so
-    assert "outside its validity range" in ledger.rounds[0].claim_note
+    assert "outside its validity range" in ledgers["enforced"].rounds[0].claim_note
+    assert alg.canary_norm() == 20.0  # the audit probes the bound that is booked, not C/m
+
+
+def test_run_privacy_keeps_the_assumed_figure_beside_the_enforced_one():
+    """What ledger.json, the rows and summary.json get: epsilon under 2C, epsilon_assumed under 2C/m,
+    both composed by dp_accounting from the rounds that ran (a round that released nothing adds
+    nothing to either), and kept across a checkpoint."""
+    from dpfl_ray.runtime.privacy import RunPrivacy
+
+    sc = _scenario(rounds=3)
+    alg, run = NbAFL(sc, np.ones(50), sizes=np.full(50, 80)), RunPrivacy(sc, np.ones(50), np.full(50, 80))
+    run.bind(alg)
+    theta = np.zeros(3, np.float32)
+    rows = [run.account(0, RoundOutcome(0, tuple(range(50)), theta=theta), "")]
+    rows.append(run.account(1, RoundOutcome(1, aborted="everyone dropped"), "everyone dropped"))
+    mech = alg.planned_mechanism()
+
+    def direct(z, rounds):
+        return RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(
+            dp_accounting.GaussianDpEvent(z), rounds).get_epsilon(0.01)
+
+    for row in rows:
+        assert row["epsilon"] == pytest.approx(direct(mech.noise_multipliers[0], 1), rel=1e-12)
+        assert row["epsilon_assumed"] == pytest.approx(direct(mech.assumed_noise_multipliers[0], 1), rel=1e-12)
+        assert row["dp_covered"] and row["epsilon_claimed"] == pytest.approx(20.0)  # 60 / T per round
+    resumed = RunPrivacy(sc, np.ones(50), np.full(50, 80))
+    resumed.bind(alg)
+    resumed.load_state_dict(run.state_dict(2))
+    for r in (run, resumed):
+        r.account(2, RoundOutcome(2, tuple(range(50)), theta=theta), "")
+        out = r.to_dict()
+        assert out["epsilon"] == pytest.approx(direct(mech.noise_multipliers[0], 2), rel=1e-12)
+        assert out["epsilon_assumed"] == pytest.approx(direct(mech.assumed_noise_multipliers[0], 2), rel=1e-12)
+        assert out["assumption"] == ASSUMPTION and out["fully_covered"]
+        assert out["noise_multiplier_assumed"] == [mech.assumed_noise_multipliers[0]]
 
 
 def test_scenario_checks():
@@ -138,23 +183,88 @@ def test_scenario_checks():
     with pytest.raises(DPFLError, match="privacy.noise_multiplier"):
         scenario_from_dict({"training": {"algorithm": "nbafl"},
                             "privacy": {"noise_multiplier": 1.0, "nbafl": {"epsilon": 6}}})
+    # the bounded pld accountant composes Poisson-sampled Gaussians only: refused before a run starts
+    with pytest.raises(DPFLError, match="privacy.accountant: nbafl's rounds are unsampled"):
+        scenario_from_dict({"training": {"algorithm": "nbafl"},
+                            "privacy": {"accountant": "pld", "nbafl": {"epsilon": 6}}})
 
 
-@pytest.mark.parametrize("eps,server,aggregated", [(6, 0.8110, 0.0524), (60, 17.6087, 1.2638), (100, 38.3675, 2.4366)])
-def test_the_numbers_of_docs_nbafl(eps, server, aggregated):
-    """docs/nbafl.md's table: delta 0.01, C 20, m 80, N 50, T = L = 25, rdp."""
-    from dpfl_ray.algorithms.nbafl import round_multipliers
+@pytest.mark.parametrize("eps,server,aggregated,server_assumed,aggregated_assumed", [
+    (6, 567.6045, 21.1578, 0.8110, 0.0524), (60, 52533.0760, 1092.5082, 17.6087, 1.2638),
+    (100, 145849.2987, 2958.8327, 38.3675, 2.4366)])
+def test_the_numbers_of_docs_nbafl(eps, server, aggregated, server_assumed, aggregated_assumed):
+    """docs/nbafl.md's table: delta 0.01, C 20, m 80, N 50, T = L = 25, rdp; sensitivity 2C (enforced)
+    and 2C/m (the paper's assumption)."""
+    from dpfl_ray.algorithms.nbafl import assumed_bound, enforced_bound, round_multipliers
+
+    def accounted(z, rounds=25):
+        return RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(
+            dp_accounting.GaussianDpEvent(z), rounds).get_epsilon(0.01)
 
     shares = np.full(50, 1 / 50)
     sigma_u = uplink_std(eps, 0.01, 20, 80, 25)
-    for secure, expected in ((False, server), (True, aggregated)):
-        z, _ = round_multipliers(sigma_u, 0.0, 20, 80, shares, secure, "server")
-        eps_acc = RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(
-            dp_accounting.GaussianDpEvent(z), 25).get_epsilon(0.01)
-        assert eps_acc == pytest.approx(expected, abs=1e-4)
-    # K = 10 of 50, L = 5 uploads at epsilon 60: one client's uploads account to more than the claim
+    for bound, figures in ((enforced_bound(20), (server, aggregated)),
+                           (assumed_bound(20, 80), (server_assumed, aggregated_assumed))):
+        for secure, expected in zip((False, True), figures):
+            z, _ = round_multipliers(sigma_u, 0.0, bound, shares, secure, "server")
+            assert accounted(z) == pytest.approx(expected, abs=1e-4)
+    # K = 10 of 50, L = 5 uploads at epsilon 60: even under the assumption one client's uploads
+    # account to more than the claim; the 8 uploads client 15 made in a run of wei2020_n50_eps60_k10
     sigma_u = uplink_std(60, 0.01, 20, 80, 5)
-    z, _ = round_multipliers(sigma_u, 0.0, 20, 80, np.full(10, 0.1), False, "server")
-    per_client = RdpAccountant(neighboring_relation=NR.REPLACE_ONE).compose(
-        dp_accounting.GaussianDpEvent(z), 5).get_epsilon(0.01)
-    assert per_client == pytest.approx(61.4738, abs=1e-4) and per_client > 60
+    z, _ = round_multipliers(sigma_u, 0.0, assumed_bound(20, 80), np.full(10, 0.1), False, "server")
+    assert accounted(z, 5) == pytest.approx(61.4738, abs=1e-4) and accounted(z, 8) == pytest.approx(90.5523, abs=1e-4)
+    z, _ = round_multipliers(sigma_u, 0.0, enforced_bound(20), np.full(10, 0.1), False, "server")
+    assert accounted(z, 8) == pytest.approx(419965.7029, rel=1e-6)
+
+
+@pytest.fixture
+def one_thread():
+    # as a worker trains (resources.torch_threads); two threads on a loaded 2-core machine are 10x slower
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_replacing_one_record_separates_releases_within_the_booked_multiplier(one_thread):
+    """Issue 32, distinguishing test. One client, two data sets that differ in one record (an
+    outlier replaced by an ordinary digit-like record), m = 10. The real local procedure (the
+    worker's local_update with the scenario's epochs, batches, lr and proximal term, seeded as the
+    worker seeds it), the parameter clipping and the uplink noise run 200 times on each. The
+    releases, projected on the direction between their noise-free means (the best linear test of
+    two Gaussians), separate by mu; a Gaussian mechanism booked at multiplier z allows mu <= 1/z.
+    The booked (enforced, 2C) multiplier allows it; the paper's 2C/m is exceeded by many standard
+    errors, so a ledger that booked 2C/m would report less than the truth."""
+    m, n = 10, 200
+    sc = scenario_from_dict({
+        "seed": 5, "data": {"source": "synthetic", "num_clients": 2},
+        "training": {"algorithm": "nbafl", "rounds": 1, "local_epochs": 1, "batch_size": 5, "lr": 0.5,
+                     "prox_mu": 0.01},
+        "sampling": {"mode": "fixed", "clients_per_round": 2},
+        "privacy": {"clipping": {"norm": 1.0}, "delta": 0.01, "accountant": "rdp", "nbafl": {"epsilon": 1.25}}})
+    alg = NbAFL(sc, np.ones(2), sizes=np.full(2, m))
+    model = build_model(ModelConfig(name="logistic"), (1, 2, 2), 3, seed=0)
+    theta = np.zeros(15, np.float32)  # a broadcast model inside the C-ball
+    data = np.random.default_rng(0)
+    x, y = data.normal(size=(m, 1, 2, 2)).astype(np.float32), data.integers(0, 3, size=m)
+    neighbour = x.copy()
+    neighbour[0] = 30.0  # the one record replaced
+    tr = sc.training
+    clean, released = {0: [], 1: []}, {0: [], 1: []}
+    for s in range(n):  # each seed a fresh round: fresh batches and, per client id, fresh noise
+        alg.begin_round(s, [0, 1])
+        spec = alg.client_spec()
+        for cid, records in ((0, x), (1, neighbour)):
+            update = local_update(model, theta, records, y, epochs=tr.local_epochs, batch_size=tr.batch_size,
+                                  lr=tr.lr, clip_norm=tr.clip_norm, rng=rngmod.generator(s, "batches", 0, 0),
+                                  torch_seed=rngmod.int_seed(s, "torch", 0, 0), prox_mu=spec.prox_mu)
+            clean[cid].append(spec.prepare(update, theta))
+            released[cid].append(spec.plain_value(update, theta, cid))
+    assert max(np.linalg.norm(v) for v in clean[1]) <= 1.0 + 1e-6  # clipped to C
+    direction = np.mean(clean[1], axis=0) - np.mean(clean[0], axis=0)
+    a, b = (np.asarray(released[c], dtype=np.float64) @ (direction / np.linalg.norm(direction)) for c in (0, 1))
+    mu = (b.mean() - a.mean()) / math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
+    stderr = math.sqrt(2 / n + mu ** 2 / (4 * n))
+    mech = alg.planned_mechanism()
+    assert mu - 3 * stderr <= 1 / mech.noise_multipliers[0], (mu, stderr, mech.noise_multipliers)
+    assert mu - 3 * stderr > 1 / mech.assumed_noise_multipliers[0], (mu, stderr, mech.assumed_noise_multipliers)
