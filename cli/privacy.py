@@ -229,8 +229,10 @@ def epsilon(
 def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exposures, clients, threat_model,
                    secure, as_json) -> None:
     """NbAFL's noise from the paper's parameters, its claim, and what dp_accounting gives for the
-    same noise (record level, replace one, unsampled Gaussians over the T rounds)."""
-    from dpfl_ray.algorithms.nbafl import claim_note, downlink_std, round_multipliers, uplink_std
+    same noise (record level, replace one, unsampled Gaussians over the T rounds): with the
+    sensitivity the code enforces (2C, the run's epsilon) and with the paper's 2C/m (its assumption)."""
+    from dpfl_ray.algorithms.nbafl import (ASSUMPTION, PLD_REFUSAL, assumed_bound, claim_note, downlink_std,
+                                           enforced_bound, round_multipliers, uplink_std)
     from dpfl_ray.privacy import NoSampling, PrivacyLedger
     from dpfl_ray.privacy.validation import _check_delta, _check_epsilon, _check_rounds
 
@@ -247,29 +249,44 @@ def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exp
         raise DPFLError(f"must be a finite number > 0, got {clip}", field="clip_norm")
     if threat_model not in ("server", "broadcast"):
         raise DPFLError(f"must be server or broadcast, got {threat_model!r}", field="threat_model")
+    if accountant == "pld":
+        raise DPFLError(PLD_REFUSAL.removeprefix("privacy.accountant: ").replace("rdp or", "--accountant rdp or"),
+                        field="accountant")
     sigma_u = uplink_std(paper_epsilon, delta, clip, min_size, exposures)
     sigma_d = downlink_std(paper_epsilon, delta, clip, min_size, exposures, clients, rounds)
-    z, _ = round_multipliers(sigma_u, sigma_d, clip, min_size, np.full(clients, 1.0 / clients), secure, threat_model)
-    ledger, per_client = PrivacyLedger(accountant, delta), PrivacyLedger(accountant, delta)
-    for t in range(rounds):
-        ledger.record_round(z, NoSampling(), reason="nbafl", paper_epsilon=paper_epsilon / rounds)
-    for t in range(min(exposures, rounds)):  # a record is only in its own client's L uploads
-        per_client.record_round(z, NoSampling(), reason="nbafl")
-    accounted, claimed, note = ledger.epsilon(), ledger.claimed_epsilon(), claim_note(paper_epsilon, exposures)
+    shares = np.full(clients, 1.0 / clients)
+    figures = {}
+    for name, bound in (("enforced", enforced_bound(clip)), ("assumed", assumed_bound(clip, min_size))):
+        z, _ = round_multipliers(sigma_u, sigma_d, bound, shares, secure, threat_model)
+        ledger, per_client = PrivacyLedger(accountant, delta), PrivacyLedger(accountant, delta)
+        for t in range(rounds):
+            ledger.record_round(z, NoSampling(), reason="nbafl", paper_epsilon=paper_epsilon / rounds)
+        for t in range(min(exposures, rounds)):  # a record is only in its own client's L uploads
+            per_client.record_round(z, NoSampling(), reason="nbafl")
+        figures[name] = (z, ledger.epsilon(), per_client.epsilon(), ledger.claimed_epsilon())
+    (z, accounted, alone, claimed), (z_a, assumed, alone_a, _) = figures["enforced"], figures["assumed"]
+    note = claim_note(paper_epsilon, exposures)
     if as_json:
         typer.echo(json.dumps({"mechanism": "nbafl", "sigma_uplink": sigma_u, "sigma_downlink": sigma_d,
-                               "noise_multiplier_booked": z, "epsilon": _finite(accounted), "epsilon_claimed": claimed,
-                               "epsilon_per_client": _finite(per_client.epsilon()),
-                               "claim_note": note, "delta": delta, "rounds": rounds, "exposures": exposures,
-                               "clients": clients, "min_size": min_size, "clip_norm": clip,
+                               "sensitivity": 2 * enforced_bound(clip), "noise_multiplier_booked": z,
+                               "epsilon": _finite(accounted), "epsilon_per_client": _finite(alone),
+                               "sensitivity_assumed": 2 * assumed_bound(clip, min_size),
+                               "noise_multiplier_assumed": z_a, "epsilon_assumed": _finite(assumed),
+                               "epsilon_per_client_assumed": _finite(alone_a), "assumption": ASSUMPTION,
+                               "epsilon_claimed": claimed, "claim_note": note, "delta": delta, "rounds": rounds,
+                               "exposures": exposures, "clients": clients, "min_size": min_size, "clip_norm": clip,
                                "threat_model": threat_model, "secagg": secure, "accountant": accountant,
                                "neighboring_relation": "replace_one"}))
         return
-    typer.echo(f"nbafl: sigma_U = {sigma_u:.6g}, sigma_D = {sigma_d:.6g}; claimed epsilon {claimed:.4f} (the paper), "
-               f"accounted epsilon {accounted:.4f} after {rounds} rounds (delta={delta:g}, accountant={accountant}, "
-               f"threat model {threat_model}{', secagg' if secure else ''}, booked noise multiplier {z:.4g}); "
-               f"over one client's {exposures} uploads alone: {per_client.epsilon():.4f}"
-               + (f"; {note}" if note else ""))
+    typer.echo(f"nbafl: sigma_U = {sigma_u:.6g}, sigma_D = {sigma_d:.6g}; after {rounds} rounds (delta={delta:g}, "
+               f"accountant={accountant}, threat model {threat_model}{', secagg' if secure else ''}):\n"
+               f"  accounted epsilon {accounted:.4f} with the sensitivity the code enforces, 2C = "
+               f"{2 * enforced_bound(clip):g} (booked noise multiplier {z:.4g}); over one client's {exposures} "
+               f"uploads alone: {alone:.4f}\n"
+               f"  epsilon {assumed:.4f} under the paper's assumption Delta s_U = 2C/m = "
+               f"{2 * assumed_bound(clip, min_size):g} (booked {z_a:.4g}), not enforced by the code; one client's "
+               f"uploads alone: {alone_a:.4f}\n"
+               f"  the paper claims {claimed:.4f}" + (f"; {note}" if note else ""))
 
 
 @app.command()

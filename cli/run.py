@@ -199,6 +199,8 @@ def _on_event(progress, task):
                 status += f" eps {eps:.3f}" if eps is not None else f" eps n/a (nominal {ev['epsilon_nominal']:.3f})"
                 if ev.get("epsilon_claimed") is not None and eps is not None:
                     status += f" (claimed {ev['epsilon_claimed']:.3f})"
+                if ev.get("epsilon_assumed") is not None and eps is not None:
+                    status += f" (assumed {ev['epsilon_assumed']:.3f})"
             progress.update(task, completed=ev["round"], status=status)
     return on_event
 
@@ -226,6 +228,11 @@ def _print_summary(summary: dict, record) -> None:
     if summary.get("epsilon_claimed") is not None and eps is not None:
         line += f"; the paper claims {summary['epsilon_claimed']:.4f}, the epsilon above is what the server's view guarantees"
     console.print(line)
+    if "epsilon_assumed" in summary:  # a sensitivity the paper assumes and the code does not enforce
+        ea, zs = summary["epsilon_assumed"], summary.get("noise_multiplier_assumed") or []
+        console.print(f"under the paper's assumption, which the code does not enforce: epsilon "
+                      f"{'n/a' if ea is None else f'{ea:.4f}'} (booked multiplier "
+                      f"{', '.join(f'{z:.4f}' for z in zs)}); {summary.get('assumption', '')}", markup=False)
     vs = summary.get("epsilon_vs_server")
     console.print(f"against the server itself (it knows the sample): epsilon "
                   f"{'n/a' if vs is None else f'{vs:.4f}'} ({summary.get('epsilon_vs_server_note', '')})")

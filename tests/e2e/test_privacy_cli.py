@@ -231,13 +231,21 @@ def test_fixed_size_cohorts_book_half_of_z():
     assert res.exit_code == 2 and "mechanism" in res.output
 
 
-def test_nbafl_mechanism_prints_sigmas_claimed_and_accounted():
-    data = json.loads(run("epsilon", "--mechanism", "nbafl", "--nbafl-epsilon", "60", "--delta", "0.01",
-                          "--clip-norm", "20", "--min-size", "80", "--clients", "50", "--rounds", "25",
-                          "--accountant", "rdp", "--json").stdout)
+def test_nbafl_mechanism_prints_sigmas_claimed_accounted_and_assumed():
+    args = ["epsilon", "--mechanism", "nbafl", "--nbafl-epsilon", "60", "--delta", "0.01", "--clip-norm", "20",
+            "--min-size", "80", "--clients", "50", "--rounds", "25", "--accountant", "rdp"]
+    data = json.loads(run(*args, "--json").stdout)
     c = math.sqrt(2 * math.log(1.25 / 0.01))
     assert data["sigma_uplink"] == pytest.approx(c * 25 * (2 * 20 / 80) / 60) and data["sigma_downlink"] == 0.0
-    assert data["epsilon_claimed"] == pytest.approx(60.0) and data["epsilon"] == pytest.approx(17.6087, abs=1e-4)
+    # epsilon: the sensitivity the code enforces (2C = 40); epsilon_assumed: the paper's 2C/m = 0.5
+    assert data["sensitivity"] == 40.0 and data["epsilon"] == pytest.approx(52533.0760, abs=1e-3)
+    assert data["sensitivity_assumed"] == 0.5 and data["epsilon_assumed"] == pytest.approx(17.6087, abs=1e-4)
+    assert data["epsilon_claimed"] == pytest.approx(60.0) and "2C/m" in data["assumption"]
     assert "validity" in data["claim_note"] and data["neighboring_relation"] == "replace_one"
+    text = run(*args).stdout
+    assert "accounted epsilon 52533.0760" in text and "epsilon 17.6087 under the paper's assumption" in text
+    assert "the paper claims 60.0000" in text
     res = run("epsilon", "--mechanism", "nbafl", "--delta", "0.01", "--rounds", "25")
     assert res.exit_code == 2 and res.stderr.startswith("error: nbafl_epsilon: ")
+    res = run("epsilon", "--mechanism", "nbafl", "--nbafl-epsilon", "60", "--delta", "0.01", "--rounds", "25")
+    assert res.exit_code == 2 and res.stderr.startswith("error: accountant: nbafl's rounds are unsampled")
