@@ -13,8 +13,8 @@ from rich.table import Table
 
 from .common import console, user_errors
 
-HEADERS = ["run", "scenario", "rounds", "stop", "final acc", "best acc", "epsilon", "eps claimed", "eps vs server",
-           "eps empirical [95%]", "calibration", "delta", "survivors/round", "wall s"]
+HEADERS = ["run", "scenario", "rounds", "stop", "final acc", "best acc", "epsilon", "eps claimed", "eps assumed",
+           "eps vs server", "eps empirical [95%]", "calibration", "delta", "survivors/round", "wall s"]
 
 
 def _wide_table(rows: list[list[str]]) -> Table:

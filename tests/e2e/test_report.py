@@ -127,6 +127,39 @@ def test_non_private_runs_skip_the_epsilon_plots(runs, tmp_path, monkeypatch):
     assert not (out / "epsilon.png").exists() and not (out / "accuracy_vs_epsilon.png").exists()
 
 
+def test_assumed_epsilon_beside_the_enforced_one_and_the_claim(tmp_path, monkeypatch):
+    """NbAFL: epsilon books the sensitivity the code enforces, epsilon_assumed the paper's; the table,
+    the CSV and the epsilon plot (log scale: they are decades apart) carry both beside the claim."""
+    from dpfl_ray import report as rep
+
+    run = _write_run(tmp_path / "runs" / "nbafl", {
+        "name": "wei2020_n50_eps60", "final_accuracy": 0.5, "rounds_completed": 2, "rounds_planned": 2,
+        "stop_reason": "completed", "wall_seconds": 1.0, "seed": 0, "epsilon": 52533.076, "delta": 0.01,
+        "accountant": "rdp", "dp_covered": True, "epsilon_claimed": 60.0, "epsilon_assumed": 17.6087,
+        "assumption": "Wei et al.'s Delta s_U = 2C/m ...",
+    }, [_round(1, 0.4, 10, epsilon=30000.0, epsilon_claimed=30.0, epsilon_assumed=11.2, dp_covered=True),
+        _round(2, 0.5, 10, epsilon=52533.076, epsilon_claimed=60.0, epsilon_assumed=17.6087, dp_covered=True)])
+    res = report(run, "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert "52533.076" in res.stdout and "17.609" in res.stdout and "60.000" in res.stdout
+    assert "eps assumed" in res.stdout
+    with open(tmp_path / "out" / "report.csv", newline="") as fh:
+        (row,) = csv.DictReader(fh)
+    assert float(row["epsilon"]) == 52533.076 and float(row["epsilon_assumed"]) == 17.6087
+    assert float(row["epsilon_claimed"]) == 60.0
+    seen = {}
+    real_save = rep._save
+
+    def spy(fig, ax, path, *args):
+        seen.update(labels=[line.get_label() for line in ax.get_lines()], scale=ax.get_yscale())
+        return real_save(fig, ax, path, *args)
+
+    monkeypatch.setattr(rep, "_save", spy)
+    rep.plot_epsilon([rep.load_run(run)], tmp_path / "epsilon.png")
+    assert "runs/nbafl (assumed)" in seen["labels"] and "runs/nbafl (effective)" in seen["labels"]
+    assert seen["scale"] == "log"
+
+
 def test_nominal_epsilon_when_rounds_are_not_covered(tmp_path):
     run = _write_run(tmp_path / "runs" / "nominal", {
         "name": "uncovered", "final_accuracy": 0.5, "rounds_completed": 1, "rounds_planned": 1,
