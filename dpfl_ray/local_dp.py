@@ -12,9 +12,12 @@ permutation per epoch. :meth:`DPSGDResult.dp_event` is what the caller books on 
 ledger (:mod:`dpfl_ray.privacy.client_ledgers`); the neighbouring relation is add/remove one record
 of this client.
 
-Randomness: the lots come from ``rng.generator(seed, "dpsgd_lots", round, client)`` and the noise
-from a ``torch.Generator`` on the model's device seeded with ``rng.int_seed(seed, "dpsgd_noise",
-round, client)``, so a client's update does not depend on which worker computed it.
+Randomness: the lots and the noise are the (purpose, round, client) streams of the run's
+:class:`~dpfl_ray.privacy.randomness.DPRandomness` ("dpsgd_lots", "dpsgd_noise"), so a client's update
+does not depend on which worker computed it. Under ``reproducible`` the lots come from
+``rng.generator(seed, "dpsgd_lots", round, client)`` and the noise from a ``torch.Generator`` on the
+model's device seeded with ``rng.int_seed(seed, "dpsgd_noise", round, client)``; under ``os`` both
+come from the run's secret ChaCha20 streams (:class:`TorchNormal`).
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ from torch.func import functional_call, grad, vmap
 from . import rng as rngmod
 from .errors import DPFLError
 from .models import set_flat
+from .privacy.randomness import DPRandomness
 
 __all__ = ["DPSGDConfig", "DPSGDResult", "dpsgd_update", "per_example_grads", "per_example_grad_fn",
-           "clip_and_sum", "per_example_grad_norms", "noise_generator", "poisson_lots", "fixed_batches"]
+           "clip_and_sum", "per_example_grad_norms", "noise_generator", "TorchNormal", "poisson_lots",
+           "fixed_batches"]
 
 # Clipping scales by S / (norm * (1 + _CLIP_MARGIN)): float32 rounding could otherwise leave a
 # clipped gradient a few ulps above S, and the accountant relies on ||clip(g)|| <= S exactly.
@@ -214,11 +219,37 @@ def noise_generator(device: torch.device | str, seed: int, round_idx: int, clien
     return g
 
 
+class TorchNormal:
+    """Standard normal tensors on ``device`` from one stream of the run's DP randomness.
+
+    ``reproducible``: :func:`noise_generator`'s seeded ``torch.Generator``, drawn on the device.
+    ``os``: the stream's ChaCha20 draws (torch has no cryptographic generator), made on the CPU and
+    moved to the device in the default float dtype.
+    """
+
+    def __init__(self, device: torch.device | str, randomness: DPRandomness, purpose: str, round_idx: int,
+                 client_id: int):
+        self.device = torch.device(device)
+        if randomness.mode == "reproducible":
+            self._torch, self._chacha = noise_generator(device, randomness.seed, round_idx, client_id, purpose), None
+        else:
+            self._torch, self._chacha = None, randomness.generator(purpose, round_idx, client_id)
+
+    def randn(self, shape) -> torch.Tensor:
+        if self._torch is not None:
+            return torch.randn(shape, generator=self._torch, device=self.device)
+        draws = self._chacha.standard_normal((shape,) if isinstance(shape, int) else tuple(shape))
+        return torch.from_numpy(draws).to(device=self.device, dtype=torch.get_default_dtype())
+
+
 # --- the local update ----------------------------------------------------------------------------
 
 def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarray, cfg: DPSGDConfig, *,
-                 seed: int, round_idx: int, client_id: int) -> DPSGDResult:
+                 seed: int, round_idx: int, client_id: int, randomness: DPRandomness | None = None
+                 ) -> DPSGDResult:
     """Abadi et al. 2016, Alg. 1 on one client from ``theta``; returns Delta = w - theta (float32).
+
+    ``randomness`` draws the lots and the noise (None: the reproducible streams of ``seed``).
 
     Each step: take a lot (line 'take a random sample'), per-example gradients, clip to S, add
     N(0, sigma^2 S^2 I) to the sum, divide by L, descend (SGD, or Adam as Fu et al. 2022 use --
@@ -235,14 +266,15 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     xt, yt = torch.from_numpy(np.ascontiguousarray(x)).to(device), torch.from_numpy(np.ascontiguousarray(y)).to(device)
 
     steps = cfg.num_steps(n)
-    lot_rng = rngmod.generator(seed, "dpsgd_lots", round_idx, client_id)
+    randomness = randomness or DPRandomness("reproducible", int(seed))
+    lot_rng = randomness.generator("dpsgd_lots", round_idx, client_id)
     if cfg.sampling == "poisson":
         q = min(1.0, cfg.lot_size / n)
         lots = poisson_lots(n, q, steps, lot_rng)
     else:
         q = None
         lots = fixed_batches(n, cfg.lot_size, steps, lot_rng)
-    gen = noise_generator(device, seed, round_idx, client_id)
+    gen = TorchNormal(device, randomness, "dpsgd_noise", round_idx, client_id)
     dim = sum(params[k].numel() for k in names)
     std = cfg.noise_multiplier * cfg.clip_norm
     opt = torch.optim.Adam([params[k] for k in names], lr=cfg.lr) if cfg.optimizer == "adam" else None
@@ -257,7 +289,7 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
         else:  # an empty Poisson lot still releases its noise
             flat = torch.zeros(dim, device=device)
             norms = torch.zeros(0, device=device)
-        noise = torch.randn(dim + cfg.release_norm_sum, generator=gen, device=device)
+        noise = gen.randn(dim + cfg.release_norm_sum)
         flat = (flat + std * noise[:dim]) / cfg.lot_size
         if cfg.release_norm_sum:
             norm_sums.append(norms.clamp(max=cfg.clip_norm).sum() + std * noise[dim])

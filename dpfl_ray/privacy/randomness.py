@@ -6,7 +6,13 @@ and anyone who knows the scenario seed knows the noise. ``os``: one 32-byte root
 from ``os.urandom`` when the run starts and never written anywhere; each stream's key is derived
 from it with HKDF-SHA256 bound to (purpose, round, client), and the stream itself is the ChaCha20
 keystream under that key (the ``cryptography`` package), turned into normal draws by the
-Box-Muller transform. Floating-point attacks on the transform (Mironov 2012) are out of scope.
+Box-Muller transform (uniforms, Laplace draws and permutations come from the same keystream).
+Floating-point attacks on the transform (Mironov 2012) are out of scope.
+
+Every DP draw goes through :meth:`DPRandomness.generator`: the client- and server-side Gaussian
+noise, record-level DP-SGD's lots and noise and DPAGD's noise and Laplace arg-max
+(:class:`dpfl_ray.local_dp.TorchNormal` turns a stream into tensors), and the client sample whose
+secrecy the ledger's amplification by sampling assumes.
 """
 from __future__ import annotations
 
@@ -33,18 +39,38 @@ def _derive(key: bytes, label: str) -> bytes:
 
 
 class ChaChaNormal:
-    """Standard normal draws from the ChaCha20 keystream under ``key`` (a cryptographic PRG).
+    """Draws from the ChaCha20 keystream under ``key`` (a cryptographic PRG).
 
-    Mirrors the part of ``numpy.random.Generator`` the DP code uses: ``standard_normal``.
+    Mirrors the part of ``numpy.random.Generator`` the DP code uses: ``standard_normal``,
+    ``random``, ``laplace`` and ``permutation``.
     """
 
     def __init__(self, key: bytes):
         self._stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
 
+    def _words(self, n: int) -> np.ndarray:
+        return np.frombuffer(self._stream.update(bytes(8 * n)), dtype="<u8")
+
     def _uniform(self, n: int) -> np.ndarray:
-        words = np.frombuffer(self._stream.update(bytes(8 * n)), dtype="<u8")
         # 53 random bits -> (0, 1]: log() below never sees 0
-        return ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+        return ((self._words(n) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+
+    def random(self, size=None):
+        """Uniform on [0, 1), 53 bits each (what ``rng.random(n) < q`` needs for Poisson sampling)."""
+        n = 1 if size is None else int(np.prod(size))
+        u = (self._words(n) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return float(u[0]) if size is None else u.reshape(size)
+
+    def laplace(self, loc=0.0, scale=1.0, size=None):
+        """Laplace(loc, scale) as the difference of two Exp(1) draws, -log of (0, 1] uniforms."""
+        n = 1 if size is None else int(np.prod(size))
+        draws = loc + scale * (np.log(self._uniform(n)) - np.log(self._uniform(n)))
+        return float(draws[0]) if size is None else draws.reshape(size)
+
+    def permutation(self, n: int) -> np.ndarray:
+        """A uniformly random permutation of range(n): the order of n random 64-bit keys (two keys
+        are equal with probability below n^2 / 2^65, the only departure from uniform)."""
+        return np.argsort(self._words(int(n)), kind="stable")
 
     def standard_normal(self, size=None, dtype=np.float64):
         n = 1 if size is None else int(np.prod(size))
