@@ -22,6 +22,7 @@ import torch
 
 from ..local_dp import DPSGDConfig, dpsgd_update
 from ..privacy.client_ledgers import ClientLedgers
+from ..privacy.randomness import DPRandomness
 from .adap_dpfl_core import (
     client_config, decayed_noise_multiplier, initial_clip_threshold, next_clip_threshold, round_events,
 )
@@ -37,7 +38,9 @@ def _claimed_event(sampling_rate: float, sigma: float, steps: int):
 @dataclass(frozen=True)
 class AdapDPSGD(LocalProcedure):
     """One round of Alg. 1 lines 6-15 on each sampled client. ``clips``: client id -> C_t^k
-    (missing: the client's first round, C_0 from random noise); ``alpha`` None: constant clip."""
+    (missing: the client's first round, C_0 from random noise); ``alpha`` None: constant clip.
+    ``randomness`` travels to the workers: it draws every client's lots and noise (C_0's random
+    inputs touch no data and stay on the scenario seed)."""
 
     noise_multiplier: float
     lot_size: int
@@ -46,6 +49,7 @@ class AdapDPSGD(LocalProcedure):
     alpha: float | None
     clip_norm: float
     clips: tuple[tuple[int, float], ...]
+    randomness: DPRandomness
 
     def _threshold(self, model, theta, x, client_id, seed) -> float:
         if self.alpha is None:
@@ -66,7 +70,8 @@ class AdapDPSGD(LocalProcedure):
                               lot_size=self.lot_size, sampling="poisson", steps=self.steps, optimizer="adam")
         else:
             cfg = client_config(clip, self.noise_multiplier, self.lr, self.lot_size, steps=self.steps)
-        res = dpsgd_update(model, theta, x, y, cfg, seed=seed, round_idx=round_idx, client_id=client_id)
+        res = dpsgd_update(model, theta, x, y, cfg, seed=seed, round_idx=round_idx, client_id=client_id,
+                           randomness=self.randomness)
         nxt = clip if self.alpha is None else next_clip_threshold(res, self.alpha)
         claimed = _claimed_event(res.sampling_rate, res.noise_multiplier, res.steps)
         return res.update, ClientReport(events=((res.dp_event(), 1),), claimed_events=((claimed, 1),),
@@ -101,6 +106,7 @@ class AdapDPFL(Algorithm):
         self.clips: dict[int, float] = {}
         self.validation_losses: list[float] = []
         self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))  # decides the stop (module doc)
+        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
         self._sampled: list[int] = []
 
     def _round_event(self, c: int):
@@ -120,7 +126,8 @@ class AdapDPFL(Algorithm):
     def client_spec(self) -> ClientSpec:
         a = self.settings
         clips = tuple((c, self.clips[c]) for c in self._sampled if c in self.clips)
-        return ClientSpec(local=AdapDPSGD(self.sigma, a.lot_size, a.lr, a.steps, a.alpha, self.clip_norm, clips))
+        return ClientSpec(local=AdapDPSGD(self.sigma, a.lot_size, a.lr, a.steps, a.alpha, self.clip_norm, clips,
+                                          self.randomness))
 
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         for c, report in outcome.reports.items():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..privacy.randomness import DPRandomness
 from .base import Aggregate, Algorithm, ClientReport, ClientSpec, LocalProcedure, RoundOutcome
 from .fedavg import FedAvg
 from .huang2020_core import DPAGDConfig, HuangClientBudget, budgets_by_size, dpagd_update
@@ -23,15 +24,17 @@ from .huang2020_core import DPAGDConfig, HuangClientBudget, budgets_by_size, dpa
 
 @dataclass(frozen=True)
 class DPAGDProcedure(LocalProcedure):
-    """One round of DPAGD on each sampled client, with its round budget (client id -> eps_k / T)."""
+    """One round of DPAGD on each sampled client, with its round budget (client id -> eps_k / T).
+    ``randomness`` travels to the workers: it draws every client's gradient and arg-max noise."""
 
     config: DPAGDConfig
     round_budgets: tuple[tuple[int, float], ...]
+    randomness: DPRandomness
 
     def run(self, model, theta, x, y, *, seed, round_idx, client_id):
         budget = dict(self.round_budgets)[client_id]
         res = dpagd_update(model, theta, x, y, self.config, budget, seed=seed, round_idx=round_idx,
-                           client_id=client_id)
+                           client_id=client_id, randomness=self.randomness)
         return res.update, ClientReport(events=tuple(res.dp_events()), spent=res.spent,
                                         values={"steps": float(res.steps_taken),
                                                 "split_updates": float(res.split_updates)})
@@ -63,6 +66,7 @@ class Huang2020(Algorithm):
             epsilon_gradient=h.epsilon_gradient, epsilon_selection=h.epsilon_selection, gamma=h.gamma,
             calibration=h.calibration, delta=p.delta if h.calibration == "eq3" else None)
         self.budget_of = budgets_by_size(sizes, h.category_budgets)  # eps_k (Fig. 7)
+        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
         self.spent = np.zeros(len(sizes))
         self._sampled: list[int] = []
 
@@ -79,7 +83,7 @@ class Huang2020(Algorithm):
 
     def client_spec(self) -> ClientSpec:
         budgets = tuple((c, self._budget(c).round_budget(self.rounds)) for c in self._sampled)
-        return ClientSpec(local=DPAGDProcedure(self.config, budgets))
+        return ClientSpec(local=DPAGDProcedure(self.config, budgets, self.randomness))
 
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         for c, report in outcome.reports.items():

@@ -48,10 +48,10 @@ from dp_accounting import dp_event as dpe
 from torch import nn
 from torch.func import functional_call
 
-from .. import rng as rngmod
 from ..errors import DPFLError
-from ..local_dp import clip_and_sum, noise_generator, per_example_grad_fn
+from ..local_dp import TorchNormal, clip_and_sum, per_example_grad_fn
 from ..models import set_flat
+from ..privacy.randomness import DPRandomness
 
 __all__ = ["DPAGDConfig", "DPAGDResult", "HuangClientBudget", "budgets_by_size", "gaussian_noise_multiplier",
            "argmax_epsilon", "argmax_dp_event", "noisy_argmax", "dpagd_update"]
@@ -208,10 +208,13 @@ def _candidate_scores(model: nn.Module, params: dict, grad: dict, candidates: Se
 
 
 def dpagd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarray, cfg: DPAGDConfig,
-                 round_budget: float, *, seed: int, round_idx: int, client_id: int) -> DPAGDResult:
+                 round_budget: float, *, seed: int, round_idx: int, client_id: int,
+                 randomness: DPRandomness | None = None) -> DPAGDResult:
     """Huang et al. 2020, Alg. 1 on one client's data from ``theta``, spending at most ``round_budget``.
 
     Returns Delta = w - theta (float32). Never runs a mechanism whose cost no longer fits.
+    ``randomness`` draws the gradient noise and the arg-max's Laplace noise (None: the
+    reproducible streams of ``seed``).
     """
     n = len(y)
     if n == 0:
@@ -222,8 +225,9 @@ def dpagd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     start = {k: v.clone() for k, v in params.items()}
     xt = torch.from_numpy(np.ascontiguousarray(x)).to(device)
     yt = torch.from_numpy(np.ascontiguousarray(y)).to(device)
-    gen = noise_generator(device, seed, round_idx, client_id, purpose="dpagd_noise")
-    lap_rng = rngmod.generator(seed, "dpagd_argmax", round_idx, client_id)
+    randomness = randomness or DPRandomness("reproducible", int(seed))
+    gen = TorchNormal(device, randomness, "dpagd_noise", round_idx, client_id)
+    lap_rng = randomness.generator("dpagd_argmax", round_idx, client_id)
     candidates = (0.0,) + cfg.step_sizes
     eps_g, eps_n, spent = cfg.epsilon_gradient, cfg.epsilon_selection, 0.0
     zs: list[float] = []
@@ -238,7 +242,7 @@ def dpagd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     while affordable(eps_g + eps_n) and len(zs) < cfg.max_iterations:
         z = gaussian_noise_multiplier(eps_g, cfg.calibration, cfg.delta)  # lines 5-8
         summed, _ = clip_and_sum(grads_of(params, xt, yt), cfg.clip_norm)
-        grad = {k: (s + z * cfg.clip_norm * torch.randn(s.shape, generator=gen, device=device)) / n
+        grad = {k: (s + z * cfg.clip_norm * gen.randn(s.shape)) / n
                 for k, s in summed.items()}
         spent += eps_g
         zs.append(z)
