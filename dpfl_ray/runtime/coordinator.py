@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_algorithm
 from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
 from ..evaluation import combine_shards, eval_shards
+from ..privacy.randomness import DPRandomness
 from ..sampling import sample_clients
 from ..scenario import Scenario
 from ..results import client_accuracy_summary
@@ -49,6 +50,8 @@ class Coordinator:
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         self.faults = fault_plan or FaultPlan.from_scenario(self.sc)
         self.sampling = overcommitted(self.sc.sampling)
+        # the client sample is a DP draw too (amplification by sampling): 'os' draws it from a secret
+        self.sample_randomness = DPRandomness.create(self.sc.privacy.randomness, self.sc.seed)
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
             [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
@@ -217,7 +220,7 @@ class Coordinator:
     def _round(self, t: int, last_eval) -> dict:
         t0 = time.perf_counter()
         sc, alg = self.sc, self.algorithm
-        sampled = sample_clients(self.sampling, len(self.sizes), sc.seed, t)
+        sampled = sample_clients(self.sampling, len(self.sizes), sc.seed, t, self.sample_randomness)
         faults = self.faults.plan(t, sampled, len(self.workers))
         if self.audit is not None and not sc.privacy.audit.dropouts:  # canaries never drop out
             faults = dataclasses.replace(faults, dropped={c: p for c, p in faults.dropped.items() if c < self.num_real},
