@@ -236,3 +236,6 @@ def _print_summary(summary: dict, record) -> None:
     vs = summary.get("epsilon_vs_server")
     console.print(f"against the server itself (it knows the sample): epsilon "
                   f"{'n/a' if vs is None else f'{vs:.4f}'} ({summary.get('epsilon_vs_server_note', '')})")
+    if summary.get("adjacency"):
+        public = "; ".join(summary.get("adjacency_public") or []) or "nothing data-dependent"
+        console.print(f"neighbouring relation: {summary['adjacency']} (taken as public: {public})", markup=False)

@@ -191,6 +191,13 @@ class PrivacyConfig(_Section):
         0.5, gt=0, le=1, description="baek-extended: n_0 = F * expected sampled weight; layered: the round "
                                      "tolerates up to N - ceil(F * N) of its N sampled clients dropping; "
                                      "dp_fedavg denominator bounded: the floor F * expected weight")
+    adjacency: Literal["add_remove", "replace_one", "zero_out"] | None = Field(
+        None, description="the neighbouring relation the ledger's epsilon is under; default: the strictest the "
+                          "algorithm honours as released (docs/sensitivity.md)")
+    population_weight: float | None = Field(
+        None, gt=0, description="dp_fedavg: W, the population's total weight, declared public; the expected and "
+                                "bounded denominators are q * W (default: data.num_clients; zero_out uses the "
+                                "actual population's)")
     randomness: Literal["reproducible", "os"] = Field(
         "reproducible", description="DP noise and layer seeds from the scenario seed (repeatable), or from "
                                     "os.urandom expanded by ChaCha20 (not repeatable)")

@@ -82,8 +82,15 @@ class AdapDPFL(Algorithm):
     record_level = True
 
     @classmethod
+    def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
+        """DP-SGD with Poisson lots of expected size L, the sum divided by L: add/remove one record,
+        with the lot rate q = L / n of the client's record count n taken as public."""
+        return {"add_remove": ("each client's record count n (the lot rate q = L / n)",)}
+
+    @classmethod
     def check_scenario(cls, sc) -> None:
         a, p = sc.privacy.adap_dpfl, sc.privacy
+        cls.adjacency(sc)
         if a is None:
             raise ValueError("privacy.adap_dpfl: adap_dpfl needs its section (epsilon, lot_size, lr, alpha, beta)")
         if p.noise_multiplier is None:

@@ -43,6 +43,11 @@ from .base import (
 # The sampled weight n (and the survivors' n') are broadcast to the clients: the analysis treats
 # them as public (Prop. 2 conditions the sensitivity on them).
 PUBLIC = ("n", "n_prime")
+# What "claimed" means without calibration: the multiplier the clients were told, not a claim of
+# the paper's about the release, which it puts at z * sqrt(1 - R) after a dropout rate R.
+UNCALIBRATED_CLAIM = ("uncalibrated: the claimed figure is z's, as if no client dropped; Baek et al. 2021 "
+                      "(Sec. IV.B) put the uncalibrated release at z * sqrt(1 - R) for a dropout rate R, "
+                      "which the effective epsilon books")
 
 
 def _normal(generator, std: float, dim: int) -> np.ndarray:
@@ -127,6 +132,12 @@ class Baek(Algorithm):
     has_calibration_phase = True
 
     @classmethod
+    def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
+        """Baek et al. 2021, Prop. 2: one client replaced, its update moving the sum by 2C, with the
+        sampled weight n and the survivors' n' (the denominator) public."""
+        return {"replace_one": ("the sampled weight n", "the survivors' weight n' (the denominator)")}
+
+    @classmethod
     def check_scenario(cls, sc) -> None:
         super().check_scenario(sc)
         p = sc.privacy
@@ -167,7 +178,8 @@ class Baek(Algorithm):
         # the server picks the sample, so against it the same multiplier holds unamplified
         return Mechanism((booked,), self.sampling, f"baek, calibration={self.mode}",
                          claimed_noise_multipliers=(booked_multiplier(self.z, self.clip_norm),),
-                         server_noise_multipliers=(booked,), public=PUBLIC)
+                         server_noise_multipliers=(booked,), public=PUBLIC,
+                         claim_note=UNCALIBRATED_CLAIM if self.mode == "none" else "")
 
     def planned_mechanism(self) -> Mechanism:
         """The planned round without dropouts, as the server's view guarantees it (z, except for

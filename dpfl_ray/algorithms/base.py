@@ -220,6 +220,12 @@ class Mechanism:
     assumption: str = ""
 
 
+#: The neighbouring relations a run can declare (``privacy.adjacency``): one protected unit (a client,
+#: or a record of a client) added or removed; replaced by another; or replaced by one that
+#: contributes nothing (zero-out: the population and everything sized by it stay as they are).
+ADJACENCIES = ("add_remove", "replace_one", "zero_out")
+
+
 class Algorithm(ABC):
     """One paper's algorithm. Subclasses live in their own module under ``algorithms/`` and are
     listed in ``algorithms.REGISTRY`` under the scenario's ``training.algorithm`` name."""
@@ -240,10 +246,28 @@ class Algorithm(ABC):
         return cls.private and not cls.record_level
 
     @classmethod
+    def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
+        """The neighbouring relations under which what this algorithm releases in ``sc`` is booked
+        truly, strictest first (the first is the default), each with the data-dependent quantities
+        the run publishes and takes as public by declaration under it (docs/sensitivity.md)."""
+        return {"add_remove": ()}
+
+    @classmethod
+    def adjacency(cls, sc) -> tuple[str, tuple[str, ...]]:
+        """The run's relation (``privacy.adjacency``, or the default) and what it takes as public."""
+        options = cls.adjacencies(sc)
+        chosen = sc.privacy.adjacency or next(iter(options))
+        if chosen not in options:
+            raise ValueError(f"privacy.adjacency: {sc.training.algorithm} as configured releases what only "
+                             f"{' or '.join(options)} adjacency covers, not {chosen}")
+        return chosen, options[chosen]
+
+    @classmethod
     def check_scenario(cls, sc) -> None:
         """Raise ValueError (message starting with the field path) if ``sc`` cannot run this
         algorithm. The default holds for every private algorithm."""
         p, name = sc.privacy, sc.training.algorithm
+        cls.adjacency(sc)
         if p.noise_multiplier is None and p.target_epsilon is None:
             raise ValueError(f"privacy.noise_multiplier: {name} needs a noise multiplier "
                              "(or privacy.target_epsilon to calibrate one)")

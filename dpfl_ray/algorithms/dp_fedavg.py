@@ -10,9 +10,19 @@ by a denominator (``privacy.denominator``):
 * ``bounded``: max(F qW, sum of the survivors' weights), F = ``privacy.min_weight_fraction`` --
   McMahan et al.'s f_c with W_min = F W, add/remove sensitivity 2S / (F qW) (their Lemma 1); the
   noise on the released average is z times that;
-* ``actual``: the survivors' weight W'. The noise's scale z S / W' then depends on who took part,
-  and with ~10^5 parameters the release's norm pins W' to a fraction of a percent, so these rounds
-  are booked as *not covered*, like median clipping.
+* ``actual``: the survivors' weight W'.
+
+Every denominator must be unchanged between neighbours or public (docs/sensitivity.md). Under
+add/remove (Poisson sampling) or replace-one (fixed-size cohorts) the population itself differs
+between neighbours, so W is the declared constant ``privacy.population_weight`` (default
+``data.num_clients``, every weight being <= 1), never the data's sum: with the data's W every
+round's scale would reveal the population (K = 1000 vs 1001 separates at mu ~ 1.5 over 40 rounds of
+the quickstart). W' depends on who took part, so ``actual`` is covered only under zero-out
+adjacency (a client replaced by one that sends nothing): the population, its weights and who
+survives then stay as they are, and W' is public. ``actual`` defaults to zero-out; the others to
+the sampling's own relation. Zero-out is booked with the sampling's relation: for Poisson
+sampling its subsampled-Gaussian bound is the add/remove one, and replace-one bounds it for
+fixed-size cohorts.
 
 The ledger books each Gaussian with :mod:`dpfl_ray.privacy.sensitivity`'s rule: z under Poisson
 sampling (add/remove), z/2 under fixed-size cohorts (replace one: 2x the add/remove sensitivity).
@@ -58,11 +68,28 @@ def booked_multipliers(update_z: float, count_sigma: float | None, relation, uni
     return tuple(zs)
 
 
+ZERO_OUT_PUBLIC = ("the population, its weights and who survives (the actual denominators)",)
+
+
 class DPFedAvg(Algorithm):
+    @classmethod
+    def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
+        zero_out = {"zero_out": ZERO_OUT_PUBLIC}
+        if (sc.privacy.denominator or "expected") == "actual":
+            return zero_out
+        declared = ("W = privacy.population_weight" if sc.privacy.population_weight is not None
+                    else "W = data.num_clients (declared population)",)
+        if sc.sampling.mode == "fixed":
+            return {"replace_one": declared + ("the population size K (cohort m of K)",), **zero_out}
+        return {"add_remove": declared, **zero_out}
+
     @classmethod
     def check_scenario(cls, sc) -> None:
         super().check_scenario(sc)
         p = sc.privacy
+        if p.population_weight is not None and cls.adjacency(sc)[0] == "zero_out":
+            raise ValueError("privacy.population_weight: under zero_out adjacency the denominators use the "
+                             "actual population's weight; remove population_weight or choose another adjacency")
         if sc.secagg.enabled and p.clipping.mode == "median":
             raise ValueError("privacy.clipping.mode: median needs every client's update norm, which "
                              "secure aggregation hides")
@@ -79,7 +106,12 @@ class DPFedAvg(Algorithm):
         self.z = float(noise_multiplier)
         k = len(weights)
         self.sampling, frac, self.displacement = sampling_of(scenario.sampling, k)
-        self.expected_weight = frac * float(np.sum(weights))
+        self.relation, self.public = self.adjacency(scenario)
+        if self.relation == "zero_out":
+            population_weight = float(np.sum(weights))
+        else:
+            population_weight = float(p.population_weight or scenario.data.num_clients)
+        self.expected_weight = frac * population_weight
         self.floor = p.min_weight_fraction * self.expected_weight
         self.expected_count = frac * k
         self.clip_norm = float(p.clipping.norm)
@@ -112,9 +144,10 @@ class DPFedAvg(Algorithm):
         so the planned round is the round."""
         zs = booked_multipliers(self.update_z, self.count_sigma, self.sampling.neighboring_relation,
                                 self._update_sensitivity_units(), self.displacement)
-        covered = self.clipping.mode != "median" and self.denominator != "actual"
+        covered = self.clipping.mode != "median" and (self.denominator != "actual" or self.relation == "zero_out")
         return Mechanism(zs, self.sampling, f"dp_fedavg, clipping={self.clipping.mode}, "
-                         f"denominator={self.denominator}", covered=covered)
+                         f"denominator={self.denominator}, adjacency={self.relation}", covered=covered,
+                         public=self.public)
 
     def summary_fields(self) -> dict:
         return {"denominator": self.denominator}

@@ -44,8 +44,15 @@ class Huang2020(Algorithm):
     record_level = True
 
     @classmethod
+    def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
+        """The gradient is divided by the client's record count n, and n sets its budget category:
+        n is released, so only neighbours of equal size are covered (huang2020_core's booking)."""
+        return {"replace_one": ("each client's record count n (its budget category, the gradient's divisor)",)}
+
+    @classmethod
     def check_scenario(cls, sc) -> None:
         h = sc.privacy.huang2020
+        cls.adjacency(sc)
         if h is None:
             raise ValueError("privacy.huang2020: huang2020 needs its section (category_budgets, step_sizes, ...)")
         if sc.data.num_clients < len(h.category_budgets):

@@ -28,11 +28,17 @@ Honest departures, each because the paper's text would break its own guarantee:
   the loss values can only mean that).
 * Every iteration uses the client's whole data set (the paper's batch of 600 is a whole client of
   MNIST/100), so nothing is amplified by sampling; the gradient sum is divided by the client's
-  data amount, which is public here because its budget category is.
+  data amount n, and n sets the client's budget category.
 
-Booked on the client's ledger (dp_accounting, add/remove one record): ``GaussianDpEvent(z)`` per
-gradient and ``ZCDpEvent(eps'^2 / 2)`` per selection (Bun & Steinke 2016, Prop. 3.3: eps-DP implies
-eps^2/2-zCDP; valid for the arg-max, which a single ``LaplaceDpEvent`` is not shown to bound).
+The neighbouring relation is therefore replace-one record (n is released: the update's scale
+reveals it, so under add/remove even one round separates 40 from 41 records by mu ~ 2.9). Under
+replace-one the clipped sum moves by up to 2S, and each candidate's clipped loss sum by up to
+``loss_clip`` in either direction, so the scores are no longer monotone. Booked on the client's
+ledger: ``GaussianDpEvent(z / 2)`` per gradient (noise z S over sensitivity 2S) and
+``ZCDpEvent((2 eps')^2 / 2)`` per selection (report-noisy-max with Laplace(loss_clip / eps') on
+scores of sensitivity loss_clip is 2 eps'-DP, Dwork & Roth 2014, Claim 3.9; eps-DP implies
+eps^2/2-zCDP, Bun & Steinke 2016, Prop. 3.3). The paper's own claim (budget units spent) is kept
+beside it, unchanged.
 """
 from __future__ import annotations
 
@@ -112,6 +118,12 @@ def argmax_dp_event(epsilon: float) -> dpe.DpEvent:
     return dp_accounting.ZCDpEvent(rho=_positive(epsilon, "epsilon") ** 2 / 2.0)
 
 
+# Replace-one moves the clipped gradient sum by 2S (the noise is z S) and each candidate's score by
+# up to loss_clip either way (the arg-max is then 2 eps'-DP): see the module docstring.
+REPLACE_ONE_GRADIENT_FACTOR = 2.0
+REPLACE_ONE_ARGMAX_FACTOR = 2.0
+
+
 def noisy_argmax(scores: np.ndarray, sensitivity: float, epsilon: float, rng: np.random.Generator) -> int:
     """Huang et al. 2020, Alg. 2: arg-max_i (v_i + Lap(sensitivity / epsilon)), one draw per candidate."""
     scores = np.asarray(scores, dtype=np.float64)
@@ -187,11 +199,12 @@ class DPAGDResult:
     split_updates: int = field(default=0)
 
     def dp_events(self) -> list[tuple[dpe.DpEvent, int]]:
-        """(event, count) pairs to book on the client's ledger (identical mechanisms grouped)."""
+        """(event, count) pairs to book on the client's ledger under replace-one record (identical
+        mechanisms grouped): each gradient's Gaussian at z / 2, each selection at 2 eps'."""
         g = Counter(self.gradient_noise_multipliers)
         a = Counter(self.argmax_epsilons)
-        return ([(dp_accounting.GaussianDpEvent(z), n) for z, n in g.items()]
-                + [(argmax_dp_event(e), n) for e, n in a.items()])
+        return ([(dp_accounting.GaussianDpEvent(z / REPLACE_ONE_GRADIENT_FACTOR), n) for z, n in g.items()]
+                + [(argmax_dp_event(REPLACE_ONE_ARGMAX_FACTOR * e), n) for e, n in a.items()])
 
 
 def _candidate_scores(model: nn.Module, params: dict, grad: dict, candidates: Sequence[float],

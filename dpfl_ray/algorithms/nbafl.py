@@ -128,8 +128,14 @@ class NbAFL(Algorithm):
     reports_claimed_epsilon = True
 
     @classmethod
+    def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
+        """Wei et al. 2020 (Lemma 1) bound one record replaced in a client's data set of m records."""
+        return {"replace_one": ("each client's data size m",)}
+
+    @classmethod
     def check_scenario(cls, sc) -> None:
         p = sc.privacy
+        cls.adjacency(sc)
         if p.nbafl is None:
             raise ValueError("privacy.nbafl: nbafl needs its parameters, e.g. {epsilon: 60} (Wei et al.'s epsilon)")
         if p.noise_multiplier is not None or p.target_epsilon is not None:

@@ -240,7 +240,8 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timing
                        noise_multiplier_booked=ledger.get("noise_multiplier_booked"),
                        epsilon_vs_server=ledger.get("epsilon_vs_server"),
                        epsilon_vs_server_note=ledger.get("epsilon_vs_server_note"),
-                       randomness=ledger.get("randomness"))
+                       randomness=ledger.get("randomness"), adjacency=ledger.get("adjacency"),
+                       adjacency_public=ledger.get("adjacency_public"))
         if ledger.get("accountant_used"):
             # bounded accounting (privacy/bounded_pld.py): which accountant gave the figure, and why
             summary["accountant_used"] = ledger["accountant_used"]

@@ -38,7 +38,10 @@ def calibrated_noise_multiplier(scenario, weights, sizes, accountant: str) -> fl
 
 def planned_mechanism(scenario) -> Mechanism | None:
     """A private scenario's round as planned, before any data exists: the algorithm over
-    placeholder equal weights and sizes (no algorithm's booked multipliers depend on them). A target epsilon is calibrated with rdp here (rdp-classic if the scenario says so):
+    placeholder equal weights and sizes (no booked multiplier depends on them, except NbAFL's: its
+    noise is calibrated to 2C/m, its booking to the 2C it enforces, so m = 1 here books m times the
+    run's; nbafl has no target epsilon and refuses pld, the two uses of this plan that read z).
+    A target epsilon is calibrated with rdp here (rdp-classic if the scenario says so):
     milliseconds, and a target no noise can meet is found before Ray starts. None for an
     algorithm without a ledger or with per-client (record-level) ledgers."""
     from ..algorithms import algorithm_class
@@ -199,8 +202,15 @@ class RunPrivacy:
             out["epsilon_assumed"] = _finite(self.assumed.epsilon())
             out["noise_multiplier_assumed"] = list(self.algorithm.planned_mechanism().assumed_noise_multipliers or [])
             out["assumption"] = self.assumption
+        out.update(adjacency_record(self.sc, self.algorithm))
         out["epsilon_vs_server"], out["epsilon_vs_server_note"] = self.epsilon_vs_server()
         return out
+
+
+def adjacency_record(scenario, algorithm) -> dict:
+    """The run's neighbouring relation and what it takes as public, for ledger.json."""
+    relation, public = type(algorithm).adjacency(scenario)
+    return {"adjacency": relation, "adjacency_public": list(public)}
 
 
 class ClientPrivacy:
@@ -279,7 +289,7 @@ class ClientPrivacy:
                "epsilon_claimed": self.claimed_epsilon(), "per_client_epsilon": {
                    str(c): e for c, e in self.ledgers.epsilons().items()},
                "noise_multiplier": self.noise_multiplier, "randomness": self.sc.privacy.randomness,
-               "fully_covered": True, "num_rounds": self.num_rounds}
+               "fully_covered": True, "num_rounds": self.num_rounds, **adjacency_record(self.sc, self.algorithm)}
         if self.claimed.num_distinct_events:
             out["claimed_clients"] = self.claimed.to_dict()
         if self.spent.any():

@@ -43,10 +43,13 @@ def test_dpagd_never_spends_beyond_the_clients_budget_over_rounds():
     c = cfg()
     budget, theta, rounds = HuangClientBudget(epsilon=1.0), get_flat(model), 8
     ledger = ClientLedgers(1e-5, num_clients=1)
+    zs_ran, eps_ran = [], []
     for r in range(40):
         if budget.exhausted(c, rounds):
             break
         res = dpagd_update(model, theta, x, y, c, budget.round_budget(rounds), seed=1, round_idx=r, client_id=0)
+        zs_ran += res.gradient_noise_multipliers
+        eps_ran += res.argmax_epsilons
         assert res.spent <= budget.round_budget(rounds) and res.spent > 0
         # zCDP reading: what was spent is exactly the rho of the mechanisms that ran
         rho = sum(1 / (2 * z * z) for z in res.gradient_noise_multipliers) + sum(e * e / 2 for e in res.argmax_epsilons)
@@ -57,10 +60,28 @@ def test_dpagd_never_spends_beyond_the_clients_budget_over_rounds():
         theta = theta + res.update
     assert budget.exhausted(c, rounds) and budget.spent <= 1.0 + 1e-12
     assert r >= rounds  # eps_k / T per round: at least T rounds before quitting
-    # dp_accounting on the booked Gaussians + zCDP selections equals a rho = spent zCDP mechanism
+    # Under replace-one (the size n is released) every mechanism costs twice its sensitivity, so
+    # rho four times what was spent: recomputed here from the events that ran, with dp_accounting
     direct = RdpAccountant()
-    direct.compose(dp_accounting.ZCDpEvent(budget.spent))
+    for z in zs_ran:
+        direct.compose(dp_accounting.GaussianDpEvent(z / 2))
+    for e in eps_ran:
+        direct.compose(dp_accounting.ZCDpEvent((2 * e) ** 2 / 2))
     assert ledger.epsilon(0) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    same = RdpAccountant()
+    same.compose(dp_accounting.ZCDpEvent(4 * budget.spent))
+    assert ledger.epsilon(0) == pytest.approx(same.get_epsilon(1e-5), rel=1e-9)
+    assert ledger.epsilon(0) > 2 * ledger_if_add_remove(zs_ran, eps_ran)
+
+
+def ledger_if_add_remove(zs, eps) -> float:
+    """The same mechanisms booked as if n were private and neighbours differed by one record."""
+    acc = RdpAccountant()
+    for z in zs:
+        acc.compose(dp_accounting.GaussianDpEvent(z))
+    for e in eps:
+        acc.compose(dp_accounting.ZCDpEvent(e * e / 2))
+    return acc.get_epsilon(1e-5)
 
 
 def test_a_budget_of_exactly_t_rounds_lasts_t_rounds():

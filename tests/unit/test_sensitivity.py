@@ -126,12 +126,30 @@ def test_bounded_denominator_noise_matches_its_sensitivity_and_is_covered():
     np.testing.assert_allclose(agg.delta, 0.1, rtol=1e-6)  # W' = 10 > 5: the plain average
 
 
-def test_actual_denominator_is_not_covered():
-    mech = DPFedAvg(_dp_fedavg(POISSON, denominator="actual"), np.ones(100), 1.0).planned_mechanism()
-    assert mech.covered is False
+def test_actual_denominator_is_covered_only_under_zero_out():
+    """W' depends on the population: it is public (and the round covered) only when neighbours keep
+    the population, i.e. zero-out adjacency, which is therefore actual's default and only relation."""
+    alg = DPFedAvg(_dp_fedavg(POISSON, denominator="actual"), np.ones(100), 1.0)
+    mech = alg.planned_mechanism()
+    assert alg.relation == "zero_out" and mech.covered is True and mech.noise_multipliers == (1.0,)
     led = PrivacyLedger("rdp", 1e-5)
     led.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description, covered=mech.covered)
-    assert math.isinf(led.epsilon()) and not led.fully_covered
+    assert math.isfinite(led.epsilon()) and led.fully_covered
+    for relation in ("add_remove", "replace_one"):
+        with pytest.raises(DPFLError, match="privacy.adjacency: .*only zero_out"):
+            _dp_fedavg(POISSON, denominator="actual", adjacency=relation)
+
+
+def test_expected_denominators_use_the_declared_population_weight_not_the_data():
+    """Under add/remove the population differs between neighbours: q * W must be a constant of the
+    scenario (privacy.population_weight, default data.num_clients), not the sum of the weights."""
+    sc = _dp_fedavg(POISSON, population_weight=80.0)
+    assert DPFedAvg(sc, np.ones(100), 1.0).expected_weight == pytest.approx(0.1 * 80.0)
+    assert DPFedAvg(_dp_fedavg(POISSON), np.ones(100), 1.0).expected_weight == pytest.approx(10.0)
+    zero = DPFedAvg(_dp_fedavg(POISSON, adjacency="zero_out"), np.full(100, 0.5), 1.0, sizes=None)
+    assert zero.expected_weight == pytest.approx(0.1 * 50.0)  # zero-out: the actual population's W
+    with pytest.raises(DPFLError, match="privacy.population_weight"):
+        _dp_fedavg(POISSON, adjacency="zero_out", population_weight=80.0)
 
 
 def test_private_runs_with_unequal_sizes_need_a_public_weight_cap():
