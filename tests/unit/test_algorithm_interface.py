@@ -68,5 +68,14 @@ def test_every_shipped_scenario_builds_its_partition_model_and_mechanism(path):
     if private:
         assert all(z > 0 for z in mech.noise_multipliers)
         if sc.privacy.target_epsilon is None:
-            # the preflight builds the mechanism before any data exists, on placeholder weights
-            assert planned_mechanism(sc).noise_multipliers == pytest.approx(mech.noise_multipliers)
+            # the preflight builds the mechanism before any data exists, on placeholder weights and
+            # sizes (m = 1). NbAFL's noise is calibrated to the paper's 2C/m, so the multiplier of
+            # the sensitivity it enforces (2C) is m times smaller once the data exist; the one under
+            # the paper's assumption does not depend on m
+            planned = planned_mechanism(sc)
+            if mech.assumed_noise_multipliers is None:
+                assert planned.noise_multipliers == pytest.approx(mech.noise_multipliers)
+            else:
+                assert planned.assumed_noise_multipliers == pytest.approx(mech.assumed_noise_multipliers)
+                m = int(fed.sizes.min())
+                assert planned.noise_multipliers == pytest.approx(tuple(z * m for z in mech.noise_multipliers))
