@@ -230,12 +230,12 @@ def test_replacing_one_record_separates_releases_within_the_booked_multiplier(on
     """Issue 32, distinguishing test. One client, two data sets that differ in one record (an
     outlier replaced by an ordinary digit-like record), m = 10. The real local procedure (the
     worker's local_update with the scenario's epochs, batches, lr and proximal term, seeded as the
-    worker seeds it), the parameter clipping and the uplink noise run 200 times on each. The
+    worker seeds it), the parameter clipping and the uplink noise run 150 times on each. The
     releases, projected on the direction between their noise-free means (the best linear test of
     two Gaussians), separate by mu; a Gaussian mechanism booked at multiplier z allows mu <= 1/z.
     The booked (enforced, 2C) multiplier allows it; the paper's 2C/m is exceeded by many standard
     errors, so a ledger that booked 2C/m would report less than the truth."""
-    m, n = 10, 200
+    m, n = 10, 150
     sc = scenario_from_dict({
         "seed": 5, "data": {"source": "synthetic", "num_clients": 2},
         "training": {"algorithm": "nbafl", "rounds": 1, "local_epochs": 1, "batch_size": 5, "lr": 0.5,
