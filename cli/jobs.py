@@ -173,9 +173,9 @@ def _interrupt(signum, frame):
 
 
 def _scenario_name(path: Path) -> str:
-    import yaml
+    from dpfl_ray.scenario import load_yaml
 
     try:
-        return str(yaml.safe_load(path.read_text()).get("name") or "run")
+        return str(load_yaml(path.read_text()).get("name") or "run")
     except Exception:
         return "run"

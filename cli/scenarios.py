@@ -5,6 +5,7 @@ from pathlib import Path
 
 import typer
 import yaml
+from rich.markup import escape
 from rich.table import Table
 
 from .common import accounting_plan, console, user_errors
@@ -21,14 +22,17 @@ def scenarios_dir() -> Path:
 @user_errors
 def list_() -> None:
     """The scenarios shipped in scenarios/."""
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.scenario import load_yaml
+
     table = Table("file", "name", "description")
     for path in sorted(scenarios_dir().glob("*.yaml")):
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError):
+            raw = load_yaml(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError, DPFLError):
             raw = {"description": "(not a valid scenario file)"}
         raw = raw if isinstance(raw, dict) else {}
-        table.add_row(path.name, str(raw.get("name", "")), str(raw.get("description", "")))
+        table.add_row(path.name, escape(str(raw.get("name", ""))), escape(str(raw.get("description", ""))))
     console.print(table)
 
 

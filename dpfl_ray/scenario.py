@@ -8,6 +8,7 @@ number; a key given twice, an empty file and an empty ``--set`` path segment are
 from __future__ import annotations
 
 import re
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -457,6 +458,12 @@ def _is_tag(part) -> bool:
     return isinstance(part, str) and (text.startswith("function-") or "[" in text or text in _UNION_TAGS)
 
 
+# The offending value is quoted in the one-line error: bounded, whatever its size or depth.
+_INPUT_REPR = reprlib.Repr()
+_INPUT_REPR.maxlevel, _INPUT_REPR.maxlist, _INPUT_REPR.maxdict = 3, 8, 8
+_INPUT_REPR.maxstring = _INPUT_REPR.maxother = 120
+
+
 def _format_validation_error(err: ValidationError) -> str:
     errors = err.errors()
     # A one-or-many field reports each union member; the member of the wrong shape is noise.
@@ -467,15 +474,56 @@ def _format_validation_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in first and first["type"] not in ("value_error", "missing"):
-        msg = f"{msg} (got {first['input']!r})"
+        msg = f"{msg} (got {_INPUT_REPR.repr(first['input'])})"
     msg = msg.removeprefix("Value error, ")
     extra = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{loc}: {msg}{extra}" if loc else f"{msg}{extra}"
 
 
+# The deepest field of a scenario (faults.stragglers.tiers[i].latency.seconds) is 6 levels down; the
+# composer and everything that walks the tree recurse once per level, so a cap far below Python's
+# recursion limit turns a pathological nesting into one line instead of a RecursionError.
+MAX_DEPTH = 32
+# Larger than any scenario needs (client lists included); read into memory whole, so bounded.
+MAX_SCENARIO_BYTES = 1 << 20
+
+
 class _StrictLoader(yaml.SafeLoader):
     """PyYAML's SafeLoader, except that a key given twice in one mapping is an error (PyYAML keeps
-    the last one silently, so a scenario could say two things and mean one)."""
+    the last one silently, so a scenario could say two things and mean one), anchors and aliases
+    are refused, and nesting is capped at MAX_DEPTH.
+
+    An alias shares its anchor's node, so nine nested aliases of nine items each load as a few
+    hundred nodes and *walk* as 9^9 (validation, copying, error messages all expand them: 24 GB).
+    A scenario has no use for them, so refusing them here, while composing, is the one place that
+    bounds every later walk by the size of the text."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        where = f"line {event.start_mark.line + 1}"
+        if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
+            mark = f"*{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"&{event.anchor}"
+            raise DPFLError(f"{where}: YAML anchors and aliases ({mark}) are not allowed in a scenario; "
+                            "write the value out")
+        if self._depth >= MAX_DEPTH:
+            raise DPFLError(f"{where}: nested more than {MAX_DEPTH} levels deep (a scenario needs fewer than 10)")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def fetch_flow_collection_start(self, token_class):
+        # The scanner looks ahead while a flow collection may still be a key, and pays for every
+        # open bracket on each token: 100,000 of them took seconds before the composer saw one.
+        if self.flow_level >= MAX_DEPTH:
+            raise DPFLError(f"line {self.line + 1}: nested more than {MAX_DEPTH} levels deep "
+                            "(a scenario needs fewer than 10)")
+        super().fetch_flow_collection_start(token_class)
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -500,8 +548,12 @@ _StrictLoader.add_implicit_resolver(
     list("-+0123456789"))
 
 
-def _load_yaml(text: str) -> Any:
+def load_yaml(text: str) -> Any:
+    """YAML as a scenario is read: no aliases or duplicate keys, bounded depth (DPFLError otherwise)."""
     return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+_load_yaml = load_yaml
 
 
 def _parse_value(text: str) -> Any:
@@ -524,6 +576,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if any(not p.strip() for p in parts):
             raise DPFLError(f"override {item!r} has an empty path segment", field="--set")
         parts = [p.strip() for p in parts]
+        if len(parts) > MAX_DEPTH:
+            raise DPFLError(f"override {item[:60]!r}... is nested more than {MAX_DEPTH} levels deep", field="--set")
         node = raw
         for p in parts[:-1]:
             child = node.get(p)
@@ -532,7 +586,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise DPFLError(f"cannot set a key inside non-section {p!r}", field=key)
             node = child
-        node[parts[-1]] = _parse_value(value)
+        try:
+            node[parts[-1]] = _parse_value(value)
+        except DPFLError as err:  # the loader's refusals (aliases, depth) name a line of a one-line value
+            raise DPFLError(str(err).removeprefix("line 1: "), field=f"--set {key.strip()}") from None
     return raw
 
 
@@ -550,6 +607,8 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
     path = Path(path)
     if not path.is_file():
         raise DPFLError(f"no scenario file at {path}")
+    if path.stat().st_size > MAX_SCENARIO_BYTES:
+        raise DPFLError(f"{path}: {path.stat().st_size} bytes; a scenario is at most {MAX_SCENARIO_BYTES} bytes")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

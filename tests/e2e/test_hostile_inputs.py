@@ -250,3 +250,40 @@ def test_a_reader_that_went_away_gets_no_traceback(args):
         os.close(write_end)
     assert res.returncode in (0, 1), res.stderr[-2000:]
     assert res.stderr.strip() == "", res.stderr[-2000:]
+
+
+
+# Nine nested aliases of nine items each (issue 37): a few hundred bytes that expand to 9^9 strings
+# in whatever walks the loaded tree; before, `scenarios validate` grew to 24 GB.
+ALIAS_BOMB = "\n".join(['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+                       + [f"{c}: &{c} [{','.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+                       + ["description: *i", ""])
+# the same bomb as one flow mapping, for a --set value
+ALIAS_BOMB_VALUE = "{" + ", ".join(ALIAS_BOMB.splitlines()[:9]) + "}"
+
+
+@pytest.mark.parametrize("where", ["file", "--set"])
+def test_a_yaml_alias_bomb_is_refused_in_a_small_process(tmp_path, where):
+    """The whole `dpfl` process stays under 200 MB (its peak RSS, from wait4); a 2 GiB address-space
+    limit makes a regression fail here instead of exhausting the machine. The refusal's own time
+    is tests/unit/test_scenario.py's (the process spends about 1.5 s importing)."""
+    if where == "file":
+        path = tmp_path / "bomb.yaml"
+        path.write_text(ALIAS_BOMB)
+        args = ["scenarios", "validate", str(path), "--no-data"]
+    else:
+        args = ["scenarios", "validate", str(ROOT / "scenarios" / "quickstart.yaml"), "--no-data", "--set",
+                f"description={ALIAS_BOMB_VALUE}"]
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(ROOT))
+    env.pop("DPFL_DEBUG", None)
+    limit = 2 * 2**30
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=err, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    res = subprocess.CompletedProcess(args, proc.returncode, (tmp_path / "out").read_text(),
+                                      (tmp_path / "err").read_text())
+    line = assert_one_error_line(res, "YAML anchors and aliases (&a) are not allowed")
+    assert where == "file" or line.startswith("error: --set description:"), line
+    assert usage.ru_maxrss < 200 * 1024, usage.ru_maxrss  # kilobytes on Linux

@@ -125,3 +125,34 @@ def test_a_binary_scenario_file_is_one_line(tmp_path):
     p.write_bytes(b"name: a\x00b\n")  # valid UTF-8, but not YAML
     with pytest.raises(DPFLError, match="not valid YAML"):
         load_scenario(p)
+
+
+def test_yaml_aliases_and_deep_nesting_are_refused_at_once(tmp_path):
+    """Issue 37: an alias bomb (9 nested aliases of 9 items, 9^9 strings once walked) and a nesting
+    100,000 levels deep, in a file and in --set, are one line each, in well under a second and a
+    few MB (tracemalloc's peak of what Python allocated meanwhile)."""
+    import time
+    import tracemalloc
+
+    from tests.e2e.test_hostile_inputs import ALIAS_BOMB, ALIAS_BOMB_VALUE
+
+    deep = "[" * 100_000 + "]" * 100_000
+    cases = [(ALIAS_BOMB, None, "YAML anchors and aliases (&a) are not allowed"),
+             ("name: x\n", f"description={ALIAS_BOMB_VALUE}", "--set description: YAML anchors and aliases"),
+             ("other: &x 1\nname: *x\n", None, "(&x)"),
+             (f"description: {deep}\n", None, "nested more than 32 levels deep"),
+             ("".join(" " * i + "a:\n" for i in range(1000)), None, "line 32: nested more than 32 levels"),
+             ("name: x\n", f"description={deep}", "--set description: nested more than 32 levels"),
+             ("name: x\n", "." .join(["a"] * 100_000) + "=1", "nested more than 32 levels"),
+             ("description: '" + "x" * (2 << 20) + "'\n", None, "a scenario is at most 1048576 bytes")]
+    for i, (text, override, needle) in enumerate(cases):
+        path = tmp_path / f"s{i}.yaml"
+        path.write_text(text)
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        with pytest.raises(DPFLError) as err:
+            load_scenario(path, [override] if override else None)
+        seconds, (_, peak) = time.perf_counter() - t0, tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+        assert seconds < 1.0 and peak < 50 * 2**20, (needle, seconds, peak)
