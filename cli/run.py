@@ -92,7 +92,7 @@ def _prepare(scenario, set_, out, address, resume):
     needed here: the model's fit to the data is checked without it (_InitialModel builds it)."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.results import RunRecord, default_run_dir
-    from dpfl_ray.runtime.checkpoint import read_checkpoint
+    from dpfl_ray.runtime.checkpoint import finished, open_for_resume
     from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
     from dpfl_ray.scenario import load_scenario
 
@@ -101,11 +101,17 @@ def _prepare(scenario, set_, out, address, resume):
         if scenario is not None or set_ or out is not None:
             raise DPFLError("continues the run as its scenario.yaml says: give no SCENARIO, --set or --out",
                             field="--resume")
-        checkpoint = read_checkpoint(resume)
-        scenario, out = resume / "scenario.yaml", resume
+        opened = open_for_resume(resume)
+        if opened is None:  # resuming would only rewrite its files
+            summary = finished(resume)
+            console.print(f"{resume}: the run already finished ({summary['stop_reason']}, "
+                          f"{summary.get('rounds_completed')} rounds); nothing to resume", markup=False, soft_wrap=True)
+            raise typer.Exit(0)
+        (checkpoint, sc), out = opened, resume
     elif scenario is None:
         raise DPFLError("give a scenario file, or --resume RUN_DIR", field="SCENARIO")
-    sc = load_scenario(scenario, set_)
+    else:
+        sc = load_scenario(scenario, set_)
     from dpfl_ray.algorithms import make_algorithm
     from dpfl_ray.data import build_federation
     from dpfl_ray.model_inputs import check_model_input

@@ -144,16 +144,35 @@ class RunRecord:
         rows past them -- written after the checkpoint -- are dropped."""
         self = cls.__new__(cls)
         self.path = Path(path)
-        lines = (self.path / "rounds.jsonl").read_text().splitlines() if (self.path / "rounds.jsonl").exists() else []
-        self.rounds = [json.loads(line) for line in lines[:rounds]]
-        if len(self.rounds) < rounds:
-            raise DPFLError(f"{self.path / 'rounds.jsonl'} has {len(self.rounds)} rows, the checkpoint {rounds}",
-                            field="--resume")
+        self.rounds = cls.committed_rows(self.path, rounds)
         tmp = self.path / "rounds.jsonl.tmp"
         tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rounds))
         os.replace(tmp, self.path / "rounds.jsonl")
         self._rounds_file = open(self.path / "rounds.jsonl", "a")
         return self
+
+    @staticmethod
+    def committed_rows(path: str | Path, rounds: int) -> list[dict]:
+        """The first ``rounds`` rows of a run's rounds.jsonl, each whole and in order; a DPFLError
+        naming the line otherwise. Rows past them may be cut short (a driver killed mid-write)."""
+        file = Path(path) / "rounds.jsonl"
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines() if file.exists() else []
+        except (OSError, UnicodeDecodeError) as err:
+            raise DPFLError(f"cannot read {file} ({err})", field="--resume") from None
+        if len(lines) < rounds:
+            raise DPFLError(f"{file} has {len(lines)} rows, the checkpoint {rounds}", field="--resume")
+        rows = []
+        for i, line in enumerate(lines[:rounds]):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or row.get("round") != i + 1:
+                raise DPFLError(f"{file} line {i + 1} is not round {i + 1}'s row (damaged or cut short); the "
+                                f"checkpoint covers {rounds} rounds", field="--resume")
+            rows.append(row)
+        return rows
 
     def write_scenario(self, yaml_text: str) -> None:
         (self.path / "scenario.yaml").write_text(yaml_text)

@@ -8,8 +8,11 @@ state: a resumed run reproduces the uninterrupted one bit for bit (except with
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import reprlib
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +42,87 @@ def read_checkpoint(run_dir: Path) -> dict:
     if not path.is_file():
         raise DPFLError(f"{run_dir} has no {CHECKPOINT}: it was not written by a run with "
                         "output.checkpoint_every > 0, or it stopped before its first round", field="--resume")
+    if not zipfile.is_zipfile(path):  # np.load would take a foreign file for a pickle or a bare .npy
+        raise DPFLError(f"{path} is not a readable checkpoint (empty, cut short, or not an .npz archive)",
+                        field="--resume")
     try:
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(bytes(data["_meta"]).decode())
             meta["arrays"] = {k: data[k] for k in data.files if k != "_meta"}
-    except (OSError, ValueError, KeyError) as err:
-        raise DPFLError(f"{path} is not a readable checkpoint ({err})", field="--resume") from None
+    # a truncated, empty or foreign file fails in zipfile (BadZipFile, EOFError) as often as in numpy
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as err:
+        raise DPFLError(f"{path} is not a readable checkpoint ({type(err).__name__}: {err})",
+                        field="--resume") from None
+    rounds = meta.get("round") if isinstance(meta, dict) else None
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0 or "theta" not in meta["arrays"]:
+        raise DPFLError(f"{path} is not a checkpoint of a dpfl run (no round count or model)", field="--resume")
     return meta
+
+
+def scenario_fingerprint(scenario) -> dict:
+    """What a checkpoint records of the run's resolved scenario: all of it (to name a field that
+    changed) and its SHA-256 over canonical JSON (to compare at a glance)."""
+    resolved = scenario.model_dump(mode="json")
+    digest = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()
+    return {"scenario": resolved, "scenario_sha256": digest}
+
+
+def first_difference(recorded, current, path: str = ""):
+    """The dotted path of the first field whose value differs, in the recorded scenario's order,
+    with both values; None if none does. A key only one side has is a field added to or dropped
+    from the schema since the checkpoint was written, not an edit, and is passed over."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        for key in recorded:
+            if key in current:
+                found = first_difference(recorded[key], current[key], f"{path}.{key}" if path else str(key))
+                if found is not None:
+                    return found
+        return None
+    return None if recorded == current else (path or "(the scenario)", recorded, current)
+
+
+def check_same_scenario(checkpoint: dict, scenario, scenario_path: Path) -> None:
+    """Refuse to resume ``checkpoint`` with a scenario other than the one it was written under:
+    an edited scenario.yaml would continue another run under this run's name (another model, or
+    a ledger booked at one noise multiplier and delta and printed at another)."""
+    if "scenario_sha256" not in checkpoint:
+        return  # written before checkpoints recorded their scenario: nothing to compare with
+    mine = scenario_fingerprint(scenario)
+    if mine["scenario_sha256"] == checkpoint["scenario_sha256"]:
+        return
+    found = first_difference(checkpoint.get("scenario") or {}, mine["scenario"])
+    if found is None:
+        return
+    field, was, now = found
+    raise DPFLError(f"{scenario_path} was edited after the checkpoint: {field} is {reprlib.repr(now)}, the run "
+                    f"was checkpointed with {reprlib.repr(was)}; a resumed run continues the same run (start a new run for "
+                    "another scenario)", field="--resume")
+
+
+def finished(run_dir: Path) -> dict | None:
+    """The summary of a run that ended on its own (completed, or stopped by its privacy budget):
+    resuming it would only rewrite its files. None for a run that can go on."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(summary, dict) and summary.get("stop_reason") not in ("interrupted", "error", None):
+        return summary
+    return None
+
+
+def open_for_resume(run_dir: Path):
+    """(checkpoint, scenario) of a run directory to continue, every file it rests on checked before
+    Ray starts: the checkpoint whole, the rows it covers whole, scenario.yaml unedited. None when
+    the run already finished (its summary: :func:`finished`)."""
+    from ..results import RunRecord
+    from ..scenario import load_scenario
+
+    run_dir = Path(run_dir)
+    if finished(run_dir) is not None:
+        return None
+    checkpoint = read_checkpoint(run_dir)
+    RunRecord.committed_rows(run_dir, checkpoint["round"])
+    scenario = load_scenario(run_dir / "scenario.yaml")
+    check_same_scenario(checkpoint, scenario, run_dir / "scenario.yaml")
+    return checkpoint, scenario

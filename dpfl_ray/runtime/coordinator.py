@@ -26,6 +26,7 @@ from ..results import client_accuracy_summary
 from .messages import Canaries
 from .resources import assign_clients, assign_groups, deal, plan_pool, summation_groups, undeal
 from .chaos import strike
+from .checkpoint import scenario_fingerprint
 from .cluster import placement_summary
 from .messages import WorkerChaos
 from .secagg_round import real_deadline, secagg_round
@@ -110,7 +111,8 @@ class Coordinator:
 
     def _checkpoint(self) -> dict:
         state = {"round": self.rounds_done, "last_eval": list(self.last_eval),
-                 "algorithm": self.algorithm.state_dict(), "arrays": {"theta": self.theta}}
+                 "algorithm": self.algorithm.state_dict(), "arrays": {"theta": self.theta},
+                 **scenario_fingerprint(self.sc)}  # dpfl run --resume refuses an edited scenario.yaml
         if self.privacy:
             privacy = self.privacy.state_dict(self.rounds_done)
             state["arrays"].update({f"privacy.{k}": v for k, v in privacy.pop("arrays").items()})

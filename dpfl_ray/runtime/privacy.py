@@ -139,19 +139,32 @@ class RunPrivacy:
             self.ledger.record_no_release(why, round=t + 1, dropouts=dropped)
             if self.assumed is not None:
                 self.assumed.record_no_release(why, round=t + 1)
-        eps = self.ledger.epsilon()
+        eps, claimed_eps = self._round_epsilons(self.ledger)
         row = {"epsilon": None if math.isinf(eps) else eps, "dp_covered": self.ledger.fully_covered}
         if self.algorithm.reports_claimed_epsilon:
-            claimed_eps = self.ledger.claimed_epsilon()
             row["epsilon_claimed"] = None if math.isinf(claimed_eps) else claimed_eps
         if not self.ledger.fully_covered:
-            row["epsilon_nominal"] = self.ledger.claimed_epsilon()
+            row["epsilon_nominal"] = claimed_eps
         if self.assumed is not None:
             row["epsilon_assumed"] = _finite(self.assumed.epsilon())
         if p.geyer is not None:
             # the shadow ledger holds exactly rounds 1..t+1 now: the nominal delta at Geyer's epsilon
             row["delta_at_epsilon"] = self.shadow.delta_for_epsilon(p.geyer.epsilon)
         return row
+
+    def _round_epsilons(self, ledger: PrivacyLedger) -> tuple[float, float | None]:
+        """The ledger's epsilon after a round, and its claimed epsilon where the row reports one.
+
+        Which of the ledger's accountants advance in a round is decided here alone, for the live
+        run and for its rebuild from a checkpoint (load_state_dict): an accountant asked only at the
+        end composes the whole backlog of identical rounds in one call, and dp_accounting's PLD
+        gives k rounds composed at once other last digits than k rounds composed one by one. A
+        resumed ledger that advanced differently would publish other floats than the run it
+        continues."""
+        eps = ledger.epsilon()
+        if self.algorithm.reports_claimed_epsilon or not ledger.fully_covered:
+            return eps, ledger.claimed_epsilon()
+        return eps, None
 
     def epsilon_vs_server(self) -> tuple[float | None, str]:
         """Epsilon against the server, which picks the sample, so sampling amplifies nothing: the
@@ -180,11 +193,21 @@ class RunPrivacy:
                 "assumption": self.assumption}
 
     def load_state_dict(self, state: dict) -> None:
-        self.ledger = PrivacyLedger.from_dict(state["ledger"])
+        """The bookkeeping of a checkpoint, its ledgers' accountants advanced in the steps the live
+        run took (``bind`` first: which ones advance depends on the algorithm)."""
+        saved = PrivacyLedger.from_dict(state["ledger"])
+        self.ledger = PrivacyLedger(accountant=saved.accountant, delta=saved.delta)
+        for r in saved.rounds:  # recorded and asked round by round, as account() did
+            self.ledger.record_round(r.noise_multipliers, r.sampling, reason=r.reason, covered=r.covered,
+                                     claimed_noise_multiplier=r.claimed_noise_multipliers, round=r.round,
+                                     public=r.public, paper_epsilon=r.paper_epsilon, claim_note=r.claim_note,
+                                     dropouts=r.dropouts)
+            self._round_epsilons(self.ledger)
         self.shadow = PrivacyLedger.from_dict(state["shadow"])
         self.assumed = PrivacyLedger.from_dict(state["assumed"]) if state.get("assumed") else None
         self.assumption = state.get("assumption", "")
-        for ledger in (self.ledger, self.shadow, self.assumed):
+        # the live run asks these every round (or never reads them): one by one is how they advanced
+        for ledger in (self.shadow, self.assumed):
             if ledger is not None:
                 ledger.replay()
         self.exhausted, self.calibrated = state["exhausted"], state["calibrated"]

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 import yaml
 
@@ -58,6 +60,12 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(ray_address, tmp_pat
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, without warning
     victim.wait(timeout=30)
     assert not (cut / "summary.json").exists()
+    # the checkpoint the coordinator wrote knows its scenario: an edit is refused, naming the field
+    original = (cut / "scenario.yaml").read_text()
+    (cut / "scenario.yaml").write_text(original.replace("noise_multiplier: 1.0", "noise_multiplier: 0.3"))
+    res = _cli("run", "--resume", cut, "--address", "127.0.0.1:9")
+    assert res.exit_code == 2 and "privacy.noise_multiplier is 0.3, the run was checkpointed with 1.0" in res.stderr
+    (cut / "scenario.yaml").write_text(original)
     assert ref.wait(timeout=300) == 0, ref.communicate()
 
     resumed = _dpfl(ray_address, "run", "--resume", cut)
@@ -68,10 +76,12 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(ray_address, tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _rows(full) == _rows(cut) and len(_rows(cut)) == 8
     ledger_a, ledger_b = (json.loads((d / "ledger.json").read_text()) for d in (full, cut))
-    assert ledger_a["rounds"] == ledger_b["rounds"]
-    assert ledger_a["epsilon"] == ledger_b["epsilon"] and ledger_a["epsilon_vs_server"] == ledger_b["epsilon_vs_server"]
+    assert ledger_a == ledger_b  # every float, bit for bit
     summary = json.loads((cut / "summary.json").read_text())
     assert summary["rounds_completed"] == 8 and summary["stop_reason"] == "completed"
+    before = _snapshot(cut)
+    res = _cli("run", "--resume", cut)  # finished: said so, nothing rewritten, Ray not started
+    assert res.exit_code == 0 and "already finished" in res.stdout and _snapshot(cut) == before
 
 
 def test_ctrl_c_prints_the_resume_command_and_resume_finishes(ray_address, tmp_path):
@@ -91,3 +101,119 @@ def test_ctrl_c_prints_the_resume_command_and_resume_finishes(ray_address, tmp_p
     assert resumed.wait(timeout=300) == 0, resumed.communicate()
     rows = _rows(run)
     assert [r["round"] for r in rows] == list(range(1, 13)) and stopped < 12
+
+
+def _cli(*args):
+    """``dpfl`` in this process (typer's CliRunner), with the signal handlers `dpfl run` installs
+    put back afterwards."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from dpfl_ray.runtime.shutdown import SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        return CliRunner().invoke(app, [str(a) for a in args])
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _checkpointed_run(tmp_path, rounds_done=2, summary=None):
+    """A run directory as a run stopped after ``rounds_done`` rounds leaves it: the resolved
+    scenario, its rows, and a checkpoint written as the coordinator writes one."""
+    from dpfl_ray.runtime.checkpoint import scenario_fingerprint, write_checkpoint
+    from dpfl_ray.scenario import scenario_from_dict
+
+    sc = scenario_from_dict(BAEK)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "scenario.yaml").write_text(sc.to_yaml())
+    (run / "rounds.jsonl").write_text("".join(json.dumps({"round": t + 1, "test_accuracy": 0.5}) + "\n"
+                                              for t in range(rounds_done)))
+    write_checkpoint(run, {"round": rounds_done, "last_eval": [None, None], "algorithm": {},
+                           "arrays": {"theta": np.zeros(3, np.float32)}, **scenario_fingerprint(sc)})
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def _snapshot(path: Path) -> dict:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in path.iterdir()}
+
+
+def _truncate(path: Path, keep) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep(len(data))])
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda run: _truncate(run / "checkpoint.npz", lambda n: n // 2), "checkpoint.npz is not a readable checkpoint"),
+    (lambda run: _truncate(run / "checkpoint.npz", lambda n: 0), "checkpoint.npz is not a readable checkpoint"),
+    (lambda run: (run / "checkpoint.npz").write_text("not a zip file\n"), "is not a readable checkpoint"),
+    (lambda run: _truncate(run / "rounds.jsonl", lambda n: n - 9), "rounds.jsonl line 2 is not round 2's row"),
+    (lambda run: (run / "scenario.yaml").write_text((run / "scenario.yaml").read_text().replace("lr: 0.3", "lr: 0.5")),
+     "scenario.yaml was edited after the checkpoint: training.lr is 0.5, the run was checkpointed with 0.3"),
+    (lambda run: (run / "scenario.yaml").write_text(
+        (run / "scenario.yaml").read_text().replace("delta: 1.0e-05", "delta: 0.001")),
+     "privacy.delta is 0.001, the run was checkpointed with 1e-05"),
+])
+def test_resume_refuses_what_it_cannot_trust_before_ray_starts(tmp_path, damage, needle):
+    """One `error:` line naming the culprit, and nothing written. The address is dead: had Ray
+    been started (joined) first, the error would be about it."""
+    run = _checkpointed_run(tmp_path)
+    damage(run)
+    before = _snapshot(run)
+    res = _cli("run", "--resume", run, "--address", "127.0.0.1:9")
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: --resume: "), res.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in res.stderr + res.stdout and _snapshot(run) == before
+
+
+def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path):
+    run = _checkpointed_run(tmp_path, rounds_done=8, summary={"stop_reason": "completed", "rounds_completed": 8,
+                                                               "wall_seconds": 12.5})
+    before = _snapshot(run)
+    res = _cli("run", "--resume", run, "--address", "127.0.0.1:9")
+    assert res.exit_code == 0, res.stderr
+    assert "the run already finished (completed, 8 rounds); nothing to resume" in " ".join(res.stdout.split())
+    assert _snapshot(run) == before
+
+
+def test_a_resumed_ledger_publishes_the_uninterrupted_floats():
+    """PLD composes k identical rounds in one call to other last digits than k calls. A dp_fedavg
+    ledger composes its claimed epsilon only when ledger.json is written, as one backlog; a ledger
+    rebuilt from a checkpoint must not compose the rounds before it one by one (which differed in
+    the 11th digit)."""
+    from dpfl_ray.algorithms import RoundOutcome, make_algorithm
+    from dpfl_ray.runtime.privacy import RunPrivacy
+    from dpfl_ray.scenario import scenario_from_dict
+
+    sc = scenario_from_dict({
+        "data": {"source": "synthetic", "num_clients": 40}, "model": {"name": "logistic"},
+        "training": {"algorithm": "dp_fedavg", "rounds": 4},
+        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+        "privacy": {"noise_multiplier": 1.0, "accountant": "pld"}})
+    weights, sizes = np.ones(40), np.full(40, 20)
+
+    def privacy():
+        run = RunPrivacy(sc, weights, sizes)
+        run.bind(make_algorithm(sc, weights, 1.0, sizes=sizes))
+        return run
+
+    def rounds(run, start, stop):
+        for t in range(start, stop):
+            assert run.next_round_fits(t)
+            run.account(t, RoundOutcome(t, tuple(range(10))), "")
+
+    full, cut = privacy(), privacy()
+    rounds(full, 0, 4)
+    rounds(cut, 0, 2)
+    state = json.loads(json.dumps({k: v for k, v in cut.state_dict(2).items() if k != "arrays"}))
+    resumed = privacy()
+    resumed.load_state_dict({**state, "arrays": {"server_precision": cut.server_precision.copy()}})
+    rounds(resumed, 2, 4)
+    a, b = full.to_dict(), resumed.to_dict()
+    assert a["epsilon_claimed"] == b["epsilon_claimed"] and a["epsilon"] == b["epsilon"]
+    assert a == b
