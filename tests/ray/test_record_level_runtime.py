@@ -1,11 +1,12 @@
 """Record-level DP end to end on a real local Ray (Huang et al. 2020, Fu et al. 2022): each client's
 ledger holds what its own DP-SGD / DPAGD ran, checked against direct dp_accounting calls; clients
 whose budget is spent withdraw as `exhausted` and the run stops when all have; the algorithm's
-state survives a checkpoint round trip."""
+state survives a checkpoint round trip; `privacy.randomness: os` reaches the workers."""
 import json
 
 import dp_accounting
 import pytest
+import torch
 from dp_accounting.rdp import RdpAccountant
 
 from dpfl_ray.algorithms import make_algorithm
@@ -108,3 +109,15 @@ def test_algorithm_state_round_trips_through_a_checkpoint():
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert (b.clips, b.sigma, b.validation_losses) == ({3: 0.7}, 1.5, [2.0, 1.9])
     assert b.ledgers.epsilon(3) == a.ledgers.epsilon(3)
+
+
+def test_two_os_runs_of_one_seed_train_different_models(ray_session, tmp_path):
+    """``privacy.randomness: os`` reaches the workers' local procedure (DPAGD's noise and arg-max)."""
+    sc = tiny_scenario(training={"algorithm": "huang2020", "rounds": 1},
+                       sampling={"mode": "fixed", "clients_per_round": 2},
+                       privacy={"accountant": "rdp", "delta": 1e-3, "clipping": {"norm": 0.05}, "randomness": "os",
+                                "huang2020": {"category_budgets": [0.02], "step_sizes": [0.5, 2.0]}})
+    summaries = [_run(sc, tmp_path / d)[1] for d in ("a", "b")]
+    assert [s["randomness"] for s in summaries] == ["os", "os"]
+    a, b = (torch.load(tmp_path / d / "model.pt") for d in ("a", "b"))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
