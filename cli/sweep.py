@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .common import console, user_errors
@@ -59,26 +60,31 @@ def sweep(
         console.print(f"ok: {len(runs)} combinations" + (f", {len(mine)} in shard {shard}" if count > 1 else ""))
         return
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
-    sw.prepare(sweep_dir, scenario, axes, sw.parse_seeds(seeds), set_)
-    console.print(f"[bold]sweep[/] {base.name}: {len(mine)} runs -> {sweep_dir}", highlight=False)
+    # A second sweep on this directory is refused; the runs inherit the lock (dpfl_ray/sweep.py)
+    with sw.SweepLock(sweep_dir, index, count) as lock:
+        sw.prepare(sweep_dir, scenario, axes, sw.parse_seeds(seeds), set_)
+        console.print(f"[bold]sweep[/] {escape(base.name)}: {len(mine)} runs -> {escape(str(sweep_dir))}",
+                      highlight=False)
 
-    def on_run(i: int, run, status: str) -> None:
-        console.print(f"[{i + 1}/{len(mine)}] {run.name}: {status}", highlight=False, soft_wrap=True)
+        def on_run(i: int, run, status: str) -> None:
+            console.print(f"[{i + 1}/{len(mine)}] {run.name}: {status}", highlight=False, soft_wrap=True,
+                          markup=False)
 
-    runner = sw.subprocess_runner(scenario.resolve(), timeout, address)
-    try:
-        statuses = sw.run_all(sweep_dir, mine, runner, on_run)
-    except KeyboardInterrupt:
-        again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
-        console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
-    if count > 1:  # shards finish at different times; one unsharded call writes the whole table
-        console.print(f"shard {shard} done; run without --shard to write sweep.csv and the plots")
-        return
-    rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses)
+        runner = sw.subprocess_runner(scenario.resolve(), timeout, address, keep_fds=(lock.fd,))
+        try:
+            statuses = sw.run_all(sweep_dir, mine, runner, on_run)
+        except KeyboardInterrupt:
+            again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
+            console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True,
+                          markup=False)
+            raise typer.Exit(130)
+        if count > 1:  # shards finish at different times; one unsharded call writes the whole table
+            console.print(f"shard {shard} done; run without --shard to write sweep.csv and the plots", markup=False)
+            return
+        rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses)
     _table(rows, list(axes))
     for path in written:
-        console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+        console.print(f"wrote {path}", highlight=False, soft_wrap=True, markup=False)
     failed = [r for r in rows if r["run"] in statuses and r["status"] not in ("ok",)]
     if failed:
         console.print(f"{len(failed)} of {len(mine)} runs did not finish; run the same command to retry them")
@@ -90,7 +96,7 @@ def _table(rows: list[dict], axes: list[str]) -> None:
     for header in [*axes, "seed", "final acc", "epsilon", "eps claimed", "rounds", "stop", "status"]:
         table.add_column(header)
     for r in rows:
-        table.add_row(*[str(r.get(a)) for a in axes], _num(r["seed"], "d"), _num(r["final_accuracy"], ".4f"),
+        table.add_row(*[escape(str(r.get(a))) for a in axes], _num(r["seed"], "d"), _num(r["final_accuracy"], ".4f"),
                       _num(r["epsilon"], ".3f"), _num(r["epsilon_claimed"], ".3f"), _num(r["rounds"], "d"),
-                      str(r["stop_reason"] or "-"), str(r["status"]))
+                      escape(str(r["stop_reason"] or "-")), escape(str(r["status"])))
     console.print(table)

@@ -10,6 +10,8 @@ imports Ray; the runs themselves do (docs/faults.md, "Sweeps", for running on a 
 from __future__ import annotations
 
 import csv
+import ctypes
+import fcntl
 import hashlib
 import itertools
 import json
@@ -17,8 +19,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,6 +32,8 @@ from .report import load_run
 from .scenario import load_scenario
 
 MANIFEST = "sweep.json"
+# The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
+LOCK = MANIFEST + ".lock"
 # A summary with any other stop_reason is a run that ended on its own and would end the same again.
 UNFINISHED = ("interrupted", "error", None)
 CSV_METRICS = ["final_accuracy", "epsilon", "epsilon_claimed", "rounds", "stop_reason", "wall_seconds", "status"]
@@ -144,6 +150,125 @@ def is_finished(run_dir: Path) -> bool:
     return isinstance(summary, dict) and summary.get("stop_reason") not in UNFINISHED
 
 
+def _foreign_files(sweep_dir: Path) -> bool:
+    return sweep_dir.is_dir() and any(not p.name.startswith(MANIFEST) for p in sweep_dir.iterdir()) \
+        and not (sweep_dir / MANIFEST).is_file()
+
+
+class SweepLock:
+    """Who may write in a sweep directory: one sweep, or the shards of one sweep.
+
+    Each sweep process holds ``flock`` on its own lock file (``sweep.json.lock``, or
+    ``sweep.json.lock.I-of-N`` for shard I/N), which names its PID and host for the message a
+    second sweep prints. The kernel releases the lock when every process holding it is gone, and
+    the runs a sweep starts inherit it (``fd``): a ``kill -9``'d sweep keeps its directory until
+    its runs have stopped, so a rerun never moves a live run to ``.incomplete/``. An unsharded
+    sweep also refuses while any shard holds its lock, and a shard while an unsharded one does:
+    each takes its own lock before it looks at the others', so of two that start together at
+    least one sees the other. Where a file system ignores flock, a lock file whose PID is alive
+    on this host counts as held."""
+
+    def __init__(self, sweep_dir: Path, index: int = 0, count: int = 1):
+        self.dir, self.fd = Path(sweep_dir), None
+        self.path = self.dir / (LOCK if count == 1 else f"{LOCK}.{index}-of-{count}")
+
+    def acquire(self) -> "SweepLock":
+        if _foreign_files(self.dir):
+            raise DPFLError(f"{self.dir} already holds files that are not a sweep; choose another --out", field="--out")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, mine = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), False
+        try:
+            if not _try_flock(fd) or _pid_alive(_owner(self.path)):
+                raise DPFLError(self._busy(self.path), field="--out")
+            mine = True
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+            others = ([p for p in self.dir.glob(f"{LOCK}.*-of-*") if p != self.path] if self.path.name == LOCK
+                      else [self.dir / LOCK])
+            for other in others:
+                if _held(other):
+                    raise DPFLError(self._busy(other), field="--out")
+        except BaseException:
+            if mine:  # the owner's name stays in a lock file this process did not get
+                os.ftruncate(fd, 0)
+            os.close(fd)
+            raise
+        self.fd = fd
+        return self
+
+    def _busy(self, path: Path) -> str:
+        owner = _owner(path) or {}
+        who = (f"PID {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}" if owner
+               else "another process")
+        shard = path.name.removeprefix(LOCK).lstrip(".")
+        return (f"{self.dir} is in use by a sweep{f' (shard {shard})' if shard else ''}: {who}, or a run it "
+                f"started that is still stopping; wait for it, or use another --out")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # never unlinked: a waiting opener would lock a file nobody else sees
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "SweepLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _held(path: Path) -> bool:
+    """Does a live process hold the lock file ``path``? (Taking it for a moment to find out.)"""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        if not _try_flock(fd):
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return _pid_alive(_owner(path))
+    finally:
+        os.close(fd)
+
+
+def _owner(path: Path) -> dict | None:
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _pid_alive(owner: dict | None) -> bool:
+    """A sweep process named by a lock file still runs here (another host's cannot be checked:
+    there the flock is the only word)."""
+    if not owner or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False
+    pid = owner["pid"]
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a recycled PID is some other program
+        return b"sweep" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
 def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None, base_sets: Sequence[str]) -> None:
     """Create or reopen a sweep directory. Reopening needs the same scenario file and ``--set``s
     (the grid and seeds may grow); ``sweep.json`` records them."""
@@ -159,7 +284,7 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
         for key, what in (("scenario_sha256", "scenario file"), ("sets", "--set overrides")):
             if old.get(key) != manifest[key]:
                 raise DPFLError(f"{sweep_dir} holds a sweep of another {what}; choose another --out", field="--out")
-    elif sweep_dir.exists() and any(not p.name.startswith(MANIFEST) for p in sweep_dir.iterdir()):
+    elif _foreign_files(sweep_dir):
         raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     # the manifest first, whole or not at all: shards of one sweep may start at the same time
@@ -189,10 +314,30 @@ def run_all(sweep_dir: Path, runs: Sequence[SweepRun], runner: Runner,
     return statuses
 
 
+def _die_with_parent():
+    """A preexec_fn: the child gets SIGTERM when this process dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG); it then stops like a `dpfl run` told to, writing its files. The run has a
+    process group of its own (so the sweep can stop it and its Ray), which a signal to the
+    sweep's group no longer reaches: this is what ties it to the sweep."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: nothing is imported after fork
+    except (OSError, AttributeError):
+        return None  # not Linux: the run outlives a killed sweep (its lock still guards the directory)
+
+    def tie() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the sweep died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return tie
+
+
 def subprocess_runner(scenario: Path, timeout_s: float, address: str | None = None,
-                      log_dir: Path | None = None, grace_s: float = 30.0) -> Runner:
+                      log_dir: Path | None = None, grace_s: float = 30.0, keep_fds: Sequence[int] = ()) -> Runner:
     """The real ``dpfl run`` in its own process group: past ``timeout_s`` it gets SIGINT (it writes
-    its summary and stops its Ray), and SIGKILL ``grace_s`` later."""
+    its summary and stops its Ray), and SIGKILL ``grace_s`` later; SIGTERM if the sweep dies.
+    ``keep_fds``: descriptors the run inherits (the sweep's lock, held until the run is gone)."""
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
 
@@ -204,7 +349,8 @@ def subprocess_runner(scenario: Path, timeout_s: float, address: str | None = No
         log = (log_dir or run_dir.parent / "logs") / f"{sweep_run.name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    pass_fds=tuple(keep_fds), preexec_fn=_die_with_parent())
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

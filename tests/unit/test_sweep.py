@@ -199,3 +199,39 @@ def test_plots_skip_epsilon_when_no_run_is_private(scenario, tmp_path):
     rows, written = sw.write_outputs(out, grid, runs)
     assert sorted(p.name for p in written) == ["accuracy_vs_faults.dropout.model.png", "sweep.csv"]
     assert [r["seed"] for r in rows] == [0, 0]  # read from the summary when the sweep has no --seeds
+
+
+def test_a_sweep_directory_has_one_owner_or_the_shards_of_one_sweep(tmp_path):
+    """flock is per open file, so two locks taken in this one process contend as two sweeps would."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep"
+    with sw.SweepLock(out) as first:
+        owner = json.loads((out / sw.LOCK).read_text())
+        assert (owner["pid"], owner["host"]) == (os.getpid(), socket.gethostname())
+        with pytest.raises(DPFLError, match=f"is in use by a sweep: PID {os.getpid()} on {socket.gethostname()}"):
+            sw.SweepLock(out).acquire()
+        with pytest.raises(DPFLError, match="in use by a sweep: PID"):
+            sw.SweepLock(out, 1, 4).acquire()  # a shard waits for the unsharded call
+        assert json.loads((out / sw.LOCK).read_text())["pid"] == os.getpid()  # a refusal leaves the name
+        assert first.fd is not None
+    with sw.SweepLock(out, 0, 2), sw.SweepLock(out, 1, 2):  # shards of one sweep run side by side
+        with pytest.raises(DPFLError, match=r"\(shard 1-of-2\)"):
+            sw.SweepLock(out, 1, 2).acquire()
+        with pytest.raises(DPFLError, match=r"in use by a sweep \(shard 0-of-2\)"):
+            sw.SweepLock(out).acquire()  # the final unsharded call waits for them
+    # a sweep that died (kill -9) left its name but no flock: the next one takes over
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / sw.LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    with sw.SweepLock(out):
+        pass
+    assert (out / sw.LOCK).read_text() == ""  # released: no owner named
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(DPFLError, match="not a sweep"):
+        sw.SweepLock(busy).acquire()
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
