@@ -41,7 +41,7 @@ def run(
     import ray
 
     from dpfl_ray.results import RunRecord
-    from dpfl_ray.runtime.driver import ensure_ray, run_scenario, stop_ray, write_unstarted
+    from dpfl_ray.runtime.driver import ensure_ray, ray_stopped, run_scenario, stop_ray, write_unstarted
     from dpfl_ray.runtime.resources import plan_pool
     if shutdown.requested:
         model.wait()
@@ -71,12 +71,13 @@ def run(
             stop_ray()
             raise typer.Exit(shutdown.exit_code)
         # interrupted while Ray or the run was starting: leave a consistent run of 0 rounds
-        model.wait()  # its torch import finishes before the summary's model is built here
+        model.built()  # its torch import finishes before the summary's model is built here
         record = record or RunRecord(run_dir)
         summary = write_unstarted(sc, fed, record, time.time() - t0)
     finally:
         stop_ray()
-        model.wait()
+        if not ray_stopped():  # else the process leaves by os._exit (cli/main.py): no import to finish
+            model.wait()
         shutdown.done()
     _print_summary(summary, record)
     if summary["stop_reason"] == "interrupted":
@@ -178,6 +179,10 @@ class _InitialModel:
     def wait(self) -> None:
         """Let the thread finish its imports before the process exits (bounded)."""
         self._thread.join(self.DEADLINE_SECONDS)
+
+    def built(self) -> None:
+        """Wait (bounded) until the model is built, not for matplotlib: a run of 0 rounds draws nothing."""
+        self._built.wait(self.DEADLINE_SECONDS)
 
     def result(self):
         """The flat initial model once the thread has built it (bounded; matplotlib may still be

@@ -174,7 +174,6 @@ def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S,
     kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="ERROR")
     if target.kind == "local":
         # address="local" always starts a private instance, never joins one found on the machine.
-        # Its start-up waits in Python, so it stays in this thread.
         start_local_ray(lambda: ray.init(address="local", num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1",
                                          include_dashboard=False, **kwargs), pending_signal=pending_signal)
         return True
@@ -205,15 +204,24 @@ def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTE
     own start-up fails, ``clear`` removes what it left (default: ``ray.shutdown()``, then the
     processes started since the try began) and ``warn`` says so (default: a line on stderr) before
     the next try. After the last try: a one-line DPFLError.
-    A failure after a signal (``pending_signal()``: its number, or 0) is a stop, not a failed start:
-    KeyboardInterrupt, and no second try."""
-    from .shutdown import descendant_pids
+
+    ``init`` runs in a helper thread (private_ray.start_in_keeper) while this thread waits in short
+    steps, and Ray's processes start in sessions of their own (private_ray.own_session). A signal
+    meanwhile (``pending_signal()``: its number, or 0) is a stop, not a failed start: the processes
+    this try started are killed at once and KeyboardInterrupt is raised, however long Ray's own
+    start-up would still take (on a loaded 2-core machine it takes 10 s and more). Nothing of a
+    half-started private Ray is worth waiting for."""
+    from .private_ray import start_in_keeper
+    from .shutdown import descendant_pids, kill_descendants
 
     for attempt in range(1, attempts + 1):
         before = descendant_pids()  # e.g. a test session's Ray head: not this start's to clear
         try:
-            init()
+            start_in_keeper(init, pending_signal)
             return
+        except KeyboardInterrupt:
+            kill_descendants(grace=0.0, spare=before)
+            raise
         except Exception as err:  # noqa: BLE001 - ray.init raises a bare Exception when its node never comes up
             reason = _one_line(err)
             if clear is None:
@@ -293,11 +301,11 @@ def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: 
             if worker.is_alive() and pending_signal():
                 raise KeyboardInterrupt(_signal_name(pending_signal()))
             if worker.is_alive() and time.monotonic() > deadline:
-                _exit_without_waiting_for(worker, 2)
+                _exit_without_waiting_for(worker.is_alive, 2)
                 raise DPFLError(f"{what} did not finish within {timeout_s:g} s")
     except KeyboardInterrupt as interrupt:
         if worker.is_alive():
-            _exit_without_waiting_for(worker, 128 + _signal_number(interrupt))
+            _exit_without_waiting_for(worker.is_alive, 128 + _signal_number(interrupt))
         raise
     if "error" in box:
         raise box["error"]
@@ -320,10 +328,11 @@ def _signal_number(interrupt: KeyboardInterrupt) -> int:
     return getattr(signal, str(name), signal.SIGINT)
 
 
-def _exit_without_waiting_for(worker: threading.Thread, code: int) -> None:
-    """Registered last, this runs first at exit: if the abandoned call still runs, leave at once."""
+def _exit_without_waiting_for(running: Callable[[], bool], code: int) -> None:
+    """Registered last, this runs first at exit: if the abandoned call still runs (``running()``),
+    leave at once."""
     def leave() -> None:
-        if worker.is_alive():
+        if running():
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
@@ -332,5 +341,3 @@ def _exit_without_waiting_for(worker: threading.Thread, code: int) -> None:
             os._exit(code)
 
     atexit.register(leave)
-
-

@@ -36,17 +36,23 @@ def stop_ray() -> None:
     """Disconnect, and stop every process this one spawned: a private Ray's GCS, raylet, agents
     and workers (also after an interrupted start-up, which ray.shutdown does not know of)."""
     global _RAY_STOPPED
-    if ray.is_initialized():
+    from .private_ray import start_abandoned
+
+    abandoned = start_abandoned()  # ray.init may still run in its thread: Ray's driver state is not ours to touch
+    if ray.is_initialized() and not abandoned:
         stop_autoscaler_monitor()  # only ever a child of this process when its Ray is private
         with contextlib.suppress(Exception):
             ray.shutdown()
     kill_descendants()
-    _RAY_STOPPED = not ray.is_initialized()
+    _RAY_STOPPED = abandoned or not ray.is_initialized()
 
 
 def ray_stopped() -> bool:
-    """Did :func:`stop_ray` run last and leave nothing of Ray behind in this process?"""
-    return _RAY_STOPPED and not ray.is_initialized()
+    """Did :func:`stop_ray` run last and leave nothing of Ray behind in this process (or nothing
+    that could still be stopped in order: a start abandoned)?"""
+    from .private_ray import start_abandoned
+
+    return _RAY_STOPPED and (not ray.is_initialized() or start_abandoned())
 
 
 def put_federation(fed: Federation, canaries: int = 0) -> dict:

@@ -1,13 +1,14 @@
 """One shutdown path for every long command (SIGINT, SIGTERM and SIGHUP alike).
 
 A signal is only recorded, never raised: the command checks ``requested`` wherever it waits --
-after Ray has started or joined (``call_bounded`` polls it while it joins a cluster), before every
-poll of a running round -- and stops there: it stops the coordinator between rounds and writes its
-files. Raised from the handler, a KeyboardInterrupt lands wherever the main thread happens to be,
-and library code is not written for that: inside importlib's weakref callback and inside logging's
-at-fork lock release it left a lock held for good, and `dpfl run` hung (both seen in `make test`
-runs, and by py-spy and faulthandler dumps). A stop therefore waits for the step in progress:
-at most Ray's own start-up (3-5 s here), a round's poll (0.2 s) or a bounded call.
+while a private Ray starts (connect.start_local_ray: its processes are then killed, without waiting
+for ray.init), while it joins a cluster (``call_bounded``), while it waits for the coordinator's
+replies, before every poll of a running round -- and stops there: it stops the coordinator between
+rounds and writes its files. Raised from the handler, a KeyboardInterrupt lands wherever the main
+thread happens to be, and library code is not written for that: inside importlib's weakref callback
+and inside logging's at-fork lock release it left a lock held for good, and `dpfl run` hung (both
+seen in `make test` runs, and by py-spy and faulthandler dumps). A stop therefore waits for the
+step in progress: a wait step (0.1-0.2 s), the model's build (torch's import) or the round in flight.
 So no write of a run's files is ever cut short by a signal; ``defer()`` raises one at the end of a
 block, in the run loop.
 Ray replaces the SIGTERM handler when it connects, so ``install()`` is called again after

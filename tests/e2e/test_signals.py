@@ -1,6 +1,7 @@
 """SIGINT (once and twice), SIGTERM and SIGHUP at three moments of a private run -- Ray start-up,
-worker start-up, mid-round -- through the real CLI (every moment with SIGINT, each other signal once). Afterwards the run directory agrees with
-itself and every process the run started is gone."""
+worker start-up, mid-round -- through the real CLI (every moment with SIGINT; SIGTERM and SIGHUP
+to the driver's whole process group, as a closed terminal or `kill -TERM -PGID` sends them).
+Afterwards the run directory agrees with itself and every process the run started is gone."""
 import json
 import os
 import signal
@@ -51,6 +52,19 @@ def _wait_for(condition, proc, timeout=120.0) -> set[int]:
     return seen | _descendants(ps)
 
 
+def _ray_sessions(proc: psutil.Process) -> set[int]:
+    """The sessions of the private Ray's GCS and raylet (at least one of them exists)."""
+    sessions = set()
+    for p in proc.children(recursive=True):
+        try:
+            if p.name() in ("gcs_server", "raylet"):
+                sessions.add(os.getsid(p.pid))
+        except (psutil.Error, OSError):
+            pass
+    assert sessions, "no GCS or raylet among the run's processes"
+    return sessions
+
+
 def _alive(pids: set[int]) -> list[int]:
     out = []
     for pid in pids:
@@ -63,12 +77,15 @@ def _alive(pids: set[int]) -> list[int]:
 
 
 SIGNALS = {"sigint": [signal.SIGINT], "double_sigint": [signal.SIGINT, signal.SIGINT],
-           "sigterm": [signal.SIGTERM], "sighup": [signal.SIGHUP]}
-# Every moment with Ctrl-C, and each other signal once: all four go through one handler
-# (runtime/shutdown.py) and differ only in the exit code, except that a second Ctrl-C must not cut
-# the files short -- so that one comes mid-round, while the round's files are being written.
+           "sigterm_group": [signal.SIGTERM], "sighup_group": [signal.SIGHUP]}
+# Every moment with Ctrl-C: all signals go through one handler (runtime/shutdown.py) and differ
+# only in the exit code, except that a second Ctrl-C must not cut the files short -- so that one
+# comes mid-round, while the round's files are being written. SIGTERM and SIGHUP go to the whole
+# process group: the private Ray must not be in it (mid-round it took the coordinator's model and
+# ledger along), and SIGHUP at Ray's start-up must stop as fast as SIGINT there.
 CASES = [("sigint", "ray_startup"), ("sigint", "worker_start"), ("sigint", "mid_round"),
-         ("double_sigint", "mid_round"), ("sigterm", "worker_start"), ("sighup", "ray_startup")]
+         ("double_sigint", "mid_round"), ("sigterm_group", "mid_round"), ("sighup_group", "ray_startup"),
+         ("sighup_group", "mid_round")]
 
 
 @pytest.mark.parametrize("kind, moment", CASES, ids=[f"{k}-{m}" for k, m in CASES])
@@ -77,8 +94,9 @@ def test_a_signal_leaves_a_consistent_run_and_no_process(tmp_path, kind, moment)
     path.write_text(yaml.safe_dump(PRIVATE))
     out = tmp_path / "run"
     env = dict(os.environ, COLUMNS="200")
+    # a session of its own, as a shell's job: the group signals reach this run and nothing else
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(path), "--out", str(out)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         ps = psutil.Process(proc.pid)
         if moment == "ray_startup":  # Ray's first process exists, the run has not begun
@@ -88,16 +106,21 @@ def test_a_signal_leaves_a_consistent_run_and_no_process(tmp_path, kind, moment)
         else:
             seen = _wait_for(lambda: (out / "rounds.jsonl").exists()
                              and len((out / "rounds.jsonl").read_text().splitlines()) >= 2, proc)
+        assert _ray_sessions(ps) - {proc.pid} == _ray_sessions(ps), "the private Ray is in the driver's session"
         sent = time.monotonic()
         for i, sig in enumerate(SIGNALS[kind]):
             if i:
                 time.sleep(0.3)
-            proc.send_signal(sig)
+            if kind.endswith("_group"):
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=30)
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
+    print(f"{kind} at {moment}: stopped {took:.1f} s after the signal")
     assert proc.returncode == 128 + SIGNALS[kind][0], (proc.returncode, stderr[-2000:])
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr[-2000:]
     assert took < 10, f"stopping took {took:.1f}s"

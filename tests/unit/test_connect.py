@@ -195,10 +195,11 @@ def test_a_failed_local_start_is_cleared_and_tried_once_more_then_one_line():
     assert "x" not in calls
     calls.clear()
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
-        # Ray turned the signal's KeyboardInterrupt into an error of its own: cleared, not tried again
+        # a signal during the start: a stop, whether the start failed meanwhile (then it is cleared)
+        # or still runs (then its processes are killed): never tried again
         start_local_ray(broken, clear=lambda: calls.append("clear"), warn=lambda m: calls.append("warn"),
                         pending_signal=lambda: signal.SIGTERM)
-    assert calls == ["init", "clear"]
+    assert calls in (["init", "clear"], ["init"], [])
 
 
 CLEAR_SCRIPT = r"""
