@@ -46,7 +46,8 @@ def audit(
     threat_model: Annotated[Optional[str], typer.Option(
         help="final_model, all_iterates or server_view; default: every one the run recorded")] = None,
     confidence: Annotated[float, typer.Option(help="level of the bootstrap interval")] = 0.95,
-    bootstrap: Annotated[int, typer.Option(help="bootstrap resamples of the canaries")] = 1000,
+    bootstrap: Annotated[int, typer.Option(help="bootstrap resamples of the canaries (its time grows with "
+                                                "resamples x canaries)", min=10, max=100_000)] = 1000,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Empirical epsilon (a lower estimate) of a finished run, beside the ledger's epsilon."""

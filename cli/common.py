@@ -16,8 +16,10 @@ from rich.markup import escape
 
 from dpfl_ray.errors import DPFLError
 
-console = Console()
-err_console = Console(stderr=True)
+# emoji=False: user text such as `--address foo::bar:x` must not turn `:x:` into an emoji (markup in
+# user text is escaped where it is printed)
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 EXIT_USAGE = 2
 _MAX_MESSAGE = 400
@@ -106,5 +108,30 @@ def accounting_plan(sc):
     mech = planned_mechanism(sc)
     if mech is None:
         return None
-    return check_accounting_feasible(sc.privacy.accountant, mech.noise_multipliers, mech.sampling,
+    plan = check_accounting_feasible(sc.privacy.accountant, mech.noise_multipliers, mech.sampling,
                                      sc.training.rounds, sc.privacy.delta)
+    _check_one_round_fits(sc, mech)
+    return plan
+
+
+def _check_one_round_fits(sc, mech) -> None:
+    """A target epsilon that the first round already passes would end the run after 0 rounds with
+    no epsilon and no reason (the budget rule stops a run before a round that would break it).
+    Asked as the run asks it: one planned round on a ledger of the scenario's accountant; the
+    accountant named is the one that answered ('pld' may hand a round to 'rdp')."""
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.privacy import PrivacyLedger
+
+    p = sc.privacy
+    if p.target_epsilon is None or p.noise_multiplier is None:  # a calibrated z meets the target by construction
+        return
+    ledger = PrivacyLedger(accountant=p.accountant, delta=p.delta)
+    ledger.record_round(mech.noise_multipliers, mech.sampling, reason="the first round, as planned")
+    booked = ledger.to_dict()
+    eps = booked["epsilon"]
+    if eps is None or eps > p.target_epsilon:
+        cost = "is not bounded" if eps is None else f"costs epsilon {eps:.4g}"
+        raise DPFLError(f"{p.target_epsilon:g} is below what one round costs: with noise_multiplier "
+                        f"{p.noise_multiplier:g} one round {cost} at delta {p.delta:g} ({booked['accountant_used']} "
+                        "accountant); raise the target or the noise multiplier, or leave noise_multiplier unset to "
+                        "calibrate it", field="privacy.target_epsilon")

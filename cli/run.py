@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .common import console, preflight, user_errors
@@ -60,7 +61,7 @@ def run(
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, checkpoint["round"])
         console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds, "
-                      f"{plan.workers} workers -> {record.path}")
+                      f"{plan.workers} workers -> {escape(str(record.path))}")
         with _progress() as progress:
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
                                      completed=len(record.rounds))
@@ -82,7 +83,8 @@ def run(
     _print_summary(summary, record)
     if summary["stop_reason"] == "interrupted":
         if sc.output.checkpoint_every:
-            console.print(f"resume with: dpfl run --resume {record.path}", highlight=False, soft_wrap=True)
+            console.print(f"resume with: dpfl run --resume {record.path}", highlight=False, soft_wrap=True,
+                          markup=False)
         raise typer.Exit(shutdown.exit_code)
 
 
@@ -219,7 +221,7 @@ def _on_event(progress, task):
 def _print_summary(summary: dict, record) -> None:
     acc = summary["final_accuracy"]
     console.print(f"{summary['stop_reason']}: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f}s, "
-                  f"final test accuracy {acc if acc is None else f'{acc:.4f}'}; files in {record.path}")
+                  f"final test accuracy {acc if acc is None else f'{acc:.4f}'}; files in {record.path}", markup=False)
     ca = summary.get("client_accuracy") or {}
     if ca.get("clients"):
         groups = "; ".join(f"{label} {g['mean']:.4f}" for label, g in (ca.get("by_group") or {}).items())
@@ -232,8 +234,11 @@ def _print_summary(summary: dict, record) -> None:
     booked = ", ".join(f"{b:.4f}" for b in summary.get("noise_multiplier_booked") or [])
     booked = f", booked multiplier {booked}" if booked else ""
     worst = " (the worst client's; per-client epsilons in ledger.json)" if summary.get("record_level") else ""
+    # the accountant that gave the figure: 'pld' falls back to 'rdp' where its grid would not fit
+    used = summary.get("accountant_used") or summary["accountant"]
+    used = used if used == summary["accountant"] else f"{used}, in place of {summary['accountant']}"
     line = (f"privacy: epsilon {eps if eps is None else f'{eps:.4f}'}{worst} at delta {summary['delta']:g} "
-            f"({summary['accountant']}{'' if z is None else f', z={z:.4f}'}{booked})")
+            f"({used}{'' if z is None else f', z={z:.4f}'}{booked})")
     if not summary.get("dp_covered", True):
         line += f"; NOT covered by DP (see ledger.json), nominal {summary.get('epsilon_nominal', 0):.4f}"
     if summary.get("epsilon_claimed") is not None and eps is not None:

@@ -74,6 +74,19 @@ def _loads(text: str):
     return json.loads(text, parse_constant=lambda _: None)
 
 
+def _load_summary(text: str):
+    """summary.json, where an infinite epsilon is a figure ("no guarantee"), not a missing one:
+    a bare Infinity, or null with ``non_finite`` saying "inf" (results.sanitise), reads as inf.
+    A NaN stays None. Rounds keep :func:`_loads`: the plots draw only finite points."""
+    summary = json.loads(text, parse_constant=lambda c: {"Infinity": math.inf, "-Infinity": -math.inf}.get(c))
+    marks = summary.get("non_finite") if isinstance(summary, dict) else None
+    if isinstance(marks, dict):
+        for key, mark in marks.items():
+            if summary.get(key) is None and mark in ("inf", "-inf"):
+                summary[key] = math.inf if mark == "inf" else -math.inf
+    return summary
+
+
 def _check_numbers(obj: dict, keys: tuple[str, ...], where: str, run_dir: Path) -> None:
     for key in keys:
         value = obj.get(key)
@@ -81,9 +94,9 @@ def _check_numbers(obj: dict, keys: tuple[str, ...], where: str, run_dir: Path) 
             raise DPFLError(f"{where}: {key} must be a number or null, got {value!r:.40}", field=str(run_dir))
 
 
-def _read_json(path: Path, run_dir: Path) -> dict:
+def _read_json(path: Path, run_dir: Path, loads=_loads) -> dict:
     try:
-        data = _loads(path.read_text(encoding="utf-8"))
+        data = loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise DPFLError(f"{path.name} is not a text (UTF-8) file", field=str(run_dir)) from None
     except json.JSONDecodeError as err:
@@ -101,7 +114,7 @@ def load_run(path: str | Path) -> Run:
     missing = [n for n in ("summary.json", "rounds.jsonl") if not (path / n).is_file()]
     if missing:
         raise DPFLError(f"not a run directory (no {' or '.join(missing)})", field=str(path))
-    summary = _read_json(path / "summary.json", path)
+    summary = _read_json(path / "summary.json", path, _load_summary)
     _check_numbers(summary, NUMERIC_SUMMARY, "summary.json", path)
     try:
         lines = (path / "rounds.jsonl").read_text(encoding="utf-8").splitlines()

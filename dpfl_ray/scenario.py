@@ -28,34 +28,43 @@ class _Section(BaseModel):
 MAX_SEED = 2**63 - 1
 # `name` becomes a directory under output.dir: one path component of plain characters
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+# Counts that size an allocation are bounded here, so a slip of the keyboard (10^9 clients, a
+# hidden layer of 10^9 units) is one line naming the field, not an out-of-memory minutes later.
+# Each is far above what the papers' experiments use (10^4 clients, hidden layers of 200).
+MAX_CLIENTS = 1_000_000
+MAX_EXAMPLES = 10_000_000  # per client, in the synthetic source, and in all (clients x examples)
+MAX_SYNTHETIC_VALUES = 100_000_000  # synthetic examples x features, float32: 400 MB
+MAX_HIDDEN_UNITS = 16_384
+MAX_HIDDEN_LAYERS = 16
+MAX_CANARIES = 10_000
 
 
 class PartitionConfig(_Section):
     kind: Literal["iid", "shards", "dirichlet", "unbalanced"] = "iid"
-    shards_per_client: int = Field(2, ge=1, description="shards: label-sorted shards per client")
+    shards_per_client: int = Field(2, ge=1, le=10_000, description="shards: label-sorted shards per client")
     alpha: float = Field(0.5, gt=0, description="dirichlet: concentration of the label mix")
     sizes: Literal["equal", "unbalanced"] = Field(
         "equal", description="dirichlet: 'unbalanced' draws client sizes like kind: unbalanced (FEMNIST-like writers)")
     size_distribution: Literal["lognormal", "uniform", "zipf"] = "lognormal"
-    size_mean: float = Field(100.0, gt=0, description="unbalanced: mean client size")
+    size_mean: float = Field(100.0, gt=0, le=MAX_EXAMPLES, description="unbalanced: mean client size")
     size_sigma: float = Field(1.0, ge=0, description="unbalanced lognormal: sigma of log-size")
-    min_size: int = Field(1, ge=1, description="unbalanced/dirichlet: smallest client")
+    min_size: int = Field(1, ge=1, le=MAX_EXAMPLES, description="unbalanced/dirichlet: smallest client")
 
 
 class DataConfig(_Section):
     source: Literal["mnist5k", "digits", "iris", "idx", "synthetic"] = "mnist5k"
     path: str | None = Field(None, description="idx: folder holding the four IDX files")
-    num_clients: int = Field(100, ge=1)
-    examples_per_client: int | None = Field(None, ge=1)
+    num_clients: int = Field(100, ge=1, le=MAX_CLIENTS)
+    examples_per_client: int | None = Field(None, ge=1, le=MAX_EXAMPLES)
     repeat: bool = Field(False, description="allow reusing examples to reach examples_per_client")
     n_max: float | None = Field(None, gt=0, description="weight cap: w_i = min(n_i / n_max, 1)")
     partition: PartitionConfig = PartitionConfig()
     validation_fraction: float = Field(0.0, ge=0, lt=0.5, description="hold this fraction of the training "
                                        "examples out of every client as the server's validation split")
     # synthetic source only
-    synthetic_examples: int = Field(2000, ge=10)
-    synthetic_features: int = Field(20, ge=1)
-    synthetic_classes: int = Field(2, ge=2)
+    synthetic_examples: int = Field(2000, ge=10, le=MAX_EXAMPLES)
+    synthetic_features: int = Field(20, ge=1, le=MAX_SYNTHETIC_VALUES // 10)
+    synthetic_classes: int = Field(2, ge=2, le=10_000)
 
     @model_validator(mode="after")
     def _needs_path(self):
@@ -63,11 +72,23 @@ class DataConfig(_Section):
             raise ValueError("data.path is required when data.source is 'idx'")
         return self
 
+    @model_validator(mode="after")
+    def _bounded(self):
+        values = self.synthetic_examples * self.synthetic_features
+        if self.source == "synthetic" and values > MAX_SYNTHETIC_VALUES:
+            raise ValueError(f"data.synthetic_examples x data.synthetic_features = {values:,} values; at most "
+                             f"{MAX_SYNTHETIC_VALUES:,}")
+        total = self.num_clients * (self.examples_per_client or 0)
+        if total > MAX_EXAMPLES:
+            raise ValueError(f"data.num_clients x data.examples_per_client = {total:,} examples; at most "
+                             f"{MAX_EXAMPLES:,}")
+        return self
+
 
 class ModelConfig(_Section):
     name: Literal["cnn", "mlp", "logistic"] = "cnn"
-    hidden: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [200, 200],
-                                                      description="mlp hidden sizes")
+    hidden: list[Annotated[int, Field(ge=1, le=MAX_HIDDEN_UNITS)]] = Field(
+        default_factory=lambda: [200, 200], max_length=MAX_HIDDEN_LAYERS, description="mlp hidden sizes")
 
 
 class TrainingConfig(_Section):
@@ -162,7 +183,8 @@ class AuditConfig(_Section):
     """Andrew et al. 2024: canary clients whose updates are seeded random directions, and as many
     held out, measure epsilon from below in the same run (docs/audit.md)."""
 
-    canaries: int = Field(..., ge=2, description="k canary clients joining the population (k more held out)")
+    canaries: int = Field(..., ge=2, le=MAX_CANARIES,
+                          description="k canary clients joining the population (k more held out)")
     threat_model: Literal["final_model", "all_iterates", "server_view"] = "final_model"
     seed: int | None = Field(None, ge=0, description="canary directions (default: the scenario seed)")
     dropouts: bool = Field(False, description="canaries drop out like other clients (default: they never do)")
@@ -469,7 +491,10 @@ def _format_validation_error(err: ValidationError) -> str:
     # A one-or-many field reports each union member; the member of the wrong shape is noise.
     errors = [e for e in errors if e["type"] not in _TYPE_MISMATCH] or errors
     first = errors[0]
-    loc = ".".join(str(p) for p in first["loc"] if not _is_tag(p))
+    parts = first["loc"]
+    # an unknown key is the user's own text, whatever brackets it holds: never taken for a tag
+    mine = len(parts) - 1 if first["type"] == "extra_forbidden" else len(parts)
+    loc = ".".join(str(p) for i, p in enumerate(parts) if i >= mine or not _is_tag(p))
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"

@@ -32,6 +32,8 @@ from .report import load_run
 from .scenario import load_scenario
 
 MANIFEST = "sweep.json"
+# Linux file names hold 255 bytes; a run's directory name also gets ".log" and ".N" (.incomplete/)
+MAX_NAME_BYTES = 240
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
 # A summary with any other stop_reason is a run that ended on its own and would end the same again.
@@ -82,10 +84,23 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
         vals = split_values(values)
         if any(v == "" for v in vals):
             raise DPFLError(f"{key} has an empty value ({values!r})", field="--grid")
-        if len(set(vals)) < len(vals):
-            raise DPFLError(f"{key} lists a value twice ({values!r})", field="--grid")
+        seen: dict[str, str] = {}
+        for v in vals:  # as the run will read it: 0.1, 0.10 and 1e-1 are one value
+            same = seen.setdefault(_as_read(v), v)
+            if same != v or vals.count(v) > 1:
+                raise DPFLError(f"{key} lists one value twice ({same!r} and {v!r})", field="--grid")
         grid[key] = vals
     return grid
+
+
+def _as_read(value: str) -> str:
+    """A grid value as a --set reads it, in one canonical spelling."""
+    from .scenario import _parse_value
+
+    try:
+        return json.dumps(_parse_value(value), sort_keys=True, default=str)
+    except DPFLError:  # refused YAML: validate() reports it for its combination
+        return value
 
 
 def parse_seeds(text: str | None) -> list[int] | None:
@@ -118,6 +133,10 @@ def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Seque
             values = tuple(zip(grid, combo))
             parts = [f"{k}={v}" for k, v in values] + ([f"seed={seed}"] if seed is not None else [])
             name = _safe("__".join(parts)) or "run"
+            if len(name.encode()) > MAX_NAME_BYTES:
+                raise DPFLError(f"the run directory of {'__'.join(parts)[:60]}... would be named with "
+                                f"{len(name.encode())} bytes; file names hold {MAX_NAME_BYTES} here: shorten the "
+                                "values (or sweep fewer keys at once)", field="--grid")
             if name in names:
                 raise DPFLError(f"{'__'.join(parts)} and {names[name]} share a directory name", field="--grid")
             names[name] = "__".join(parts)

@@ -22,3 +22,22 @@ def tiny_scenario(**sections):
     for key, value in sections.items():
         raw.setdefault(key, {}).update(value) if isinstance(value, dict) else raw.__setitem__(key, value)
     return scenario_from_dict(raw)
+
+
+def dpfl_in_process(*args, env=None):
+    """``dpfl ARGS`` in this process through typer's CliRunner (stdout and stderr apart), for a
+    command that answers before Ray would start; the signal handlers `dpfl run` installs are put
+    back afterwards."""
+    import signal
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from dpfl_ray.runtime.shutdown import SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -262,6 +262,22 @@ ALIAS_BOMB = "\n".join(['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol",
 ALIAS_BOMB_VALUE = "{" + ", ".join(ALIAS_BOMB.splitlines()[:9]) + "}"
 
 
+# Runs python ARGS as a child under a 2 GiB address-space limit and writes the child's own peak RSS
+# (kB) to $RSS_OUT. A launcher of its own, because a child forked from this test process would count
+# the test's resident pages (torch, once imported) in its peak until it execs.
+_MEASURED = """
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+with open(os.environ["RSS_OUT"], "w") as out:
+    out.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 @pytest.mark.parametrize("where", ["file", "--set"])
 def test_a_yaml_alias_bomb_is_refused_in_a_small_process(tmp_path, where):
     """The whole `dpfl` process stays under 200 MB (its peak RSS, from wait4); a 2 GiB address-space
@@ -274,16 +290,83 @@ def test_a_yaml_alias_bomb_is_refused_in_a_small_process(tmp_path, where):
     else:
         args = ["scenarios", "validate", str(ROOT / "scenarios" / "quickstart.yaml"), "--no-data", "--set",
                 f"description={ALIAS_BOMB_VALUE}"]
-    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(ROOT), RSS_OUT=str(tmp_path / "rss"))
     env.pop("DPFL_DEBUG", None)
-    limit = 2 * 2**30
-    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=err, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    res = subprocess.CompletedProcess(args, proc.returncode, (tmp_path / "out").read_text(),
-                                      (tmp_path / "err").read_text())
+    res = subprocess.run([sys.executable, "-c", _MEASURED, "-m", "cli.main", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    max_rss_kb = int((tmp_path / "rss").read_text())
     line = assert_one_error_line(res, "YAML anchors and aliases (&a) are not allowed")
     assert where == "file" or line.startswith("error: --set description:"), line
-    assert usage.ru_maxrss < 200 * 1024, usage.ru_maxrss  # kilobytes on Linux
+    assert max_rss_kb < 200 * 1024, max_rss_kb
+
+
+def _one_line_in_process(res, needle):
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (res.exit_code, res.stderr)
+    assert needle in lines[0] and "Traceback" not in res.stderr + res.stdout, lines[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    # user text is printed as typed: no emoji for ':x', no markup for '[bold]'
+    (("run", "{tiny}", "--address", "foo::bar:x"), "--address: foo::bar:x: give the port too"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "[bold]zz[/bold]=1"), "[bold]zz[/bold]: unknown key"),
+    # every count that sizes an allocation has a checked limit, named by its field
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "data.num_clients=1000000000", "--set",
+      "data.repeat=true"), "data.num_clients: Input should be less than or equal to 1000000"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "data.examples_per_client=100000", "--set",
+      "data.num_clients=1000"), "data.num_clients x data.examples_per_client = 100,000,000 examples"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "model.hidden=[1000000000]"),
+     "model.hidden.0: Input should be less than or equal to 16384"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "data.synthetic_examples=1000000", "--set",
+      "data.synthetic_features=100000"), "data.synthetic_examples x data.synthetic_features"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=dp_fedavg", "--set",
+      "privacy.noise_multiplier=1", "--set", "privacy.audit.canaries=1000000000"),
+     "privacy.audit.canaries: Input should be less than or equal to 10000"),
+    # a budget the first round already passes: before Ray starts (the address is dead), naming the
+    # cost of one round and the accountant that answered
+    (("run", "{tiny}", "--address", "127.0.0.1:9", "--set", "training.algorithm=dp_fedavg", "--set",
+      "privacy.noise_multiplier=1", "--set", "privacy.target_epsilon=0.5", "--set", "sampling.mode=poisson",
+      "--set", "sampling.rate=0.5"),
+     "privacy.target_epsilon: 0.5 is below what one round costs: with noise_multiplier 1 one round costs epsilon"),
+    # grids: a value too long for a directory name, and one value spelled three ways
+    (("sweep", "{tiny}", "--grid", "description=" + "x" * 300 + ",b", "--dry-run"),
+     "file names hold 240 here"),
+    (("sweep", "{tiny}", "--grid", "training.lr=0.1,0.10,1e-1", "--dry-run"),
+     "training.lr lists one value twice ('0.1' and '0.10')"),
+])
+def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
+    from tests.helpers import dpfl_in_process
+
+    before = files_under(tmp_path)
+    res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
+    _one_line_in_process(res, needle)
+    assert files_under(tmp_path) == before
+
+
+def test_a_budget_the_first_round_passes_names_the_accountant_that_answered(tiny):
+    from tests.helpers import dpfl_in_process
+
+    res = dpfl_in_process("scenarios", "validate", tiny, "--no-data", "--set", "training.algorithm=dp_fedavg",
+                          "--set", "privacy.noise_multiplier=0.0001", "--set", "privacy.target_epsilon=1",
+                          "--set", "sampling.mode=poisson", "--set", "sampling.rate=0.5")
+    _one_line_in_process(res, "(rdp accountant)")  # pld cannot take z=1e-4: rdp answers, and is named
+
+
+@pytest.mark.parametrize("summary", ['{"name": "x", "epsilon": Infinity, "delta": 1e-05}',
+                                     '{"name": "x", "epsilon": null, "delta": 1e-05, "non_finite": {"epsilon": "inf"}}'])
+def test_report_shows_an_infinite_epsilon_as_inf(tmp_path, summary):
+    """No guarantee is not the same as not private: "inf", not the "-" of a run without a ledger."""
+    from tests.helpers import dpfl_in_process
+
+    run = _run_dir(tmp_path / "run", summary.encode(), '{"round": 1, "test_accuracy": 0.5}\n')
+    res = dpfl_in_process("report", run, "--out", tmp_path / "report")
+    assert res.exit_code == 0, res.stderr
+    cells = [ln.split() for ln in res.stdout.splitlines()]
+    # one run in a narrow console is a card of "header value" lines; a wide one a table row
+    assert ["epsilon", "inf"] in cells or any("inf" in c and "0.5000" in c for c in cells), res.stdout
+
+
+def test_audit_bootstrap_is_bounded(tmp_path):
+    """Checked by the option itself, before the run directory is read (a usage error: the real
+    `dpfl`, whose entry point makes it one line)."""
+    assert_one_error_line(dpfl("audit", tmp_path, "--bootstrap", "1000000000"), "'--bootstrap'")

@@ -33,7 +33,7 @@ def test_grid_values_keep_brackets_and_order():
     (["=1,2"], "must look like"),
     (["a.b=1,,2"], "a.b has an empty value"),
     (["a.b="], "a.b has an empty value"),
-    (["a.b=1,1"], "lists a value twice"),
+    (["a.b=1,1"], "lists one value twice"),
     (["a.b=1", "a.b=2"], "a.b is given twice"),
     (["seed=1,2"], "--seeds"),
 ])
