@@ -42,14 +42,15 @@ def run(
     import ray
 
     from dpfl_ray.results import RunRecord
-    from dpfl_ray.runtime.driver import ensure_ray, ray_stopped, run_scenario, stop_ray, write_unstarted
+    from dpfl_ray.runtime.driver import ensure_ray, ray_stopped, ray_to_watch, run_scenario, stop_ray, write_unstarted
+    from dpfl_ray.runtime.rescue import Watcher
     from dpfl_ray.runtime.resources import plan_pool
     if shutdown.requested:
         model.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)
         raise typer.Exit(shutdown.exit_code)
 
-    record, t0 = None, time.time()
+    record, watcher, t0 = None, None, time.time()
     try:
         t_ray = time.time()
         with keep_handlers():
@@ -60,13 +61,15 @@ def run(
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, checkpoint["round"])
+        # Ray's core ends this process on the spot when its node stops: the watcher then writes the files
+        watcher = Watcher(record.path, t0, *ray_to_watch())
         console.print(f"[bold]{sc.name}[/]: {fed.num_clients} clients, {sc.training.rounds} rounds, "
                       f"{plan.workers} workers -> {escape(str(record.path))}")
         with _progress() as progress:
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
                                      completed=len(record.rounds))
             summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown,
-                                   resume=checkpoint, startup=startup, theta0=model.result)
+                                   resume=checkpoint, startup=startup, theta0=model.result, started_at=t0)
     except KeyboardInterrupt:
         if checkpoint is not None and record is None:  # the directory is as the last stop left it
             stop_ray()
@@ -76,6 +79,8 @@ def run(
         record = record or RunRecord(run_dir)
         summary = write_unstarted(sc, fed, record, time.time() - t0)
     finally:
+        if watcher is not None:
+            watcher.done()
         stop_ray()
         if not ray_stopped():  # else the process leaves by os._exit (cli/main.py): no import to finish
             model.wait()

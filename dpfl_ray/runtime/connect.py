@@ -171,6 +171,8 @@ def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S,
     stay_on_loopback(target)
     import ray
 
+    quiet_cluster_errors()
+
     kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="ERROR")
     if target.kind == "local":
         # address="local" always starts a private instance, never joins one found on the machine.
@@ -189,6 +191,25 @@ def connect(address: str | None = None, join_timeout_s: float = JOIN_TIMEOUT_S,
         kwargs["runtime_env"] = package_runtime_env()
     _join(target, kwargs, join_timeout_s, pending_signal)
     return True
+
+
+def quiet_cluster_errors() -> None:
+    """Keep the messages Ray's GCS pushes to every driver off the terminal, as log_to_driver=False
+    keeps the workers' logs (both stay in the session's log files). When a head is stopped, its
+    autoscaler's dying traceback arrives that way, ahead of the run's own one-line error; dpfl
+    reports what happened to the run itself (crashed workers, a lost coordinator or head)."""
+    import ray._private.worker as ray_worker
+
+    shown = ray_worker.print_to_stdstream
+    if getattr(shown, "dpfl_quiet", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix: bool):
+        if data.get("pid") != "raylet":  # Ray's error listener sends everything as the raylet's
+            shown(data, ignore_prefix)
+
+    print_to_stdstream.dpfl_quiet = True
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 # Ray's own start-up, tried this many times. Once, on this 2-core machine during `make test` (about

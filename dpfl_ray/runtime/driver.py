@@ -30,6 +30,7 @@ def ensure_ray(address: str | None = None, pending_signal: Callable[[], int] = l
 
 
 _RAY_STOPPED = False
+_HEAD_LOST = False  # set when the head stopped answering: ray.shutdown() would wait for it
 
 
 def stop_ray() -> None:
@@ -39,20 +40,30 @@ def stop_ray() -> None:
     from .private_ray import start_abandoned
 
     abandoned = start_abandoned()  # ray.init may still run in its thread: Ray's driver state is not ours to touch
-    if ray.is_initialized() and not abandoned:
+    gone = abandoned or _HEAD_LOST  # nothing left to disconnect from in order
+    if ray.is_initialized() and not gone:
         stop_autoscaler_monitor()  # only ever a child of this process when its Ray is private
         with contextlib.suppress(Exception):
             ray.shutdown()
     kill_descendants()
-    _RAY_STOPPED = abandoned or not ray.is_initialized()
+    _RAY_STOPPED = gone or not ray.is_initialized()
+
+
+def ray_to_watch() -> tuple[str | None, set[int]]:
+    """For the run's watcher (runtime/rescue.py): the GCS address of a joined cluster (None for a
+    private Ray) and the sessions of a private Ray's processes (empty for a joined cluster)."""
+    from .private_ray import own_sessions
+
+    sessions = own_sessions()
+    return (None if sessions else _gcs_address()), sessions
 
 
 def ray_stopped() -> bool:
     """Did :func:`stop_ray` run last and leave nothing of Ray behind in this process (or nothing
-    that could still be stopped in order: a start abandoned)?"""
+    that could still be stopped in order: a start abandoned, a head gone)?"""
     from .private_ray import start_abandoned
 
-    return _RAY_STOPPED and (not ray.is_initialized() or start_abandoned())
+    return _RAY_STOPPED and (not ray.is_initialized() or _HEAD_LOST or start_abandoned())
 
 
 def put_federation(fed: Federation, canaries: int = 0) -> dict:
@@ -75,7 +86,7 @@ CALL_TIMEOUT_SECONDS = 60.0
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
                  poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None,
-                 theta0: np.ndarray | Callable[[], np.ndarray] | None = None) -> dict:
+                 theta0: np.ndarray | Callable[[], np.ndarray] | None = None, started_at: float | None = None) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
     Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
@@ -88,12 +99,19 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     builds it, or a function that returns it: ``dpfl run`` builds it in a thread while Ray starts,
     and it is awaited only after the workers were requested. Joining a Ray that is already running,
     the driver's torch import then overlaps the workers' start instead of preceding it.
+    ``started_at``: when the caller began (before Ray started, and any second try of that start):
+    the summary's wall time counts from there.
+
+    When the coordinator is lost (its actor died, or the Ray head stopped answering), the files
+    are written for the round of the last checkpoint the driver holds, ``rounds.jsonl`` is cut back
+    to it, and the error names what was lost and the ``--resume`` command.
     """
     t0 = time.time()
     timings = Timings(t0, dict(startup or {}))
     shutdown = shutdown or Shutdown()
     record.write_scenario(scenario.to_yaml())
-    coord, run_ref, seen, stop_reason, error = None, None, 0, "completed", None
+    coord, run_ref, seen, stop_reason, error, lost = None, None, 0, "completed", None, None
+    last_checkpoint = resume  # the driver's own copy of the committed state
     try:
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
@@ -111,21 +129,24 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
             if shutdown.requested:  # signals are only recorded (runtime/shutdown.py): this is where a run stops
                 raise KeyboardInterrupt("signal received earlier")
             done, _ = ray.wait([run_ref], timeout=poll_seconds)
-            events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
+            events = _ask(coord.events.remote(seen), shutdown=shutdown)
             with shutdown.defer():
                 before = len(record.rounds)
                 seen = _write_events(events, seen, record, on_event)
                 if len(record.rounds) > before:
                     timings.rounds_seen()
                 if next_checkpoint is not None and len(record.rounds) >= next_checkpoint:
-                    seen, done_round = _checkpoint(coord, seen, record, on_event)
-                    next_checkpoint = (done_round // every + 1) * every
+                    seen, last_checkpoint = _checkpoint(coord, seen, record, on_event)
+                    next_checkpoint = (last_checkpoint["round"] // every + 1) * every
             if done:
-                stop_reason = ray.get(run_ref, timeout=CALL_TIMEOUT_SECONDS)["stop_reason"]
+                stop_reason = _ask(run_ref)["stop_reason"]
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
-        _stop_between_rounds(coord, run_ref)
+        if seen:  # else the coordinator has not answered yet: its process may still be starting
+            _stop_between_rounds(coord, run_ref)
+    except LOST as err:  # asking the coordinator for its state would fail too, or wait for minutes
+        stop_reason, error, lost = "error", _lost(err), err
     except ray.exceptions.RayError as err:
         stop_reason, error = "error", _one_line(err)
     except Exception as err:  # noqa: BLE001 - e.g. an OSError writing a row: the summary still gets written
@@ -134,10 +155,81 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         _stop_between_rounds(coord, run_ref)
     if shutdown.requested:
         stop_reason = "interrupted"
-    summary = _finish(scenario, fed, record, coord, seen, stop_reason, error, time.time() - t0, timings)
+    # A coordinator that is lost, or has not answered yet, is not asked (that would wait for it):
+    # the state is then the driver's last checkpoint, or the initial one if no round was seen.
+    state = _committed(coord, scenario, fed, seen, record) if coord is not None and seen and not lost else None
+    if state is None and last_checkpoint is not None:
+        from .rescue import committed_from_checkpoint
+
+        state = committed_from_checkpoint(scenario, fed, last_checkpoint)
+        record.close()
+        record = RunRecord.reopen(record.path, state["rounds"])
+    elif state is None and not record.rounds:
+        state = _initial_state(scenario)
+    wall = time.time() - (t0 if started_at is None else started_at)
+    summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings)
+    if lost is not None and last_checkpoint is not None:
+        raise DPFLError(f"{error}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json "
+                        f"and summary.json are for that round; resume with: dpfl run --resume {record.path}")
     if error:
         raise DPFLError(f"run failed after {summary['rounds_completed']} rounds ({record.path}): {error}")
     return summary
+
+
+class HeadLost(Exception):
+    """The Ray head (its GCS) stopped answering while the driver waited for the coordinator."""
+
+
+# What a lost coordinator raises in the driver: its actor died, Ray could not reach it, the head
+# is gone, or it stopped answering within CALL_TIMEOUT_SECONDS.
+LOST = (ray.exceptions.RayActorError, ray.exceptions.RaySystemError, ray.exceptions.GetTimeoutError, HeadLost)
+# While a reply is late, how often the driver checks that the head still answers (a TCP connect)
+# and that no signal came.
+HEAD_CHECK_SECONDS = 0.2
+
+
+def _gcs_address() -> str | None:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - only used to say what was lost, and to notice it sooner
+        return None
+
+
+def _ask(ref, timeout_s: float = CALL_TIMEOUT_SECONDS, shutdown: Shutdown | None = None):
+    """``ray.get(ref)`` within ``timeout_s``. When the head stops, Ray's own calls neither fail nor
+    return for half a minute and more (measured: 23-33 s on this 2-core machine), and
+    ``ray.shutdown()`` then waits for it too: so every HEAD_CHECK_SECONDS without a reply the
+    driver checks that the head's GCS still takes connections, and stops with HeadLost if not.
+    A signal recorded by ``shutdown`` meanwhile ends the wait (KeyboardInterrupt): the first reply
+    waits for the coordinator's process to start, seconds on a loaded machine."""
+    from .rescue import head_unreachable
+
+    global _HEAD_LOST
+    end = time.monotonic() + timeout_s
+    while True:
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(HEAD_CHECK_SECONDS, end - time.monotonic())))
+        if ready:
+            return ray.get(ref, timeout=max(1.0, end - time.monotonic()))
+        if shutdown is not None and shutdown.requested:
+            raise KeyboardInterrupt("signal received earlier")
+        gcs = _gcs_address()
+        if head_unreachable(gcs):
+            _HEAD_LOST = True
+            raise HeadLost(f"the Ray head at {gcs} is unreachable")
+        if time.monotonic() >= end:
+            return ray.get(ref, timeout=0)  # GetTimeoutError
+
+
+def _lost(err: Exception) -> str:
+    """What was lost, in one line: the head, if it no longer answers, else the coordinator."""
+    from .rescue import head_unreachable
+
+    global _HEAD_LOST
+    gcs = _gcs_address()
+    if isinstance(err, HeadLost) or head_unreachable(gcs):
+        _HEAD_LOST = True
+        return f"the Ray head at {gcs} is unreachable; the coordinator was lost with it"
+    return f"the coordinator was lost ({type(err).__name__}: {_one_line(err)})"
 
 
 def _stop_between_rounds(coord, run_ref) -> None:
@@ -167,13 +259,14 @@ def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up
     return seen
 
 
-def _checkpoint(coord, seen: int, record: RunRecord, on_event) -> tuple[int, int]:
-    """Write checkpoint.npz for the coordinator's committed state, after every row it covers."""
-    state = ray.get(coord.checkpoint.remote(), timeout=CALL_TIMEOUT_SECONDS)
-    events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
+def _checkpoint(coord, seen: int, record: RunRecord, on_event) -> tuple[int, dict]:
+    """Write checkpoint.npz for the coordinator's committed state, after every row it covers;
+    returns the events read so far and the state."""
+    state = _ask(coord.checkpoint.remote())
+    events = _ask(coord.events.remote(seen))
     seen = _write_events(events, seen, record, on_event, up_to=state["round"])
     write_checkpoint(record.path, state)
-    return seen, state["round"]
+    return seen, state
 
 
 def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | None:
@@ -181,9 +274,9 @@ def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | Non
     if coord is None:
         return None
     try:
-        state = ray.get(coord.committed.remote(), timeout=CALL_TIMEOUT_SECONDS)
-        events = ray.get(coord.events.remote(seen), timeout=CALL_TIMEOUT_SECONDS)
-    except ray.exceptions.RayError:
+        state = _ask(coord.committed.remote())
+        events = _ask(coord.events.remote(seen))
+    except (ray.exceptions.RayError, HeadLost):
         return None
     with contextlib.suppress(OSError):  # rows that still cannot be written: the summary says why
         _write_events(events, seen, record, None, up_to=state["rounds"])
@@ -221,8 +314,9 @@ class Timings:
         return dict(self.marks)
 
 
-def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timings: Timings | None = None) -> dict:
-    state = _committed(coord, scenario, fed, seen, record) if coord is not None else _initial_state(scenario)
+def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, timings: Timings | None = None) -> dict:
+    """Write ledger.json, model.pt, summary.json (and the checkpoint, audit and plots) for
+    ``state``: what the coordinator committed (``Coordinator.committed``), or None if it is gone."""
     rounds = record.rounds
     last_acc = next((r["test_accuracy"] for r in reversed(rounds) if r.get("test_accuracy") is not None), None)
     summary = {"name": scenario.name, "final_accuracy": last_acc,
@@ -291,10 +385,11 @@ def _finish(scenario, fed, record, coord, seen, stop_reason, error, wall, timing
     return summary
 
 
-def write_unstarted(scenario: Scenario, fed: Federation, record: RunRecord, wall: float) -> dict:
-    """The files of a run interrupted before its coordinator existed: 0 rounds, the initial model."""
+def write_unstarted(scenario: Scenario, fed: Federation, record: RunRecord, wall: float,
+                    stop_reason: str = "interrupted", error: str | None = None) -> dict:
+    """The files of a run stopped before its coordinator existed: 0 rounds, the initial model."""
     record.write_scenario(scenario.to_yaml())
-    return _finish(scenario, fed, record, None, 0, "interrupted", None, wall)
+    return finish(scenario, fed, record, _initial_state(scenario), stop_reason, error, wall)
 
 
 def _one_line(err: Exception) -> str:

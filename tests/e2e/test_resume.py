@@ -1,5 +1,7 @@
-"""Exact resume: a private SecAgg run whose driver is killed with SIGKILL after round k, resumed with
-`dpfl run --resume`, ends with the same bytes as an uninterrupted run of the same scenario.
+"""Exact resume: a private SecAgg run whose driver is killed with SIGKILL after round k -- as Ray's
+core ends it when its node stops -- leaves the files of its last checkpoint (its watcher writes
+them: runtime/rescue.py), and resumed with `dpfl run --resume` ends with the same bytes as an
+uninterrupted run of the same scenario.
 
 The runs join the test session's Ray (RAY_ADDRESS), as runs on a cluster do: a killed driver's
 actors are ended by Ray, and its resume is a new driver. A private Ray's start and stop under
@@ -16,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+
+from dpfl_ray.runtime.checkpoint import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,9 +61,16 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(ray_address, tmp_pat
                and (cut / "checkpoint.npz").exists()):
         assert victim.poll() is None and time.monotonic() < end, victim.communicate()
         time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)  # the driver, without warning
-    victim.wait(timeout=30)
-    assert not (cut / "summary.json").exists()
+    victim.kill()  # the driver alone, without warning
+    _, err = victim.communicate(timeout=120)  # its watcher holds the pipes until it is done
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"resume with: dpfl run --resume {cut}" in errors[0], err[-3000:]
+    assert "Traceback" not in err
+    rows, summary = _rows(cut), json.loads((cut / "summary.json").read_text())
+    ledger = json.loads((cut / "ledger.json").read_text())
+    assert summary["stop_reason"] == "error" and (cut / "model.pt").exists()
+    assert summary["rounds_completed"] == len(rows) == ledger["num_rounds"] == read_checkpoint(cut)["round"] >= 3
+    assert summary["epsilon"] == rows[-1]["epsilon"] == ledger["epsilon"]
     # the checkpoint the coordinator wrote knows its scenario: an edit is refused, naming the field
     original = (cut / "scenario.yaml").read_text()
     (cut / "scenario.yaml").write_text(original.replace("noise_multiplier: 1.0", "noise_multiplier: 0.3"))
