@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from dpfl_ray.local import local_update
-from dpfl_ray.local_dp import DPSGDConfig, dpsgd_update
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.local import local_update
+from dpfl_ray.training.local_dp import DPSGDConfig, dpsgd_update
+from dpfl_ray.training.models import build_model, get_flat
 
 
 def _seconds(fn) -> float:

@@ -32,12 +32,12 @@ def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False)
     client of every round of ``sc``; returns seconds, SGD steps and per-round mean training loss.
 
     ``share=(i, n)`` trains only every n-th client of each round from the i-th, and ``batched``
-    trains them with dpfl_ray.local_batched: n such processes side by side emulate n workers'
+    trains them with dpfl_ray.training.local_batched: n such processes side by side emulate n workers'
     training compute without Ray (no per-step losses then)."""
     if batched:
         return _train_share_batched(sc, fed, share)
     from dpfl_ray import rng as rngmod
-    from dpfl_ray.models import build_model
+    from dpfl_ray.training.models import build_model
 
     from .workloads import trained_clients
 
@@ -88,8 +88,8 @@ def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False)
 
 def _train_share_batched(sc, fed, share: tuple[int, int]) -> dict:
     from dpfl_ray import rng as rngmod
-    from dpfl_ray.local_batched import batched_local_updates, warm_up
-    from dpfl_ray.models import build_model, get_flat
+    from dpfl_ray.training.local_batched import batched_local_updates, warm_up
+    from dpfl_ray.training.models import build_model, get_flat
 
     from .workloads import trained_clients
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="scenario override key=value")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--share", default="0/1", help="I/N: train only the I-th of N shares of each round's clients")
-    ap.add_argument("--batched", action="store_true", help="train the share with dpfl_ray.local_batched")
+    ap.add_argument("--batched", action="store_true", help="train the share with dpfl_ray.training.local_batched")
     args = ap.parse_args(argv)
     i, n = (int(v) for v in args.share.split("/"))
     if not 0 <= i < n:

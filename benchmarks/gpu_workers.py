@@ -2,7 +2,7 @@
 
 Ray cannot be installed on the lent GPU machines (no registry, and its wheel is larger than what
 travels there), so this measures what a ClientWorker does each round -- local training of its
-share of the round's clients, sequentially (dpfl_ray.local) or batched (dpfl_ray.local_batched) --
+share of the round's clients, sequentially (dpfl_ray.training.local) or batched (dpfl_ray.training.local_batched) --
 in k concurrent processes on one device, the round's clients split between them as the runtime
 splits them. Data are random tensors of the workload's shapes (throughput does not depend on the
 values). Prints one JSON object per configuration.
@@ -29,8 +29,8 @@ def _worker(rank, k, workload, device, path, barrier, out):
 
     from types import SimpleNamespace
 
-    from dpfl_ray.local import local_update
-    from dpfl_ray.models import build_model, get_flat
+    from dpfl_ray.training.local import local_update
+    from dpfl_ray.training.models import build_model, get_flat
 
     torch.set_num_threads(1)
     clients, n, per_round, rounds, batch = WORKLOADS[workload]
@@ -41,7 +41,7 @@ def _worker(rank, k, workload, device, path, barrier, out):
     y = g.integers(0, 10, (clients, n))
     batched = None
     if path == "batched":
-        from dpfl_ray import local_batched
+        from dpfl_ray.training import local_batched
 
         batched = local_batched
         local_batched.warm_up(model, (1, 28, 28), batch, 10)

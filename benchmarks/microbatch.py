@@ -1,5 +1,5 @@
-"""Microbenchmark: K clients' local updates, one after another (dpfl_ray.local.local_update)
-against one vectorised call (dpfl_ray.local_batched), in this process, interleaved.
+"""Microbenchmark: K clients' local updates, one after another (dpfl_ray.training.local.local_update)
+against one vectorised call (dpfl_ray.training.local_batched), in this process, interleaved.
 
     python -m benchmarks.microbatch --model cnn --examples 50 --batch-size 10 --clients 5   # W1-like
     python -m benchmarks.microbatch --model cnn --examples 5 --batch-size 5 --clients 50    # W2-like
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from dpfl_ray import rng as rngmod
-from dpfl_ray.local import local_update
-from dpfl_ray.local_batched import batched_local_updates
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.local import local_update
+from dpfl_ray.training.local_batched import batched_local_updates
+from dpfl_ray.training.models import build_model, get_flat
 
 
 def load_images(data: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -89,8 +89,8 @@ def scenario(name: str, overrides: list[str] | None = None):
 def trained_clients(sc, round_idx: int) -> list[int]:
     """The clients that run a local update in ``round_idx``: the sampled ones, less those the fault
     plan drops before training (a client that drops at upload has trained)."""
-    from dpfl_ray.faults import plan_round
-    from dpfl_ray.sampling import sample_clients
+    from dpfl_ray.faults.plan import plan_round
+    from dpfl_ray.privacy.client_sampling import sample_clients
 
     sampled = sample_clients(sc.sampling, sc.data.num_clients, sc.seed, round_idx)
     faults = plan_round(sc.faults.dropouts, sampled, sc.seed, round_idx)

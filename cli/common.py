@@ -85,7 +85,7 @@ def preflight(sc, run_dir) -> None:
     """What can be checked of a run before Ray starts: ``run_dir`` can be written, and the
     scenario's accountant can account its planned rounds within bounds (a note says when 'pld'
     will use a coarse grid or fall back to 'rdp'). Raises a DPFLError otherwise."""
-    from dpfl_ray.results import check_writable
+    from dpfl_ray.runs.record import check_writable
 
     check_writable(run_dir)
     plan = accounting_plan(sc)
@@ -135,3 +135,25 @@ def _check_one_round_fits(sc, mech) -> None:
                         f"{p.noise_multiplier:g} one round {cost} at delta {p.delta:g} ({booked['accountant_used']} "
                         "accountant); raise the target or the noise multiplier, or leave noise_multiplier unset to "
                         "calibrate it", field="privacy.target_epsilon")
+
+
+ADDRESS_HELP = "the cluster's dashboard, http://HEAD:8265 (default: RAY_API_SERVER_ADDRESS, or RAY_ADDRESS if http)"
+
+
+def write_job_log(text: str) -> None:
+    from dpfl_ray.runs.bundle import without_bundle
+
+    sys.stdout.write(without_bundle(text))
+    sys.stdout.flush()
+
+
+def follow_job(jobs, job_id: str) -> int:
+    """Stream a job's log until it ends: 0 if it SUCCEEDED, 1 if not, 130 if the user stops watching."""
+    try:
+        status = jobs.follow(job_id, write_job_log)
+    except KeyboardInterrupt:
+        err_console.print(f"stopped following; job {job_id} keeps running (`dpfl jobs stop {job_id}` stops it)",
+                          highlight=False)
+        return 130
+    err_console.print(f"job {job_id} {status}", highlight=False)
+    return 0 if status == "SUCCEEDED" else 1

@@ -16,8 +16,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, err_console, fail, user_errors
-from .submit import ADDRESS_HELP
+from .common import ADDRESS_HELP, console, fail, follow_job, user_errors, write_job_log
 
 app = typer.Typer(help="Ray Jobs on a cluster: list, status, logs, stop, fetch.", no_args_is_help=True)
 
@@ -28,25 +27,6 @@ def _jobs(address: Optional[str]):
     from dpfl_ray.runtime.jobs import Jobs, dashboard_address
 
     return Jobs(dashboard_address(address))
-
-
-def _write(text: str) -> None:
-    from dpfl_ray.bundle import without_bundle
-
-    sys.stdout.write(without_bundle(text))
-    sys.stdout.flush()
-
-
-def follow_job(jobs, job_id: str) -> int:
-    """Stream a job's log until it ends: 0 if it SUCCEEDED, 1 if not, 130 if the user stops watching."""
-    try:
-        status = jobs.follow(job_id, _write)
-    except KeyboardInterrupt:
-        err_console.print(f"stopped following; job {job_id} keeps running (`dpfl jobs stop {job_id}` stops it)",
-                          highlight=False)
-        return 130
-    err_console.print(f"job {job_id} {status}", highlight=False)
-    return 0 if status == "SUCCEEDED" else 1
 
 
 def _when(t: float | None) -> str:
@@ -87,7 +67,7 @@ def logs(job_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
     jobs = _jobs(address)
     if follow:
         raise typer.Exit(follow_job(jobs, job_id))
-    _write(jobs.logs(job_id))
+    write_job_log(jobs.logs(job_id))
 
 
 @app.command("stop")
@@ -107,7 +87,7 @@ def fetch(job_id: str = typer.Argument(...),
           to: Optional[Path] = typer.Option(None, "--to", help="where to put it (default: runs/SCENARIO/JOB_ID)"),
           address: Optional[str] = Address) -> None:
     """Bring a finished job's run directory back: summary, rounds, ledger, model, plots."""
-    from dpfl_ray.bundle import find_bundle, unpack
+    from dpfl_ray.runs.bundle import find_bundle, unpack
     from dpfl_ray.runtime.jobs import TERMINAL
 
     jobs = _jobs(address)
@@ -131,8 +111,8 @@ def fetch(job_id: str = typer.Argument(...),
 @app.command("entrypoint", hidden=True)
 def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
     """Inside a Ray Job: `dpfl run` the scenario `dpfl submit` shipped, then pack the run directory
-    into the log (dpfl_ray/bundle.py) -- also after a failure or a stop, whatever was written."""
-    from dpfl_ray.bundle import bundle_lines
+    into the log (dpfl_ray/runs/bundle.py) -- also after a failure or a stop, whatever was written."""
+    from dpfl_ray.runs.bundle import bundle_lines
     from dpfl_ray.runtime.jobs import SCENARIO_ENV
 
     try:  # recent Typer vendors its own copy of click
@@ -140,7 +120,13 @@ def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
     except ImportError:  # pragma: no cover - older Typer on real click
         from click.exceptions import Abort
 
-    from .main import app as dpfl
+    from .run import run as run_command
+
+    # `dpfl run` exactly as the command line parses it, without importing cli.main (which
+    # assembles this module): a one-command app with a callback keeps `run` a subcommand.
+    dpfl = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
+    dpfl.callback()(lambda: None)
+    dpfl.command("run")(run_command)
 
     text = os.environ.get(SCENARIO_ENV)
     if not text:

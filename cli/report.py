@@ -48,7 +48,8 @@ def report(
     out: Path = typer.Option(Path("report"), "--out", help="folder for the plots and report.csv"),
 ) -> None:
     """Compare runs: a table of accuracy and privacy, plus accuracy/epsilon plots and a CSV."""
-    from dpfl_ray.report import cells, load_runs, write_report
+    from dpfl_ray.runs.load import load_runs
+    from dpfl_ray.runs.report import cells, write_report
 
     runs, notes = load_runs(run_dirs)  # every input is checked before anything is written
     rows, written = write_report(runs, out)

@@ -41,7 +41,7 @@ def run(
     model = _InitialModel(sc, fed)  # torch loads while Ray starts
     import ray
 
-    from dpfl_ray.results import RunRecord
+    from dpfl_ray.runs.record import RunRecord
     from dpfl_ray.runtime.driver import ensure_ray, ray_stopped, ray_to_watch, run_scenario, stop_ray, write_unstarted
     from dpfl_ray.runtime.rescue import Watcher
     from dpfl_ray.runtime.resources import plan_pool
@@ -99,7 +99,7 @@ def _prepare(scenario, set_, out, address, resume):
     scenario is read before the data code loads: a mistake in it answers at once. Torch is not
     needed here: the model's fit to the data is checked without it (_InitialModel builds it)."""
     from dpfl_ray.errors import DPFLError
-    from dpfl_ray.results import RunRecord, default_run_dir
+    from dpfl_ray.runs.record import RunRecord, default_run_dir
     from dpfl_ray.runtime.checkpoint import finished, open_for_resume
     from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
     from dpfl_ray.scenario import load_scenario
@@ -122,7 +122,7 @@ def _prepare(scenario, set_, out, address, resume):
         sc = load_scenario(scenario, set_)
     from dpfl_ray.algorithms import make_algorithm
     from dpfl_ray.data import build_federation
-    from dpfl_ray.model_inputs import check_model_input
+    from dpfl_ray.training.model_inputs import check_model_input
 
     t_data = time.time()
     fed = build_federation(sc)
@@ -170,14 +170,14 @@ class _InitialModel:
 
     def _build(self, sc, input_shape, num_classes) -> None:
         try:
-            from dpfl_ray.models import initial_theta
+            from dpfl_ray.training.models import initial_theta
 
             self._theta = initial_theta(sc.model, input_shape, num_classes, sc.seed)
         except BaseException as err:  # noqa: BLE001 - handed to the main thread by result()
             self._error = err
         self._built.set()
         try:
-            from dpfl_ray.results import plotting_library
+            from dpfl_ray.runs.record import plotting_library
 
             plotting_library()
         except Exception:  # noqa: BLE001 - only a head start: the plots load it again, and say what fails

@@ -50,7 +50,7 @@ def validate(path: Path = typer.Argument(..., help="scenario YAML file"),
         console.print(f"note: {plan.note}", highlight=False, soft_wrap=True, markup=False)
     if data:
         from dpfl_ray.data import build_federation
-        from dpfl_ray.models import build_model
+        from dpfl_ray.training.models import build_model
 
         fed = build_federation(sc)
         build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)

@@ -6,9 +6,8 @@ from typing import Optional
 
 import typer
 
-from .common import err_console, user_errors
+from .common import ADDRESS_HELP, err_console, follow_job, user_errors
 
-ADDRESS_HELP = "the cluster's dashboard, http://HEAD:8265 (default: RAY_API_SERVER_ADDRESS, or RAY_ADDRESS if http)"
 
 
 @user_errors
@@ -28,7 +27,6 @@ def submit(
                                        submission_id)
     from dpfl_ray.scenario import load_scenario
 
-    from .jobs import follow_job
 
     sc = load_scenario(scenario, set_)  # a bad scenario is one line here, not a failed job
     url = dashboard_address(address)

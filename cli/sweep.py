@@ -44,8 +44,8 @@ def sweep(
 ) -> None:
     """Run every combination of the grid (x seeds) with `dpfl run`, one after the other; write
     sweep.csv and plots of final accuracy and epsilon against each axis. Finished runs are skipped."""
-    from dpfl_ray import sweep as sw
-    from dpfl_ray.results import default_run_dir
+    from dpfl_ray.runs import sweep as sw
+    from dpfl_ray.runs.record import default_run_dir
     from dpfl_ray.scenario import load_scenario
 
     base = load_scenario(scenario, set_)  # a bad scenario or --set is reported as itself
@@ -60,7 +60,7 @@ def sweep(
         console.print(f"ok: {len(runs)} combinations" + (f", {len(mine)} in shard {shard}" if count > 1 else ""))
         return
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
-    # A second sweep on this directory is refused; the runs inherit the lock (dpfl_ray/sweep.py)
+    # A second sweep on this directory is refused; the runs inherit the lock (dpfl_ray/runs/sweep.py)
     with sw.SweepLock(sweep_dir, index, count) as lock:
         sw.prepare(sweep_dir, scenario, axes, sw.parse_seeds(seeds), set_)
         console.print(f"[bold]sweep[/] {escape(base.name)}: {len(mine)} runs -> {escape(str(sweep_dir))}",

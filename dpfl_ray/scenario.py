@@ -327,7 +327,7 @@ class CrashConfig(_Section):
     @field_validator("at")
     @classmethod
     def _points(cls, at):
-        from .faults import parse_crash_points
+        from .faults.plan import parse_crash_points
 
         parse_crash_points(at)  # raises ValueError naming the entry
         return at
@@ -460,7 +460,7 @@ class Scenario(_Section):
 
     @model_validator(mode="after")
     def _fault_checks(self, info):  # info: pydantic.ValidationInfo
-        from .faults import check_scenario
+        from .faults.plan import check_scenario
 
         # context={"read_files": False}: a process on another node, which gets the trace from the driver
         check_scenario(self, read_files=(info.context or {}).get("read_files", True))

@@ -20,7 +20,7 @@ import dp_accounting
 import numpy as np
 import torch
 
-from ..local_dp import DPSGDConfig, dpsgd_update
+from ..training.local_dp import DPSGDConfig, dpsgd_update
 from ..privacy.client_ledgers import ClientLedgers
 from ..privacy.randomness import DPRandomness
 from .adap_dpfl_core import (
@@ -117,7 +117,7 @@ class AdapDPFL(Algorithm):
         self._sampled: list[int] = []
 
     def _round_event(self, c: int):
-        """What client c's ledger will book for this round, as dpfl_ray.local_dp reports it."""
+        """What client c's ledger will book for this round, as dpfl_ray.training.local_dp reports it."""
         q = min(1.0, self.settings.lot_size / max(int(self.sizes[c]), 1))
         effective, _ = round_events(q, self.sigma, book_threshold_query=self.settings.alpha is not None)
         return dp_accounting.SelfComposedDpEvent(effective, self.settings.steps)

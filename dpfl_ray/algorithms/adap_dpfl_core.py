@@ -1,6 +1,6 @@
 """Fu et al. 2022 (Adap DP-FL): the pure building blocks of Algorithm 1.
 
-* Sample-level DP-SGD on every client (:func:`dpfl_ray.local_dp.dpsgd_update`): a Poisson lot of
+* Sample-level DP-SGD on every client (:func:`dpfl_ray.training.local_dp.dpsgd_update`): a Poisson lot of
   expected size L (line 7, q = L/|D_k|), per-example clipping to C_t^k (line 11), noise
   N(0, sigma_t^2 (C_t^k)^2) on the sum (line 13) -- :func:`client_config`.
 * Adaptive clipping (eq. 6-8): C_t^k = alpha * | (sum_i min(||g_i||, C_{t-1}^k) + N(0, (C_{t-1}^k
@@ -37,7 +37,7 @@ from torch import nn
 from .. import rng as rngmod
 from ..data import partition as P
 from ..errors import DPFLError
-from ..local_dp import DPSGDConfig, DPSGDResult, per_example_grad_norms
+from ..training.local_dp import DPSGDConfig, DPSGDResult, per_example_grad_norms
 from ..privacy.client_ledgers import FU_EQ10_ORDERS, ClientLedgers
 
 __all__ = ["initial_clip_threshold", "next_clip_threshold", "decayed_noise_multiplier", "client_config",

@@ -283,7 +283,7 @@ class Algorithm(ABC):
 
     def withdrawals(self, round_idx: int, sampled) -> dict[int, str]:
         """Sampled clients that will not take part this round, with the dropout cause
-        (dpfl_ray.faults vocabulary), e.g. 'exhausted' once a client's budget is spent."""
+        (dpfl_ray.faults.plan vocabulary), e.g. 'exhausted' once a client's budget is spent."""
         return {}
 
     def client_spec(self) -> ClientSpec:

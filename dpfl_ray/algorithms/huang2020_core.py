@@ -55,8 +55,8 @@ from torch import nn
 from torch.func import functional_call
 
 from ..errors import DPFLError
-from ..local_dp import TorchNormal, clip_and_sum, per_example_grad_fn
-from ..models import set_flat
+from ..training.local_dp import TorchNormal, clip_and_sum, per_example_grad_fn
+from ..training.models import set_flat
 from ..privacy.randomness import DPRandomness
 
 __all__ = ["DPAGDConfig", "DPAGDResult", "HuangClientBudget", "budgets_by_size", "gaussian_noise_multiplier",

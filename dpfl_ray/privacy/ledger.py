@@ -214,7 +214,7 @@ class PrivacyLedger:
         ``paper_epsilon``: the epsilon the mechanism's paper claims for this round by its own
         analysis, when that is not a multiplier dp_accounting can compose (NbAFL's classic Gaussian
         bound); ``claim_note`` says where that claim stands outside its own validity range.
-        ``dropouts``: who was missing from the round, {cause: {phase: count}} (dpfl_ray.faults), for
+        ``dropouts``: who was missing from the round, {cause: {phase: count}} (dpfl_ray.faults.plan), for
         the reader: what was booked already reflects them.
         """
         if not isinstance(reason, str):

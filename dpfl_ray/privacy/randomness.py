@@ -11,7 +11,7 @@ Floating-point attacks on the transform (Mironov 2012) are out of scope.
 
 Every DP draw goes through :meth:`DPRandomness.generator`: the client- and server-side Gaussian
 noise, record-level DP-SGD's lots and noise and DPAGD's noise and Laplace arg-max
-(:class:`dpfl_ray.local_dp.TorchNormal` turns a stream into tensors), and the client sample whose
+(:class:`dpfl_ray.training.local_dp.TorchNormal` turns a stream into tensors), and the client sample whose
 secrecy the ledger's amplification by sampling assumes.
 """
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The only Ray code: the coordinator and worker actors, resources, connect and shutdown, checkpoints and jobs."""

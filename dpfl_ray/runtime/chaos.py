@@ -1,6 +1,6 @@
 """Carrying a round's planned faults out for real (ARCHITECTURE.md, principle 4): worker crashes
 are ``ray.kill``, a lost node is a node whose raylet is killed, stragglers sleep on their worker
-(workers.py). The plan itself is pure (dpfl_ray/faults.py); this module only acts on it.
+(workers.py). The plan itself is pure (dpfl_ray/faults/plan.py); this module only acts on it.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import signal
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..faults import CRASH, NODE_LOST
+from ..faults.plan import CRASH, NODE_LOST
 
 
 @ray.remote(num_cpus=0)

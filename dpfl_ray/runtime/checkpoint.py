@@ -115,7 +115,7 @@ def open_for_resume(run_dir: Path):
     """(checkpoint, scenario) of a run directory to continue, every file it rests on checked before
     Ray starts: the checkpoint whole, the rows it covers whole, scenario.yaml unedited. None when
     the run already finished (its summary: :func:`finished`)."""
-    from ..results import RunRecord
+    from ..runs.record import RunRecord
     from ..scenario import load_scenario
 
     run_dir = Path(run_dir)

@@ -16,7 +16,6 @@ had cut in half.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import DPFLError
+from .shutdown import exit_without_waiting_for, signal_name, signal_number
 from .cluster import (
     CLIENT_PORT, Target, Token, find_auth_token, missing_token_message, recorded_address, rejected_token_message,
     resolve_target, stay_on_loopback,
@@ -250,7 +250,7 @@ def start_local_ray(init: Callable[[], object], attempts: int = LOCAL_START_ATTE
             else:
                 clear()
             if pending_signal():
-                raise KeyboardInterrupt(_signal_name(pending_signal())) from None
+                raise KeyboardInterrupt(signal_name(pending_signal())) from None
             if attempt == attempts:
                 raise DPFLError(f"the private local Ray did not start ({attempts} tries): {reason}") from None
             (warn or _warn)(f"Ray's local start failed ({reason}); starting it again")
@@ -320,45 +320,14 @@ def call_bounded(fn: Callable[[], object], timeout_s: float, what: str, poll_s: 
         while worker.is_alive():
             worker.join(poll_s)
             if worker.is_alive() and pending_signal():
-                raise KeyboardInterrupt(_signal_name(pending_signal()))
+                raise KeyboardInterrupt(signal_name(pending_signal()))
             if worker.is_alive() and time.monotonic() > deadline:
-                _exit_without_waiting_for(worker.is_alive, 2)
+                exit_without_waiting_for(worker.is_alive, 2)
                 raise DPFLError(f"{what} did not finish within {timeout_s:g} s")
     except KeyboardInterrupt as interrupt:
         if worker.is_alive():
-            _exit_without_waiting_for(worker.is_alive, 128 + _signal_number(interrupt))
+            exit_without_waiting_for(worker.is_alive, 128 + signal_number(interrupt))
         raise
     if "error" in box:
         raise box["error"]
     return box.get("value")
-
-
-def _signal_name(signum: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return "SIGINT"
-
-
-def _signal_number(interrupt: KeyboardInterrupt) -> int:
-    import signal
-
-    name = interrupt.args[0] if interrupt.args else "SIGINT"
-    return getattr(signal, str(name), signal.SIGINT)
-
-
-def _exit_without_waiting_for(running: Callable[[], bool], code: int) -> None:
-    """Registered last, this runs first at exit: if the abandoned call still runs (``running()``),
-    leave at once."""
-    def leave() -> None:
-        if running():
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            os._exit(code)
-
-    atexit.register(leave)

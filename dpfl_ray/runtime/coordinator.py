@@ -17,12 +17,12 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_algorithm
-from ..faults import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
-from ..evaluation import combine_shards, eval_shards
+from ..faults.plan import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
+from ..training.evaluation import combine_shards, eval_shards
 from ..privacy.randomness import DPRandomness
-from ..sampling import sample_clients
+from ..privacy.client_sampling import sample_clients
 from ..scenario import Scenario
-from ..results import client_accuracy_summary
+from ..runs.record import client_accuracy_summary
 from .messages import Canaries
 from .resources import assign_clients, assign_groups, deal, plan_pool, summation_groups, undeal
 from .chaos import strike
@@ -211,7 +211,7 @@ class Coordinator:
         return {"stop_reason": stop_reason}
 
     def _record_stack_padding(self) -> None:
-        """Put the stack sizes the workers' CPUs made them pad (dpfl_ray.local_batched) into the
+        """Put the stack sizes the workers' CPUs made them pad (dpfl_ray.training.local_batched) into the
         summary's placement: what made the run's bits independent of the pool on this host."""
         padding: dict[str, int] = {}
         for info in self.worker_info():
@@ -405,7 +405,7 @@ class Coordinator:
         except (RayActorError, GetTimeoutError, IndexError):
             if split != "test":
                 raise
-            from ..models import build_model, set_flat, shard_sums
+            from ..training.models import build_model, set_flat, shard_sums
 
             if self.model is None:
                 self.model = build_model(self.sc.model, tuple(self._data["input_shape"]), self._data["num_classes"],
@@ -445,7 +445,7 @@ def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None
     """``theta0``: the initial model, flat (models.initial_theta), if the caller built it already;
     built here otherwise. The driver builds it, so that the coordinator never loads torch."""
     if theta0 is None:
-        from ..models import initial_theta
+        from ..training.models import initial_theta
 
         theta0 = initial_theta(scenario.model, data["input_shape"], data["num_classes"], scenario.seed)
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)

@@ -12,8 +12,8 @@ import ray
 from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
-from ..faults import FaultPlan
-from ..results import RunRecord, versions
+from ..faults.plan import FaultPlan
+from ..runs.record import RunRecord, versions
 from ..scenario import Scenario
 from .coordinator import make_coordinator, start_workers
 from .checkpoint import write_checkpoint
@@ -159,7 +159,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     # the state is then the driver's last checkpoint, or the initial one if no round was seen.
     state = _committed(coord, scenario, fed, seen, record) if coord is not None and seen and not lost else None
     if state is None and last_checkpoint is not None:
-        from .rescue import committed_from_checkpoint
+        from .recovery import committed_from_checkpoint
 
         state = committed_from_checkpoint(scenario, fed, last_checkpoint)
         record.close()
@@ -202,7 +202,7 @@ def _ask(ref, timeout_s: float = CALL_TIMEOUT_SECONDS, shutdown: Shutdown | None
     driver checks that the head's GCS still takes connections, and stops with HeadLost if not.
     A signal recorded by ``shutdown`` meanwhile ends the wait (KeyboardInterrupt): the first reply
     waits for the coordinator's process to start, seconds on a loaded machine."""
-    from .rescue import head_unreachable
+    from .recovery import head_unreachable
 
     global _HEAD_LOST
     end = time.monotonic() + timeout_s
@@ -222,7 +222,7 @@ def _ask(ref, timeout_s: float = CALL_TIMEOUT_SECONDS, shutdown: Shutdown | None
 
 def _lost(err: Exception) -> str:
     """What was lost, in one line: the head, if it no longer answers, else the coordinator."""
-    from .rescue import head_unreachable
+    from .recovery import head_unreachable
 
     global _HEAD_LOST
     gcs = _gcs_address()
@@ -366,7 +366,7 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
             record.write_json("ledger.json", ledger)
     if state is not None:
         summary.update(state["summary"])
-        from ..models import build_model, set_flat  # torch: `dpfl run` loads it while Ray starts
+        from ..training.models import build_model, set_flat  # torch: `dpfl run` loads it while Ray starts
 
         model = build_model(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed)
         if state["theta"] is not None:

@@ -82,14 +82,16 @@ def job_runtime_env(scenario_yaml: str, root: Path | None, install: bool = False
     PYTHONPATH, so the job runs exactly this code; without a checkout, the two installed packages),
     the resolved scenario as an environment variable, and with ``install`` the dependencies through
     pip for nodes that lack them."""
-    import cli
+    import importlib.util
+
     import dpfl_ray
 
     env: dict = {"env_vars": {SCENARIO_ENV: scenario_yaml}, "excludes": list(EXCLUDES)}
     if root is not None:
         env["working_dir"] = str(root)
-    else:  # an installed dpfl: ship its two packages
-        env["py_modules"] = [str(Path(dpfl_ray.__file__).parent), str(Path(cli.__file__).parent)]
+    else:  # an installed dpfl: ship its two packages (cli found, not imported: the runtime sits below it)
+        cli_dir = Path(importlib.util.find_spec("cli").origin).parent
+        env["py_modules"] = [str(Path(dpfl_ray.__file__).parent), str(cli_dir)]
     if install:
         env["pip"] = {"packages": install_requirements(root), "pip_check": False}
     return env
@@ -97,7 +99,7 @@ def job_runtime_env(scenario_yaml: str, root: Path | None, install: bool = False
 
 def entrypoint_command(out: str) -> str:
     """The job runs `dpfl run` through this hidden command, which then packs the run directory
-    into the log (dpfl_ray/bundle.py). ``python -m`` resolves the shipped working_dir first."""
+    into the log (dpfl_ray/runs/bundle.py). ``python -m`` resolves the shipped working_dir first."""
     return f"python -m cli.main jobs entrypoint --out {shlex.quote(out)}"
 
 

@@ -8,7 +8,7 @@ import sys
 import threading
 from typing import Callable
 
-from .connect import _exit_without_waiting_for, _signal_name
+from .shutdown import exit_without_waiting_for, signal_name
 
 
 def own_sessions() -> set[int]:
@@ -67,8 +67,8 @@ def start_in_keeper(init: Callable[[], object], pending_signal: Callable[[], int
         if pending_signal():
             stopped.set()
             _START_ABANDONED.set()
-            _exit_without_waiting_for(lambda: not finished.is_set(), 128 + pending_signal())
-            raise KeyboardInterrupt(_signal_name(pending_signal()))
+            exit_without_waiting_for(lambda: not finished.is_set(), 128 + pending_signal())
+            raise KeyboardInterrupt(signal_name(pending_signal()))
     if "error" in box:
         raise box["error"]
 

@@ -20,59 +20,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from .recovery import committed_from_checkpoint, head_unreachable
 
 DONE = b"done\n"
-
-
-def committed_from_checkpoint(scenario, fed, state: dict) -> dict:
-    """What ``Coordinator.committed`` returns, rebuilt from a checkpoint (runtime/checkpoint.py)
-    as the coordinator builds and restores its bookkeeping: the model, the ledger and the
-    algorithm's summary fields after ``state["round"]`` rounds. An audit's statistics are not
-    rebuilt (audit.json keeps what the last finished run wrote)."""
-    from ..algorithms import algorithm_class, make_algorithm
-
-    weights, sizes = np.asarray(fed.weights), np.asarray(fed.sizes)
-    alg_sizes = sizes
-    audit = scenario.privacy.audit
-    if audit is not None:  # the canary clients, as runtime/driver.put_federation and the coordinator add them
-        weights = np.concatenate([weights, np.ones(audit.canaries)])
-        alg_sizes = np.concatenate([sizes, np.full(audit.canaries, sizes.max())])
-    cls = algorithm_class(scenario)
-    privacy = None
-    if cls.private:
-        from .privacy import ClientPrivacy, RunPrivacy
-
-        privacy = (ClientPrivacy if cls.record_level else RunPrivacy)(scenario, weights, alg_sizes)
-    algorithm = make_algorithm(scenario, weights, privacy.noise_multiplier if privacy else None, sizes=alg_sizes)
-    arrays = state["arrays"]
-    algorithm.load_state_dict(state["algorithm"])
-    out = {"rounds": int(state["round"]), "theta": np.asarray(arrays["theta"], dtype=np.float32),
-           "summary": algorithm.summary_fields(), "checkpoint": state}
-    if privacy:
-        privacy.bind(algorithm)
-        privacy.load_state_dict({**state["privacy"], "arrays": {
-            k.removeprefix("privacy."): v for k, v in arrays.items() if k.startswith("privacy.")}})
-        out["ledger"] = privacy.to_dict()
-    return out
-
-
-def head_unreachable(gcs_address: str | None, timeout_s: float = 1.0) -> bool:
-    """Does nothing listen at the cluster's GCS address any more (None: not known)?"""
-    if not gcs_address:
-        return False
-    host, _, port = gcs_address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return False
-    except (OSError, ValueError):
-        return True
 
 
 class Watcher:
@@ -146,7 +101,7 @@ def rescue(run_dir: Path, head: str | None, started_at: float) -> str:
     """Write the files of the checkpoint's round; returns the error line to print (without
     ``error:``). ``head``: the GCS address of a joined cluster, None for a private Ray."""
     from ..data import build_federation
-    from ..results import RunRecord
+    from ..runs.record import RunRecord
     from ..scenario import load_scenario
     from .checkpoint import CHECKPOINT, read_checkpoint
     from .driver import finish, write_unstarted

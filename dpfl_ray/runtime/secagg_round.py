@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
-from ..faults import CRASH, SECAGG_PHASE, STRAGGLER
+from ..faults.plan import CRASH, SECAGG_PHASE, STRAGGLER
 from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound
 from ..secagg.keys import expand_masks
 from ..secagg.server import MaskExpander
@@ -40,7 +40,7 @@ def real_deadline(deadline_s: float | None) -> float:
 @dataclass
 class SecAggRound:
     """What one secure aggregation produced: the outcome for the algorithm, the round's record,
-    who was lost how (client id -> 'cause@phase', the vocabulary of dpfl_ray.faults), whose
+    who was lost how (client id -> 'cause@phase', the vocabulary of dpfl_ray.faults.plan), whose
     update was refused and why, dead workers, and whether a calibration phase ran."""
 
     outcome: RoundOutcome

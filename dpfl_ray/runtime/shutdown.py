@@ -16,9 +16,12 @@ Ray replaces the SIGTERM handler when it connects, so ``install()`` is called ag
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
+from typing import Callable
 
 SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 
@@ -142,3 +145,30 @@ def stop_autoscaler_monitor() -> bool:
                 found.append(p)
     psutil.wait_procs(found, timeout=2.0)
     return bool(found)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "SIGINT"
+
+
+def signal_number(interrupt: KeyboardInterrupt) -> int:
+    name = interrupt.args[0] if interrupt.args else "SIGINT"
+    return getattr(signal, str(name), signal.SIGINT)
+
+
+def exit_without_waiting_for(running: Callable[[], bool], code: int) -> None:
+    """Registered last, this runs first at exit: if the abandoned call still runs (``running()``),
+    leave at once."""
+    def leave() -> None:
+        if running():
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(code)
+
+    atexit.register(leave)

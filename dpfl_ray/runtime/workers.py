@@ -18,20 +18,20 @@ import ray
 
 from .. import rng as rngmod
 from ..algorithms import ClientReport, ClientSpec
-from ..evaluation import combine_shards, eval_shards
+from ..training.evaluation import combine_shards, eval_shards
 from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import EncodingError, SecAggClient, encode, presum_masked
 from ..secagg.keys import expand_masks
-from ..faults import check_update, corrupt, corruption_rng
+from ..faults.plan import check_update, corrupt, corruption_rng
 from .messages import Canaries, Encoding, LocalReply, PhaseReply, WorkerChaos
 
 if TYPE_CHECKING:
     import torch
 
-    from ..local import local_update
-    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
-    from ..models import build_model, set_flat, shard_sums
+    from ..training.local import local_update
+    from ..training.local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
+    from ..training.models import build_model, set_flat, shard_sums
 
 
 def _load_training() -> None:
@@ -45,9 +45,9 @@ def _load_training() -> None:
     global build_model, set_flat, shard_sums  # noqa: PLW0603
     import torch
 
-    from ..local import local_update
-    from ..local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
-    from ..models import build_model, set_flat, shard_sums
+    from ..training.local import local_update
+    from ..training.local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
+    from ..training.models import build_model, set_flat, shard_sums
 
 
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
@@ -105,7 +105,7 @@ class ClientWorker:
                with_canaries: bool = True) -> dict[int, np.ndarray]:
         """Local updates of ``cids``: the algorithm's own procedure if it has one (its reports are
         kept in ``self._reports``), else Alg. 1 SGD -- K clients at a time as one vectorised
-        computation when the scenario batches (dpfl_ray.local_batched; same updates to float
+        computation when the scenario batches (dpfl_ray.training.local_batched; same updates to float
         tolerance), else one by one."""
         if with_canaries:
             self._reports = {}

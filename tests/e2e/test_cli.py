@@ -137,7 +137,7 @@ def test_the_model_thread_registers_no_fork_hook_while_ray_starts():
             "from dpfl_ray.scenario import load_scenario; sc = load_scenario('scenarios/quickstart.yaml'); "
             "[importlib.import_module(m) for m in PARENT_FORK_HOOK_MODULES]; "
             "before = set(sys.modules); "
-            "from dpfl_ray.models import initial_theta; from dpfl_ray.results import plotting_library; "
+            "from dpfl_ray.training.models import initial_theta; from dpfl_ray.runs.record import plotting_library; "
             "initial_theta(sc.model, (1, 28, 28), 10, sc.seed); plotting_library(); "
             "print(json.dumps(sorted({getattr(m, '__file__', None) or '' for n, m in list(sys.modules.items()) "
             "if n not in before})))")

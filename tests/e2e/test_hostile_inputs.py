@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.results import check_writable
+from dpfl_ray.runs.record import check_writable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -219,7 +219,7 @@ def test_report_keeps_the_run_column_readable_at_80_columns(tmp_path):
 
 
 def test_json_files_hold_no_nan_or_infinity(tmp_path):
-    from dpfl_ray.results import RunRecord
+    from dpfl_ray.runs.record import RunRecord
 
     record = RunRecord(tmp_path / "run")
     record.add_round({"round": 1, "test_loss": float("nan"), "test_accuracy": 0.1, "epsilon": float("inf")})

@@ -87,7 +87,8 @@ def test_report_table_plots_and_csv(runs, tmp_path):
 
 def test_table_cells_match_headers_and_columns(runs):
     from cli.report import HEADERS
-    from dpfl_ray.report import COLUMNS, cells, load_run, row
+    from dpfl_ray.runs.load import load_run
+    from dpfl_ray.runs.report import COLUMNS, cells, row
 
     assert len(HEADERS) == len(COLUMNS)
     assert HEADERS.index("calibration") == COLUMNS.index("calibration")
@@ -99,7 +100,7 @@ def test_table_cells_match_headers_and_columns(runs):
 
 
 def test_plot_legend_names_the_calibration(runs, monkeypatch, tmp_path):
-    from dpfl_ray import report as rep
+    from dpfl_ray.runs import report as rep
 
     load = [rep.load_run(p) for p in runs]
     assert load[2].legend == "runs/claimed (calibration=baek)" and load[1].legend == "runs/dp"
@@ -130,7 +131,7 @@ def test_non_private_runs_skip_the_epsilon_plots(runs, tmp_path, monkeypatch):
 def test_assumed_epsilon_beside_the_enforced_one_and_the_claim(tmp_path, monkeypatch):
     """NbAFL: epsilon books the sensitivity the code enforces, epsilon_assumed the paper's; the table,
     the CSV and the epsilon plot (log scale: they are decades apart) carry both beside the claim."""
-    from dpfl_ray import report as rep
+    from dpfl_ray.runs import report as rep
 
     run = _write_run(tmp_path / "runs" / "nbafl", {
         "name": "wei2020_n50_eps60", "final_accuracy": 0.5, "rounds_completed": 2, "rounds_planned": 2,
@@ -218,7 +219,8 @@ def test_record_level_runs_get_a_per_client_epsilon_histogram(runs, tmp_path):
 
 
 def test_per_client_accuracy_is_plotted_by_group(runs, tmp_path):
-    from dpfl_ray.report import client_accuracy_groups, load_run
+    from dpfl_ray.runs.load import load_run
+    from dpfl_ray.runs.report import client_accuracy_groups
 
     groups = {"eps_k=1": {"clients": 2, "mean": 0.5, "min": 0.4, "median": 0.5, "max": 0.6},
               "eps_k=8": {"clients": 2, "mean": 0.7, "min": 0.65, "median": 0.7, "max": 0.75}}

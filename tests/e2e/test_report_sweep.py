@@ -1,5 +1,5 @@
 """`dpfl report SWEEP_DIR`: every run of a sweep directory, through typer's CliRunner on run
-directories written the way `dpfl run` writes them and a sweep.csv written by dpfl_ray.sweep
+directories written the way `dpfl run` writes them and a sweep.csv written by dpfl_ray.runs.sweep
 (no Ray, no training)."""
 import csv
 import json
@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from dpfl_ray import sweep as sw
+from dpfl_ray.runs import sweep as sw
 
 runner = CliRunner()
 GRID = {"faults.dropout.rate": ["0", "0.3"], "privacy.calibration": ["none", "baek"]}

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from dpfl_ray.data import build_federation
-from dpfl_ray.models import build_model, evaluate, get_flat
+from dpfl_ray.training.models import build_model, evaluate, get_flat
 from dpfl_ray.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]

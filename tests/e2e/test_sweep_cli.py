@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from dpfl_ray import sweep as sw
+from dpfl_ray.runs import sweep as sw
 
 from .test_cli import ROOT, TINY, dpfl
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dpfl_ray.data import build_federation
-from dpfl_ray.results import RunRecord
+from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
 from dpfl_ray.scenario import scenario_from_dict
 

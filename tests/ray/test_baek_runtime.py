@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from cli import privacy as privacy_cli
 from dpfl_ray.data import build_federation
-from dpfl_ray.models import build_model
+from dpfl_ray.training.models import build_model
 from dpfl_ray.privacy import FixedSizeSampling, epsilon_for
 from dpfl_ray.privacy.dropouts import effective_noise_multipliers
-from dpfl_ray.results import RunRecord
+from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
 from tests.helpers import TWO_WORKERS, tiny_scenario
 

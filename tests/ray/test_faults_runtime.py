@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from dpfl_ray.data import build_federation
-from dpfl_ray.results import RunRecord
+from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.coordinator import make_coordinator
 from dpfl_ray.runtime.driver import put_federation, run_scenario
 from tests.helpers import TWO_WORKERS, tiny_scenario

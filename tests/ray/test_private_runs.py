@@ -8,7 +8,7 @@ import torch
 
 from dpfl_ray.data import build_federation
 from dpfl_ray.privacy import FixedSizeSampling, delta_for, epsilon_for, rounds_within_budget
-from dpfl_ray.results import RunRecord
+from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
 from tests.helpers import TWO_WORKERS, tiny_scenario
 

@@ -11,7 +11,7 @@ from dp_accounting.rdp import RdpAccountant
 
 from dpfl_ray.algorithms import make_algorithm
 from dpfl_ray.data import build_federation
-from dpfl_ray.results import RunRecord
+from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.driver import run_scenario
 from tests.helpers import tiny_scenario
 

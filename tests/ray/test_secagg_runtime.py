@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from dpfl_ray.data import build_federation
-from dpfl_ray.results import RunRecord
+from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.coordinator import make_coordinator
 from dpfl_ray.runtime.driver import put_federation, run_scenario
 from tests.helpers import TWO_WORKERS, tiny_scenario
@@ -52,7 +52,7 @@ def test_too_few_survivors_abort_the_round_and_leave_the_model(ray_session, tmp_
                        secagg={"enabled": True}, training={"rounds": 2})
     rounds, final = _run(sc, tmp_path / "abort")
     assert all("secagg_aborted" in r and r["survived"] == 0 for r in rounds)
-    from dpfl_ray.models import build_model, get_flat
+    from dpfl_ray.training.models import build_model, get_flat
     fed = build_federation(sc)
     init = get_flat(build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed))
     assert np.array_equal(final, init)

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from dpfl_ray.data import build_federation
-from dpfl_ray.models import build_model, evaluate
+from dpfl_ray.training.models import build_model, evaluate
 from dpfl_ray.runtime.checkpoint import read_checkpoint
 from dpfl_ray.runtime.cluster import Token, resolve_target
 from dpfl_ray.runtime.connect import probe_gcs

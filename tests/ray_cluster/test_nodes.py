@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     from ray._private.state import available_resources_per_node
 
     from dpfl_ray.data import build_federation
-    from dpfl_ray.results import RunRecord
+    from dpfl_ray.runs.record import RunRecord
     from dpfl_ray.runtime.cluster import placement_summary
     from dpfl_ray.runtime.driver import ensure_ray, run_scenario
     from dpfl_ray.scenario import scenario_from_dict

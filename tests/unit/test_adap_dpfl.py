@@ -21,8 +21,8 @@ from dpfl_ray.algorithms.adap_dpfl_core import (
     round_events,
 )
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.local_dp import dpsgd_update, per_example_grad_norms
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.local_dp import dpsgd_update, per_example_grad_norms
+from dpfl_ray.training.models import build_model, get_flat
 from dpfl_ray.privacy.client_ledgers import ClientLedgers
 
 

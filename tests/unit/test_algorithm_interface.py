@@ -9,7 +9,7 @@ import pytest
 from cli.common import accounting_plan
 from dpfl_ray.algorithms import REGISTRY, Algorithm, make_algorithm
 from dpfl_ray.data import build_federation
-from dpfl_ray.models import build_model, num_params
+from dpfl_ray.training.models import build_model, num_params
 from dpfl_ray.runtime.privacy import planned_mechanism
 from dpfl_ray.scenario import load_scenario
 

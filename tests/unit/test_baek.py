@@ -11,7 +11,7 @@ from scipy import stats
 from dpfl_ray.algorithms import Abort, CalibrationSum, RoundOutcome, UnmaskPlan
 from dpfl_ray.algorithms.baek import Baek
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.faults import plan_round
+from dpfl_ray.faults.plan import plan_round
 from dpfl_ray.privacy.dropouts import (
     best_estimate_variance, effective_noise_multipliers, layer_variances, planned_noise_multipliers, server_view,
     tolerated_dropouts,

@@ -11,7 +11,7 @@ from benchmarks.harness import classify, derive_phases, parse_rounds, ratios, st
 from benchmarks.workloads import WORKLOADS, implied_sgd_steps, scenario, trained_clients
 from dpfl_ray.data import build_federation
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.sampling import sample_clients
+from dpfl_ray.privacy.client_sampling import sample_clients
 
 FAST = ["model.name=logistic"]  # the same steps, on a model that trains in milliseconds
 

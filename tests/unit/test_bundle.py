@@ -1,4 +1,4 @@
-"""A run directory through a job's log and back (dpfl_ray/bundle.py)."""
+"""A run directory through a job's log and back (dpfl_ray/runs/bundle.py)."""
 import io
 import json
 import random
@@ -6,7 +6,7 @@ import tarfile
 
 import pytest
 
-from dpfl_ray.bundle import BEGIN, DATA, Bundle, bundle_lines, find_bundle, unpack, without_bundle
+from dpfl_ray.runs.bundle import BEGIN, DATA, Bundle, bundle_lines, find_bundle, unpack, without_bundle
 from dpfl_ray.errors import DPFLError
 
 

@@ -6,13 +6,13 @@ import torch
 from dpfl_ray import rng as R
 from dpfl_ray.algorithms import FedAvg, RoundOutcome, weighted_sum
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.faults import num_tail_drops, plan_round
-from dpfl_ray.local import local_update
-from dpfl_ray.model_inputs import check_model_input
-from dpfl_ray.models import (build_model, combine_shards, eval_shards, evaluate, get_flat, initial_theta, set_flat,
+from dpfl_ray.faults.plan import num_tail_drops, plan_round
+from dpfl_ray.training.local import local_update
+from dpfl_ray.training.model_inputs import check_model_input
+from dpfl_ray.training.models import (build_model, combine_shards, eval_shards, evaluate, get_flat, initial_theta, set_flat,
                              shard_sums)
 from dpfl_ray.runtime.resources import assign_clients, deal, plan_pool, undeal
-from dpfl_ray.sampling import sample_clients
+from dpfl_ray.privacy.client_sampling import sample_clients
 from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, SamplingConfig
 
 
@@ -181,7 +181,7 @@ def test_evaluation_runs_the_cnns_pools_channels_last_with_the_same_logits():
     """shard_sums drives a twin whose max-pools run channels-last (half the CPU time of the CNN's
     test-set pass): the same maxima, so the same figures as the model's own forward, and the twin
     follows the model's parameters as they change."""
-    from dpfl_ray.models import pool_twin
+    from dpfl_ray.training.models import pool_twin
 
     model = build_model(ModelConfig(name="cnn"), (1, 28, 28), 10, seed=1)
     assert pool_twin(model) is not model and pool_twin(model) is pool_twin(model)

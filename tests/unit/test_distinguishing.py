@@ -95,7 +95,7 @@ def test_huang_dpagd_release_stays_within_its_replace_one_booking():
     from dpfl_ray.algorithms.huang2020_core import DPAGDConfig, dpagd_update
 
     HUANG_SEEDS = 200  # noqa: N806 - about 100 steps each; mu_hat's standard error ~0.3 at mu ~5
-    from dpfl_ray.models import build_model, get_flat
+    from dpfl_ray.training.models import build_model, get_flat
 
     model = build_model(SimpleNamespace(name="logistic", hidden=[]), (4,), 3, 0)
     theta = get_flat(model)

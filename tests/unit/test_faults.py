@@ -1,4 +1,4 @@
-"""Fault plans (dpfl_ray.faults): every kind drawn from the seed, one vocabulary, the checks that
+"""Fault plans (dpfl_ray.faults.plan): every kind drawn from the seed, one vocabulary, the checks that
 keep corrupt updates out, and the schema's one-line errors. Pure: no Ray."""
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from dpfl_ray import rng as rngmod
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.faults import (CAUSES, CORRUPTIONS, Dropout, FaultPlan, WorkerCrash, check_update, corrupt,
+from dpfl_ray.faults.plan import (CAUSES, CORRUPTIONS, Dropout, FaultPlan, WorkerCrash, check_update, corrupt,
                              corruption_rng, load_trace, overcommitted, plan_round, select_reporters, tally)
 from dpfl_ray.scenario import DropoutConfig, SamplingConfig, scenario_from_dict
 

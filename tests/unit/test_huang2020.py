@@ -19,8 +19,8 @@ from dpfl_ray.algorithms.huang2020_core import (
     noisy_argmax,
 )
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.local_dp import clip_and_sum, per_example_grads
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.local_dp import clip_and_sum, per_example_grads
+from dpfl_ray.training.models import build_model, get_flat
 from dpfl_ray.privacy.client_ledgers import ClientLedgers
 
 

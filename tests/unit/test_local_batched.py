@@ -1,4 +1,4 @@
-"""Batched multi-client training (dpfl_ray/local_batched.py) against the sequential local update.
+"""Batched multi-client training (dpfl_ray/training/local_batched.py) against the sequential local update.
 
 Batched and sequential agree to float tolerance (the vmapped kernels sum in another order). A
 client's batched update is *bitwise* the same whichever clients share its batch, in any position
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from dpfl_ray import rng as rngmod
-from dpfl_ray.local import local_update
-from dpfl_ray.local_batched import (batched_local_updates, batching_pays, can_batch, clients_per_batch,
+from dpfl_ray.training.local import local_update
+from dpfl_ray.training.local_batched import (batched_local_updates, batching_pays, can_batch, clients_per_batch,
                                    stacked_program, warm_up)
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.models import build_model, get_flat
 
 SHAPE = (1, 28, 28)
 SEED = 5
@@ -217,7 +217,7 @@ def test_sequential_path_runs_the_pools_channels_last_to_float_tolerance(monkeyp
     channels-first forward to float tolerance, not bitwise: the convolution after a pool gets
     channels-last input, and on some CPUs (AMD EPYC, AVX2) oneDNN runs another kernel for it. A
     client's update is still a function of its inputs alone: repeated, it is the same to the bit."""
-    import dpfl_ray.local as local
+    import dpfl_ray.training.local as local
 
     model = _model("cnn")
     theta = get_flat(model)

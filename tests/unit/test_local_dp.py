@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.local_dp import (
+from dpfl_ray.training.local_dp import (
     DPSGDConfig,
     clip_and_sum,
     dpsgd_update,
@@ -17,7 +17,7 @@ from dpfl_ray.local_dp import (
     per_example_grads,
     poisson_lots,
 )
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.models import build_model, get_flat
 
 MODELS = {"cnn": ((1, 28, 28), SimpleNamespace(name="cnn")),
           "mlp": ((1, 8, 8), SimpleNamespace(name="mlp", hidden=[16, 8])),

@@ -15,8 +15,8 @@ from scipy import stats
 from dpfl_ray.algorithms import NbAFL, RoundOutcome
 from dpfl_ray import rng as rngmod
 from dpfl_ray.algorithms.nbafl import ASSUMPTION, classic_c, downlink_std, uplink_std
-from dpfl_ray.local import local_update
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.local import local_update
+from dpfl_ray.training.models import build_model, get_flat
 from dpfl_ray.privacy import PrivacyLedger
 from dpfl_ray.scenario import ModelConfig, scenario_from_dict
 

@@ -11,10 +11,10 @@ from scipy import stats
 
 from dpfl_ray.algorithms import CalibrationSum, RoundOutcome, make_algorithm
 from dpfl_ray.algorithms.huang2020_core import DPAGDConfig, dpagd_update, noisy_argmax
-from dpfl_ray.local_dp import DPSGDConfig, dpsgd_update
-from dpfl_ray.models import build_model, get_flat
+from dpfl_ray.training.local_dp import DPSGDConfig, dpsgd_update
+from dpfl_ray.training.models import build_model, get_flat
 from dpfl_ray.privacy.randomness import ChaChaNormal, DPRandomness
-from dpfl_ray.sampling import sample_clients
+from dpfl_ray.privacy.client_sampling import sample_clients
 from dpfl_ray.scenario import scenario_from_dict
 
 LEVEL = 1e-6  # level of every statistical test here

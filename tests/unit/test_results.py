@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dpfl_ray.results import RunRecord
+from dpfl_ray.runs.record import RunRecord
 
 
 class Unserialisable:
@@ -38,7 +38,7 @@ def test_a_failed_model_write_keeps_the_previous_model(tmp_path):
 
 
 def test_client_accuracy_summary_groups_by_label_in_numeric_order():
-    from dpfl_ray.results import client_accuracy_summary
+    from dpfl_ray.runs.record import client_accuracy_summary
 
     acc = {3: 0.5, 1: 0.9, 7: 0.7, 2: 0.6}
     out = client_accuracy_summary(acc, {1: "eps_k=8", 2: "eps_k=1", 3: "eps_k=1", 7: "eps_k=2.75"})

@@ -1,4 +1,4 @@
-"""Sweeps (dpfl_ray.sweep): grid expansion, validation before anything runs, resume, sweep.csv and
+"""Sweeps (dpfl_ray.runs.sweep): grid expansion, validation before anything runs, resume, sweep.csv and
 the plots, from run directories written by hand. No Ray, no subprocess."""
 import csv
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpfl_ray import sweep as sw
+from dpfl_ray.runs import sweep as sw
 from dpfl_ray.errors import DPFLError
 
 TINY = {"name": "tiny", "seed": 1, "data": {"source": "synthetic", "num_clients": 12},

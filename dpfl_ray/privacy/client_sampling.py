@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .privacy.randomness import DPRandomness
+from .randomness import DPRandomness
 
 
 def sample_clients(sampling_cfg, num_clients: int, seed: int, round_idx: int,

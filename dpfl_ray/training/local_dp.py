@@ -33,10 +33,10 @@ from dp_accounting import dp_event as dpe
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from . import rng as rngmod
-from .errors import DPFLError
+from .. import rng as rngmod
+from ..errors import DPFLError
 from .models import set_flat
-from .privacy.randomness import DPRandomness
+from ..privacy.randomness import DPRandomness
 
 __all__ = ["DPSGDConfig", "DPSGDResult", "dpsgd_update", "per_example_grads", "per_example_grad_fn",
            "clip_and_sum", "per_example_grad_norms", "noise_generator", "TorchNormal", "poisson_lots",

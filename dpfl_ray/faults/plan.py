@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from . import rng as rngmod
+from .. import rng as rngmod
 # re-exported: the runtime takes every fault helper from here
 from .availability import TRACE_HEADER, load_trace  # noqa: F401
 from .corruption import CORRUPTIONS, check_update, corrupt, corruption_rng  # noqa: F401
@@ -379,7 +379,7 @@ def check_scenario(sc, read_files: bool = True) -> None:
 
 
 def _has_calibration_phase(sc) -> bool:
-    from .algorithms import algorithm_class
+    from ..algorithms import algorithm_class
 
     return algorithm_class(sc).has_calibration_phase
 

@@ -16,40 +16,26 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import DPFLError
-from .report import load_run
-from .scenario import load_scenario
+from ..errors import DPFLError
+# The grid's expansion and the manifest live in load.py (report reads sweeps through it too);
+# they stay part of the sweep's API.
+from .load import MANIFEST, MAX_NAME_BYTES, SweepRun, _safe, expand, load_run, sweep_run_dirs  # noqa: F401
+from ..scenario import load_scenario
 
-MANIFEST = "sweep.json"
-# Linux file names hold 255 bytes; a run's directory name also gets ".log" and ".N" (.incomplete/)
-MAX_NAME_BYTES = 240
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
 # A summary with any other stop_reason is a run that ended on its own and would end the same again.
 UNFINISHED = ("interrupted", "error", None)
 CSV_METRICS = ["final_accuracy", "epsilon", "epsilon_claimed", "rounds", "stop_reason", "wall_seconds", "status"]
-
-
-@dataclass(frozen=True)
-class SweepRun:
-    """One combination: its grid values (as typed), its seed (None: the scenario's own), the
-    ``--set`` overrides that make it, and its run directory's name."""
-
-    name: str
-    values: tuple[tuple[str, str], ...]
-    seed: int | None
-    overrides: tuple[str, ...]
 
 
 Runner = Callable[[SweepRun, Path], str]
@@ -95,7 +81,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
 
 def _as_read(value: str) -> str:
     """A grid value as a --set reads it, in one canonical spelling."""
-    from .scenario import _parse_value
+    from ..scenario import _parse_value
 
     try:
         return json.dumps(_parse_value(value), sort_keys=True, default=str)
@@ -115,35 +101,6 @@ def parse_seeds(text: str | None) -> list[int] | None:
     return seeds
 
 
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=+-]", "_", text)
-
-
-def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Sequence[str] = ()) -> list[SweepRun]:
-    """Every combination, seeds outermost (one pass over the grid per seed), grid in order."""
-    set_keys = {s.partition("=")[0].strip() for s in base_sets}
-    for key in grid:
-        if key in set_keys:
-            raise DPFLError(f"{key} is also given with --set", field="--grid")
-    if "seed" in set_keys and seeds is not None:
-        raise DPFLError("seed is given with both --set and --seeds", field="--seeds")
-    runs, names = [], {}
-    for seed in (seeds if seeds is not None else [None]):
-        for combo in itertools.product(*grid.values()):
-            values = tuple(zip(grid, combo))
-            parts = [f"{k}={v}" for k, v in values] + ([f"seed={seed}"] if seed is not None else [])
-            name = _safe("__".join(parts)) or "run"
-            if len(name.encode()) > MAX_NAME_BYTES:
-                raise DPFLError(f"the run directory of {'__'.join(parts)[:60]}... would be named with "
-                                f"{len(name.encode())} bytes; file names hold {MAX_NAME_BYTES} here: shorten the "
-                                "values (or sweep fewer keys at once)", field="--grid")
-            if name in names:
-                raise DPFLError(f"{'__'.join(parts)} and {names[name]} share a directory name", field="--grid")
-            names[name] = "__".join(parts)
-            runs.append(SweepRun(name, values, seed, tuple(base_sets) + tuple(parts)))
-    return runs
-
-
 def validate(scenario: Path, runs: Sequence[SweepRun], build_data: bool = True) -> None:
     """Load every combination's scenario, and build each distinct partition, so a bad grid or an
     impossible partition is one line before anything runs (as ``dpfl run`` checks one run)."""
@@ -153,7 +110,7 @@ def validate(scenario: Path, runs: Sequence[SweepRun], build_data: bool = True) 
             sc = load_scenario(scenario, list(run.overrides))
             key = json.dumps([sc.data.model_dump(mode="json"), sc.seed], sort_keys=True)
             if build_data and key not in built:
-                from .data import build_federation
+                from ..data import build_federation
 
                 build_federation(sc)
                 built.add(key)
@@ -444,19 +401,6 @@ def write_outputs(sweep_dir: Path, grid: dict[str, list[str]], runs: Sequence[Sw
     return rows, written
 
 
-def sweep_run_dirs(path: Path) -> list[Path] | None:
-    """The run directories of a sweep directory (for ``dpfl report``), or None if ``path`` is not one."""
-    manifest = Path(path) / MANIFEST
-    if not manifest.is_file():
-        return None
-    try:
-        m = json.loads(manifest.read_text())
-        runs = expand(m["grid"], m["seeds"], m["sets"])
-    except (ValueError, KeyError, TypeError):
-        raise DPFLError(f"{manifest} is not a sweep manifest", field=str(path)) from None
-    return [Path(path) / r.name for r in runs if (Path(path) / r.name / "summary.json").is_file()]
-
-
 # --- plots --------------------------------------------------------------------------------------
 
 def _stats(values: list[float]) -> tuple[float, float]:
@@ -487,7 +431,7 @@ def axis_series(rows: list[dict], grid: dict[str, list[str]], axis: str, metric:
 def plot_axis(rows: list[dict], grid: dict[str, list[str]], axis: str, out_dir: Path) -> list[Path]:
     """``accuracy_vs_<axis>.png`` and, where runs record one, ``epsilon_vs_<axis>.png``: one line
     per combination of the other axes, mean over seeds with +-1 sd error bars."""
-    from .results import plotting_library
+    from .record import plotting_library
 
     plt = plotting_library()
     try:

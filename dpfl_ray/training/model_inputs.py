@@ -1,12 +1,12 @@
 """What a model asks of the data's inputs, checked without torch.
 
 `dpfl run` checks it before Ray starts and builds the model itself (which needs torch, about a
-second to import) while Ray starts (cli/run.py); :func:`dpfl_ray.models.build_model` makes the
+second to import) while Ray starts (cli/run.py); :func:`dpfl_ray.training.models.build_model` makes the
 same check.
 """
 from __future__ import annotations
 
-from .errors import DPFLError
+from ..errors import DPFLError
 
 
 def check_model_input(model_cfg, input_shape: tuple[int, ...]) -> None:

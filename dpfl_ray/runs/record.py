@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DPFLError
+from ..errors import DPFLError
 
 
 def versions() -> dict:

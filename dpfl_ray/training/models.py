@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .errors import DPFLError
+from ..errors import DPFLError
 from .evaluation import EVAL_SHARD_ROWS, combine_shards, eval_shards  # noqa: F401 - re-exported
 from .model_inputs import check_model_input
 

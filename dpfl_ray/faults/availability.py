@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from .errors import DPFLError
+from ..errors import DPFLError
 
 TRACE_HEADER = ("client_id", "round", "available")
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")

@@ -16,7 +16,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DPFLError
+from ..errors import DPFLError
 
 BEGIN = "DPFL-RUNDIR-BEGIN"
 DATA = "DPFL-RUNDIR"

@@ -1,7 +1,7 @@
 """Batched multi-client local training: K clients' SGD as one vectorised computation.
 
 When several clients share the model and the local hyperparameters, their local updates
-(Baek et al. 2021, Alg. 1, as :func:`dpfl_ray.local.local_update` runs it for one client) are the
+(Baek et al. 2021, Alg. 1, as :func:`dpfl_ray.training.local.local_update` runs it for one client) are the
 same program on different data. Stacking the K parameter copies along a leading axis, one
 backward pass of the summed per-client losses gives every client its own gradient: K small
 forward/backward passes become one larger one, which removes the per-client Python and dispatch

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from . import rng as rngmod
+from .. import rng as rngmod
 
 CORRUPTIONS = ("nan", "inf", "shape", "norm")
 ABSURD_NORM = 1e20  # far past any max_update_norm a scenario would set

@@ -1,0 +1,1 @@
+"""Faults as data: the fault plan, availability traces and update corruption."""

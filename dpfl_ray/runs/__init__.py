@@ -1,0 +1,1 @@
+"""Run directories and what reads them: records, bundles, reports and sweeps."""
