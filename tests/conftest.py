@@ -39,3 +39,15 @@ def ray_address(ray_session) -> str:
     time less per run. Tests of a private Ray's start-up and tear-down (signals, quickstart) keep
     their own."""
     return ray_session.get_runtime_context().gcs_address
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread, as a worker runs it (resources.torch_threads): bitwise claims are made
+    for a fixed count, and tiny tensors only pay for a second thread's synchronisation."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -41,3 +41,19 @@ def dpfl_in_process(*args, env=None):
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def long_dp_fedavg(name: str, rounds: int, **sections) -> dict:
+    """A private run on synthetic blobs that goes on long enough to be stopped, signalled or cut
+    off mid-run: DP-FedAvg, 40 clients, Poisson q = 0.25, one half-CPU worker."""
+    raw = {
+        "name": name, "seed": 2,
+        "data": {"source": "synthetic", "num_clients": 40, "synthetic_examples": 800, "synthetic_features": 6},
+        "model": {"name": "logistic"},
+        "training": {"algorithm": "dp_fedavg", "rounds": rounds, "batch_size": 8, "lr": 0.3},
+        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp"},
+        "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
+    }
+    raw.update(sections)
+    return raw

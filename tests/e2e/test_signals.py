@@ -19,18 +19,11 @@ import yaml
 from dpfl_ray.data import build_federation
 from dpfl_ray.training.models import build_model, evaluate, get_flat
 from dpfl_ray.scenario import load_scenario
+from tests.helpers import long_dp_fedavg
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PRIVATE = {
-    "name": "signals", "seed": 2,
-    "data": {"source": "synthetic", "num_clients": 40, "synthetic_examples": 800, "synthetic_features": 6},
-    "model": {"name": "logistic"},
-    "training": {"algorithm": "dp_fedavg", "rounds": 400, "batch_size": 8, "lr": 0.3},
-    "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-    "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp"},
-    "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
-}
+PRIVATE = long_dp_fedavg("signals", 400)
 
 
 def _descendants(proc: psutil.Process) -> set[int]:

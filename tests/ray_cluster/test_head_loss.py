@@ -25,18 +25,11 @@ from dpfl_ray.runtime.cluster import Token, resolve_target
 from dpfl_ray.runtime.connect import probe_gcs
 from dpfl_ray.scenario import load_scenario
 
+from tests.helpers import long_dp_fedavg
+
 from .conftest import BIN, HEAD_START_TIMEOUT_S, ROOT, client_env, free_ports, stop_tree
 
-LONG = {
-    "name": "head_loss", "seed": 2,
-    "data": {"source": "synthetic", "num_clients": 40, "synthetic_examples": 800, "synthetic_features": 6},
-    "model": {"name": "logistic"},
-    "training": {"algorithm": "dp_fedavg", "rounds": 5000, "batch_size": 8, "lr": 0.3},
-    "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-    "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp"},
-    "resources": {"workers": 1, "num_cpus_per_worker": 0.5},
-    "output": {"checkpoint_every": 1},
-}
+LONG = long_dp_fedavg("head_loss", 5000, output={"checkpoint_every": 1})
 
 
 def _wait_for_node(gcs: str, token: str, head: subprocess.Popen, log: Path) -> None:

@@ -21,15 +21,7 @@ SEEDS = 300
 SLACK = 0.3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny tensors: a second thread only adds synchronisation (10x slower on a busy machine)
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def separation(a, b) -> float:

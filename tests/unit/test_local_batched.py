@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from torch import nn
 
 from dpfl_ray import rng as rngmod
@@ -27,13 +26,7 @@ SHAPE = (1, 28, 28)
 SEED = 5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The worker's setting (resources.torch_threads); bitwise claims are made for a fixed count.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(name: str) -> nn.Module:
