@@ -111,6 +111,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     shutdown = shutdown or Shutdown()
     record.write_scenario(scenario.to_yaml())
     coord, run_ref, seen, stop_reason, error, lost = None, None, 0, "completed", None, None
+    answered = False  # has the coordinator replied yet (its process may still be starting)?
     last_checkpoint = resume  # the driver's own copy of the committed state
     try:
         audit = scenario.privacy.audit
@@ -130,6 +131,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                 raise KeyboardInterrupt("signal received earlier")
             done, _ = ray.wait([run_ref], timeout=poll_seconds)
             events = _ask(coord.events.remote(seen), shutdown=shutdown)
+            answered = True
             with shutdown.defer():
                 before = len(record.rounds)
                 seen = _write_events(events, seen, record, on_event)
@@ -143,7 +145,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
-        if seen:  # else the coordinator has not answered yet: its process may still be starting
+        if answered:  # else its process may still be starting: nothing to wait for
             _stop_between_rounds(coord, run_ref)
     except LOST as err:  # asking the coordinator for its state would fail too, or wait for minutes
         stop_reason, error, lost = "error", _lost(err), err
@@ -157,7 +159,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         stop_reason = "interrupted"
     # A coordinator that is lost, or has not answered yet, is not asked (that would wait for it):
     # the state is then the driver's last checkpoint, or the initial one if no round was seen.
-    state = _committed(coord, scenario, fed, seen, record) if coord is not None and seen and not lost else None
+    state = _committed(coord, scenario, fed, seen, record) if coord is not None and answered and not lost else None
     if state is None and last_checkpoint is not None:
         from .recovery import committed_from_checkpoint
 
