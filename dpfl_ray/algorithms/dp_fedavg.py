@@ -15,7 +15,7 @@ by a denominator (``privacy.denominator``):
 Every denominator must be unchanged between neighbours or public (docs/sensitivity.md). Under
 add/remove (Poisson sampling) or replace-one (fixed-size cohorts) the population itself differs
 between neighbours, so W is the declared constant ``privacy.population_weight`` (default
-``data.num_clients``, every weight being <= 1), never the data's sum: with the data's W every
+``data.num_clients`` plus an audit's canaries, every weight being <= 1), never the data's sum: with the data's W every
 round's scale would reveal the population (K = 1000 vs 1001 separates at mu ~ 1.5 over 40 rounds of
 the quickstart). W' depends on who took part, so ``actual`` is covered only under zero-out
 adjacency (a client replaced by one that sends nothing): the population, its weights and who
@@ -109,8 +109,9 @@ class DPFedAvg(Algorithm):
         self.relation, self.public = self.adjacency(scenario)
         if self.relation == "zero_out":
             population_weight = float(np.sum(weights))
-        else:
-            population_weight = float(p.population_weight or scenario.data.num_clients)
+        else:  # declared: the scenario's clients, and an audit's canaries (weight 1 each), which join them
+            canaries = p.audit.canaries if p.audit is not None else 0
+            population_weight = float(p.population_weight or scenario.data.num_clients + canaries)
         self.expected_weight = frac * population_weight
         self.floor = p.min_weight_fraction * self.expected_weight
         self.expected_count = frac * k
@@ -144,7 +145,7 @@ class DPFedAvg(Algorithm):
         so the planned round is the round."""
         zs = booked_multipliers(self.update_z, self.count_sigma, self.sampling.neighboring_relation,
                                 self._update_sensitivity_units(), self.displacement)
-        covered = self.clipping.mode != "median" and (self.denominator != "actual" or self.relation == "zero_out")
+        covered = self.clipping.mode != "median"  # a denominator its relation does not cover cannot be chosen
         return Mechanism(zs, self.sampling, f"dp_fedavg, clipping={self.clipping.mode}, "
                          f"denominator={self.denominator}, adjacency={self.relation}", covered=covered,
                          public=self.public)
