@@ -87,8 +87,9 @@ def _local(alg):
 
 
 def _huang2020(randomness):
+    # a budget that always steps: at 0.1 a quarter of the releases were "no step", a zero update
     return _local(_algorithm(randomness, {"algorithm": "huang2020"}, {
-        "clipping": {"norm": 1.0}, "huang2020": {"category_budgets": [20.0], "step_sizes": [0.5, 2.0]}})[1])  # budget 0.1 stepped nowhere in 1 of 4 releases
+        "clipping": {"norm": 1.0}, "huang2020": {"category_budgets": [20.0], "step_sizes": [0.5, 2.0]}})[1])
 
 
 def _adap_dpfl(randomness):
