@@ -52,8 +52,10 @@ class PartitionConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["mnist5k", "digits", "iris", "idx", "synthetic"] = "mnist5k"
-    path: str | None = Field(None, description="idx: folder holding the four IDX files")
+    source: Literal["mnist5k", "digits", "iris", "idx", "fashion_mnist", "mnist", "synthetic"] = "mnist5k"
+    path: str | None = Field(None, description="idx, fashion_mnist, mnist: folder holding the four IDX files "
+                                               "(fashion_mnist and mnist also look in $DPFL_DATA and the "
+                                               "system's dataset folders)")
     num_clients: int = Field(100, ge=1, le=MAX_CLIENTS)
     examples_per_client: int | None = Field(None, ge=1, le=MAX_EXAMPLES)
     repeat: bool = Field(False, description="allow reusing examples to reach examples_per_client")
@@ -177,6 +179,10 @@ class AdapDPFLConfig(_Section):
     alpha: float | None = Field(1.0, gt=0, description="clipping factor of eq. 6-8; null: constant clipping at "
                                                         "privacy.clipping.norm")
     beta: float | None = Field(0.9999, gt=0, lt=1, description="noise decay of eq. 9; null: constant sigma")
+    stop_on: Literal["accounted", "claimed"] = Field(
+        "accounted", description="which epsilon ends a client's uploads: 'accounted' (the norm query booked "
+                                 "beside the gradient) or 'claimed' (the paper's eq. 10, gradient only: the run "
+                                 "as published, whose accounted epsilon then passes the budget)")
 
 
 class AuditConfig(_Section):

@@ -6,9 +6,11 @@ multiplier sigma_t; the server averages (eq. 1) and decays sigma_{t+1} = beta si
 consecutive drops of the validation loss (eq. 9). A client stops uploading once its epsilon would
 pass the budget (Alg. 1 lines 16-19): it is recorded as an ``exhausted@training`` dropout.
 
-Which epsilon decides the stop: the effective one, booked on the client's own ledger, which counts
-the norm query of eq. 6 beside the gradient (docs/record_level_dp.md). The paper's eq. 10, which
-counts the gradient only, is kept beside it as the claim. With ``alpha: null`` the threshold is the
+Which epsilon decides the stop (``stop_on``): by default the effective one, booked on the client's
+own ledger, which counts the norm query of eq. 6 beside the gradient (docs/record_level_dp.md). The
+paper's eq. 10, which counts the gradient only, is kept beside it as the claim; ``stop_on: claimed``
+stops on the claim instead, which is the run as published: its accounted epsilon passes the budget,
+and the run's ledger says by how much. With ``alpha: null`` the threshold is the
 constant privacy.clipping.norm and no norm query runs; with ``beta: null`` sigma stays constant:
 together they are the paper's constant-sigma baseline.
 """
@@ -24,7 +26,7 @@ from ..training.local_dp import DPSGDConfig, dpsgd_update
 from ..privacy.client_ledgers import ClientLedgers
 from ..privacy.randomness import DPRandomness
 from .adap_dpfl_core import (
-    client_config, decayed_noise_multiplier, initial_clip_threshold, next_clip_threshold, round_events,
+    claimed_ledgers, client_config, decayed_noise_multiplier, initial_clip_threshold, next_clip_threshold, round_events,
 )
 from .base import Aggregate, Algorithm, ClientReport, ClientSpec, LocalProcedure, RoundOutcome
 from .fedavg import FedAvg
@@ -112,19 +114,24 @@ class AdapDPFL(Algorithm):
         self.clip_norm = float(p.clipping.norm)
         self.clips: dict[int, float] = {}
         self.validation_losses: list[float] = []
-        self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))  # decides the stop (module doc)
+        self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))
+        # stop_on: claimed -> the paper's eq. 10 ledger decides the stop (module doc)
+        self.claims = claimed_ledgers(p.delta, len(weights)) if a.stop_on == "claimed" else None
         self.randomness = DPRandomness.create(p.randomness, scenario.seed)
         self._sampled: list[int] = []
 
     def _round_event(self, c: int):
         """What client c's ledger will book for this round, as dpfl_ray.training.local_dp reports it."""
         q = min(1.0, self.settings.lot_size / max(int(self.sizes[c]), 1))
+        if self.claims is not None:
+            return _claimed_event(q, self.sigma, self.settings.steps)
         effective, _ = round_events(q, self.sigma, book_threshold_query=self.settings.alpha is not None)
         return dp_accounting.SelfComposedDpEvent(effective, self.settings.steps)
 
     def withdrawals(self, round_idx, sampled) -> dict[int, str]:
+        deciding = self.ledgers if self.claims is None else self.claims
         return {int(c): "exhausted" for c in sampled
-                if self.ledgers.would_exceed(int(c), self._round_event(int(c)), self.budget)}
+                if deciding.would_exceed(int(c), self._round_event(int(c)), self.budget)}
 
     def begin_round(self, round_idx, sampled):
         self._sampled = [int(c) for c in sampled]
@@ -140,6 +147,8 @@ class AdapDPFL(Algorithm):
         for c, report in outcome.reports.items():
             for event, count in report.events:
                 self.ledgers.record(int(c), event, count)
+            for event, count in report.claimed_events if self.claims is not None else ():
+                self.claims.record(int(c), event, count)
             self.clips[int(c)] = float(report.values["clip_norm"])
         agg = FedAvg(weights=self.weights).finish(outcome, dim)
         used = [r.values["clip_used"] for r in outcome.reports.values()]
@@ -157,15 +166,18 @@ class AdapDPFL(Algorithm):
     def summary_fields(self) -> dict:
         a = self.settings
         return {"epsilon_budget": self.budget, "adaptive_clipping": a.alpha is not None,
-                "noise_decay": a.beta is not None, "noise_multiplier_final": self.sigma}
+                "noise_decay": a.beta is not None, "noise_multiplier_final": self.sigma, "stop_on": a.stop_on}
 
     def state_dict(self) -> dict:
         return {"sigma": self.sigma, "clips": {str(c): v for c, v in self.clips.items()},
                 "validation_losses": list(self.validation_losses),
-                "ledgers": self.ledgers.to_dict(include_epsilon=False)}
+                "ledgers": self.ledgers.to_dict(include_epsilon=False),
+                **({} if self.claims is None else {"claims": self.claims.to_dict(include_epsilon=False)})}
 
     def load_state_dict(self, state: dict) -> None:
         self.sigma = float(state["sigma"])
         self.clips = {int(c): float(v) for c, v in state["clips"].items()}
         self.validation_losses = [float(v) for v in state["validation_losses"]]
         self.ledgers = ClientLedgers.from_dict(state["ledgers"])
+        if self.claims is not None:
+            self.claims = ClientLedgers.from_dict(state["claims"])

@@ -62,6 +62,19 @@ def test_fu_ledgers_are_dp_accounting_and_spent_clients_withdraw(ray_session, tm
     assert summary["stop_reason"] in ("privacy_budget_exhausted", "completed")
 
 
+def test_fu_as_published_stops_on_the_claim_and_its_ledger_books_more(ray_session, tmp_path):
+    """stop_on: claimed is the paper's own stop (eq. 10, gradient only): every client ends within the
+    budget by its claim, while the ledger, which counts the norm query too, passes it."""
+    sc = _fu()
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 30}), "privacy": sc.privacy.model_copy(
+        update={"adap_dpfl": sc.privacy.adap_dpfl.model_copy(update={"stop_on": "claimed"})})})
+    fed, summary, rows, ledger = _run(sc, tmp_path / "fu_claimed")
+    assert summary["stop_on"] == "claimed"
+    assert summary["epsilon_claimed"] <= 1.0 < summary["epsilon"]
+    assert any("exhausted" in r["dropped"] for r in rows)
+    assert max(ledger["per_client_epsilon"].values()) == pytest.approx(summary["epsilon"])
+
+
 def test_huang_spends_within_each_budget(ray_session, tmp_path):
     sc = tiny_scenario(training={"algorithm": "huang2020", "rounds": 3},
                        sampling={"mode": "fixed", "clients_per_round": 20},
