@@ -35,12 +35,15 @@ def _load_summary(text: str):
 @dataclass(frozen=True)
 class SweepRun:
     """One combination: its grid values (as typed), its seed (None: the scenario's own), the
-    ``--set`` overrides that make it, and its run directory's name."""
+    ``--set`` overrides that make it, and its run directory's name. ``scenario``: the run's own
+    scenario file, where runs of one directory differ in it (a paper's reproduction); None: the
+    sweep's one scenario."""
 
     name: str
     values: tuple[tuple[str, str], ...]
     seed: int | None
     overrides: tuple[str, ...]
+    scenario: Path | None = None
 
 
 def _safe(text: str) -> str:

@@ -101,13 +101,14 @@ def parse_seeds(text: str | None) -> list[int] | None:
     return seeds
 
 
-def validate(scenario: Path, runs: Sequence[SweepRun], build_data: bool = True) -> None:
-    """Load every combination's scenario, and build each distinct partition, so a bad grid or an
-    impossible partition is one line before anything runs (as ``dpfl run`` checks one run)."""
+def validate(scenario: Path | None, runs: Sequence[SweepRun], build_data: bool = True) -> None:
+    """Load every combination's scenario (its own file, else ``scenario``), and build each distinct
+    partition, so a bad grid or an impossible partition is one line before anything runs (as
+    ``dpfl run`` checks one run)."""
     built = set()
     for run in runs:
         try:
-            sc = load_scenario(scenario, list(run.overrides))
+            sc = load_scenario(run.scenario or scenario, list(run.overrides))
             key = json.dumps([sc.data.model_dump(mode="json"), sc.seed], sort_keys=True)
             if build_data and key not in built:
                 from ..data import build_federation
@@ -115,7 +116,9 @@ def validate(scenario: Path, runs: Sequence[SweepRun], build_data: bool = True) 
                 build_federation(sc)
                 built.add(key)
         except DPFLError as err:
-            raise DPFLError(f"{err} (in combination {' '.join(run.overrides) or 'the scenario itself'})") from None
+            where = (f"in run {run.name}" if run.scenario is not None
+                     else f"in combination {' '.join(run.overrides) or 'the scenario itself'}")
+            raise DPFLError(f"{err} ({where})") from None
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -126,9 +129,9 @@ def is_finished(run_dir: Path) -> bool:
     return isinstance(summary, dict) and summary.get("stop_reason") not in UNFINISHED
 
 
-def _foreign_files(sweep_dir: Path) -> bool:
-    return sweep_dir.is_dir() and any(not p.name.startswith(MANIFEST) for p in sweep_dir.iterdir()) \
-        and not (sweep_dir / MANIFEST).is_file()
+def _foreign_files(sweep_dir: Path, manifest: str = MANIFEST) -> bool:
+    return sweep_dir.is_dir() and any(not p.name.startswith(manifest) for p in sweep_dir.iterdir()) \
+        and not (sweep_dir / manifest).is_file()
 
 
 class SweepLock:
@@ -142,28 +145,34 @@ class SweepLock:
     sweep also refuses while any shard holds its lock, and a shard while an unsharded one does:
     each takes its own lock before it looks at the others', so of two that start together at
     least one sees the other. Where a file system ignores flock, a lock file whose PID is alive
-    on this host counts as held."""
+    on this host counts as held.
 
-    def __init__(self, sweep_dir: Path, index: int = 0, count: int = 1):
-        self.dir, self.fd = Path(sweep_dir), None
-        self.path = self.dir / (LOCK if count == 1 else f"{LOCK}.{index}-of-{count}")
+    ``manifest`` and ``command``: the file that marks the directory as this command's, and the
+    command's name (``dpfl reproduce`` locks its directory the same way, under its own manifest)."""
+
+    def __init__(self, sweep_dir: Path, index: int = 0, count: int = 1, manifest: str = MANIFEST,
+                 command: str = "sweep"):
+        self.dir, self.fd, self.manifest, self.command = Path(sweep_dir), None, manifest, command
+        self.lock = manifest + ".lock"
+        self.path = self.dir / (self.lock if count == 1 else f"{self.lock}.{index}-of-{count}")
 
     def acquire(self) -> "SweepLock":
-        if _foreign_files(self.dir):
-            raise DPFLError(f"{self.dir} already holds files that are not a sweep; choose another --out", field="--out")
+        if _foreign_files(self.dir, self.manifest):
+            raise DPFLError(f"{self.dir} already holds files that are not a {self.command}; choose another --out",
+                            field="--out")
         self.dir.mkdir(parents=True, exist_ok=True)
         fd, mine = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), False
         try:
-            if not _try_flock(fd) or _pid_alive(_owner(self.path)):
+            if not _try_flock(fd) or _pid_alive(_owner(self.path), self.command):
                 raise DPFLError(self._busy(self.path), field="--out")
             mine = True
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                       "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
-            others = ([p for p in self.dir.glob(f"{LOCK}.*-of-*") if p != self.path] if self.path.name == LOCK
-                      else [self.dir / LOCK])
+            others = ([p for p in self.dir.glob(f"{self.lock}.*-of-*") if p != self.path]
+                      if self.path.name == self.lock else [self.dir / self.lock])
             for other in others:
-                if _held(other):
+                if _held(other, self.command):
                     raise DPFLError(self._busy(other), field="--out")
         except BaseException:
             if mine:  # the owner's name stays in a lock file this process did not get
@@ -177,9 +186,9 @@ class SweepLock:
         owner = _owner(path) or {}
         who = (f"PID {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}" if owner
                else "another process")
-        shard = path.name.removeprefix(LOCK).lstrip(".")
-        return (f"{self.dir} is in use by a sweep{f' (shard {shard})' if shard else ''}: {who}, or a run it "
-                f"started that is still stopping; wait for it, or use another --out")
+        shard = path.name.removeprefix(self.lock).lstrip(".")
+        return (f"{self.dir} is in use by a {self.command}{f' (shard {shard})' if shard else ''}: {who}, or a "
+                f"run it started that is still stopping; wait for it, or use another --out")
 
     def release(self) -> None:
         if self.fd is not None:
@@ -202,7 +211,7 @@ def _try_flock(fd: int) -> bool:
         return False
 
 
-def _held(path: Path) -> bool:
+def _held(path: Path, command: str = "sweep") -> bool:
     """Does a live process hold the lock file ``path``? (Taking it for a moment to find out.)"""
     try:
         fd = os.open(path, os.O_RDWR)
@@ -212,7 +221,7 @@ def _held(path: Path) -> bool:
         if not _try_flock(fd):
             return True
         fcntl.flock(fd, fcntl.LOCK_UN)
-        return _pid_alive(_owner(path))
+        return _pid_alive(_owner(path), command)
     finally:
         os.close(fd)
 
@@ -225,9 +234,9 @@ def _owner(path: Path) -> dict | None:
     return owner if isinstance(owner, dict) else None
 
 
-def _pid_alive(owner: dict | None) -> bool:
-    """A sweep process named by a lock file still runs here (another host's cannot be checked:
-    there the flock is the only word)."""
+def _pid_alive(owner: dict | None, command: str = "sweep") -> bool:
+    """A ``command`` process (a sweep) named by a lock file still runs here (another host's cannot
+    be checked: there the flock is the only word)."""
     if not owner or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
         return False
     pid = owner["pid"]
@@ -240,7 +249,7 @@ def _pid_alive(owner: dict | None) -> bool:
     except PermissionError:
         return True
     try:  # a recycled PID is some other program
-        return b"sweep" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return command.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True
 
@@ -309,16 +318,17 @@ def _die_with_parent():
     return tie
 
 
-def subprocess_runner(scenario: Path, timeout_s: float, address: str | None = None,
+def subprocess_runner(scenario: Path | None, timeout_s: float, address: str | None = None,
                       log_dir: Path | None = None, grace_s: float = 30.0, keep_fds: Sequence[int] = ()) -> Runner:
-    """The real ``dpfl run`` in its own process group: past ``timeout_s`` it gets SIGINT (it writes
-    its summary and stops its Ray), and SIGKILL ``grace_s`` later; SIGTERM if the sweep dies.
-    ``keep_fds``: descriptors the run inherits (the sweep's lock, held until the run is gone)."""
+    """The real ``dpfl run`` of a run's own scenario file (else ``scenario``) in its own process
+    group: past ``timeout_s`` it gets SIGINT (it writes its summary and stops its Ray), and SIGKILL
+    ``grace_s`` later; SIGTERM if the sweep dies. ``keep_fds``: descriptors the run inherits (the
+    sweep's lock, held until the run is gone)."""
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
 
     def run(sweep_run: SweepRun, run_dir: Path) -> str:
-        cmd = [sys.executable, "-m", "cli.main", "run", str(scenario), "--out", str(run_dir)]
+        cmd = [sys.executable, "-m", "cli.main", "run", str(sweep_run.scenario or scenario), "--out", str(run_dir)]
         for item in sweep_run.overrides:
             cmd += ["--set", item]
         cmd += ["--address", address] if address else []
