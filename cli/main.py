@@ -7,6 +7,7 @@ from . import bench, jobs, privacy, scenarios, submit
 from . import report
 from . import run as run_cmd
 from . import audit
+from . import reproduce as reproduce_cmd
 from . import sweep as sweep_cmd
 
 app = typer.Typer(help="dpfl_ray: differentially private federated learning on Ray.", no_args_is_help=True,
@@ -15,6 +16,7 @@ app.command("run")(run_cmd.run)
 app.command("report")(report.report)
 app.command("audit")(audit.audit)
 app.command("sweep")(sweep_cmd.sweep)
+app.command("reproduce")(reproduce_cmd.reproduce)
 app.command("submit")(submit.submit)
 app.add_typer(scenarios.app, name="scenarios")
 app.add_typer(bench.app, name="bench")

@@ -147,18 +147,19 @@ class SweepLock:
     least one sees the other. Where a file system ignores flock, a lock file whose PID is alive
     on this host counts as held.
 
-    ``manifest`` and ``command``: the file that marks the directory as this command's, and the
-    command's name (``dpfl reproduce`` locks its directory the same way, under its own manifest)."""
+    ``manifest``, ``command`` and ``what``: the file that marks the directory as this command's, the
+    command's name on its command line, and what the messages call its work (``dpfl reproduce``
+    locks its directory the same way, under its own manifest)."""
 
     def __init__(self, sweep_dir: Path, index: int = 0, count: int = 1, manifest: str = MANIFEST,
-                 command: str = "sweep"):
-        self.dir, self.fd, self.manifest, self.command = Path(sweep_dir), None, manifest, command
+                 command: str = "sweep", what: str = "sweep"):
+        self.dir, self.fd, self.manifest, self.command, self.what = Path(sweep_dir), None, manifest, command, what
         self.lock = manifest + ".lock"
         self.path = self.dir / (self.lock if count == 1 else f"{self.lock}.{index}-of-{count}")
 
     def acquire(self) -> "SweepLock":
         if _foreign_files(self.dir, self.manifest):
-            raise DPFLError(f"{self.dir} already holds files that are not a {self.command}; choose another --out",
+            raise DPFLError(f"{self.dir} already holds files that are not a {self.what}; choose another --out",
                             field="--out")
         self.dir.mkdir(parents=True, exist_ok=True)
         fd, mine = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), False
@@ -187,7 +188,7 @@ class SweepLock:
         who = (f"PID {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}" if owner
                else "another process")
         shard = path.name.removeprefix(self.lock).lstrip(".")
-        return (f"{self.dir} is in use by a {self.command}{f' (shard {shard})' if shard else ''}: {who}, or a "
+        return (f"{self.dir} is in use by a {self.what}{f' (shard {shard})' if shard else ''}: {who}, or a "
                 f"run it started that is still stopping; wait for it, or use another --out")
 
     def release(self) -> None:

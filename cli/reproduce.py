@@ -1,0 +1,157 @@
+"""``dpfl reproduce``: run a paper's runs (scenarios/papers/<paper>/) and set them beside its numbers."""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .common import console, user_errors
+
+
+def _say(text: str) -> None:
+    console.print(text, highlight=False, soft_wrap=True, markup=False)
+
+
+def _list_papers() -> None:
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.runs import papers as pp
+    from dpfl_ray.runs import reproduce as rp
+
+    folders = rp.paper_folders()
+    if not folders:
+        _say(f"no papers under {rp.PAPERS_DIR}")
+        return
+    broken = 0
+    for folder in folders:
+        try:
+            spec = pp.load_paper(folder)
+        except DPFLError as err:
+            broken += 1
+            _say(f"{folder.name}: invalid: {err}")
+            continue
+        quick = spec.quick.runs if spec.quick.runs is not None else [r.name for r in spec.runs]
+        _say(f"{spec.paper}  {spec.title}  (data: {spec.data}; {len(spec.runs)} runs, {len(spec.claims)} claims)")
+        for r in spec.runs:
+            _say(f"  {r.name:<28} {r.scenario}{'' if r.name in quick else '  (not in --quick)'}")
+    if broken:
+        raise typer.Exit(2)
+
+
+def _dry_run(folder: Path, spec, sets: list[str], data: Optional[Path], only: list[str]) -> None:
+    from dpfl_ray.runs import reproduce as rp
+    from dpfl_ray.runs import sweep as sw
+
+    for quick in (False, True):
+        names = rp.plan_names(spec, quick)
+        runs = rp.plan(folder, spec, quick, sets, str(data) if data else None, [n for n in only if n in names])
+        sw.validate(None, runs, build_data=False)  # the data may live elsewhere: its files are not read here
+        for run in runs:
+            _say(f"{'quick' if quick else 'full '} {run.name}: {run.scenario.name} {' '.join(run.overrides)}".rstrip())
+    _say(f"ok: {spec.paper}: every run's scenario is valid, full and quick (data not read)")
+
+
+@user_errors
+def reproduce(
+    paper: Optional[str] = typer.Argument(None, help="a paper under scenarios/papers (see --list), or a folder "
+                                                     "holding a paper.yaml"),
+    list_: bool = typer.Option(False, "--list", help="list the papers and their runs"),
+    quick: bool = typer.Option(False, "--quick", help="the CI-sized version of the runs (the paper's quick: section)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="directory (default runs/reproduce/PAPER[-quick]); an "
+                                                           "existing one is resumed"),
+    data: Optional[Path] = typer.Option(None, "--data", help="set data.path=DATA on every run (a folder of IDX files)"),
+    set_: list[str] = typer.Option([], "--set", help="override a field in every run (repeatable)"),
+    only: list[str] = typer.Option([], "--only", help="run only this run (repeatable)"),
+    timeout: float = typer.Option(12 * 3600.0, "--timeout", min=1, help="seconds one run may take"),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address every run connects to"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate every run's scenario, full and quick; run nothing"),
+) -> None:
+    """Run a paper's runs with `dpfl run`, one after the other, and write reproduction.csv, .md and
+    .png: each run here beside the paper's value, its claimed, accounted and empirical epsilon, and
+    the paper's claims checked. Finished runs are never run again."""
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.runs import papers as pp
+    from dpfl_ray.runs import reproduce as rp
+    from dpfl_ray.runs import sweep as sw
+
+    if list_:
+        return _list_papers()
+    if paper is None:
+        raise DPFLError("name a paper (`dpfl reproduce --list` shows them)", field="paper")
+    folder = rp.find_paper(paper)
+    spec = pp.load_paper(folder)
+    if dry_run:
+        return _dry_run(folder, spec, set_, data, only)
+    t0 = time.monotonic()
+    runs = rp.plan(folder, spec, quick, set_, str(data) if data else None, only)
+    sw.validate(None, runs)  # every run's scenario and partition, before anything runs
+    data_here = rp.data_of(runs)
+    out_dir = out or Path("runs") / "reproduce" / (spec.paper + ("-quick" if quick else ""))
+    command = shlex.join(["dpfl", *sys.argv[1:]])
+    with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction") as lock:
+        rp.prepare(out_dir, spec, quick, runs)
+        _say(f"reproduce {spec.paper}{' (quick)' if quick else ''}: {len(runs)} runs -> {out_dir}")
+
+        def on_run(i: int, run, status: str) -> None:
+            _say(f"[{i + 1}/{len(runs)}] {run.name}: {status}")
+
+        runner = sw.subprocess_runner(None, timeout, address, keep_fds=(lock.fd,))
+        try:
+            statuses = sw.run_all(out_dir, runs, runner, on_run)
+        except KeyboardInterrupt:
+            again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(out_dir)])
+            _say(f"interrupted; resume with: {shlex.join(again)}")
+            raise typer.Exit(130)
+        rep, written = rp.write_outputs(out_dir, spec, quick, statuses, command=command,
+                                        elapsed_s=time.monotonic() - t0, data_here=data_here)
+    _print(spec, rep)
+    for path in written:
+        _say(f"wrote {path}")
+    failed = [r for r in rep.rows if r["run"] in statuses and r["status"] not in ("ok", "skipped")]
+    if failed:
+        _say(f"{len(failed)} of {len(runs)} runs did not finish ({', '.join(r['run'] for r in failed)}); run the "
+             "same command to retry them")
+        raise typer.Exit(1)
+
+
+def _print(spec, rep) -> None:
+    """The table if the console is wide enough, else one block per run; then the claims."""
+    from rich.measure import Measurement
+
+    from dpfl_ray.runs import reproduce as rp
+
+    heads = rp.headers(rep)
+    keep = [i for i, h in enumerate(heads) if h != "scenario"]  # in the csv and the md; here, width
+    texts = [[rp.cells(rep, row)[i] for i in keep] for row in rep.rows]
+    heads = [heads[i] for i in keep]
+    title = f"{spec.title}: here vs paper{' (quick)' if rep.quick else ''}"
+    table = Table(title=escape(title), header_style="bold")
+    for i, header in enumerate(heads):
+        table.add_column(escape(header), justify="left" if i == 0 or header in ("stop", "status") else "right",
+                         no_wrap=True)
+    for cells in texts:
+        table.add_row(*(escape(c) for c in cells))
+    if Measurement.get(console, console.options.update(max_width=10_000), table).maximum <= console.width:
+        console.print(table)
+    else:
+        console.print(f"[bold]{escape(title)}[/]", highlight=False, soft_wrap=True)
+        for cells in texts:
+            card = Table(title=escape(cells[0]), title_justify="left", title_style="bold", show_header=False,
+                         box=None, padding=(0, 1, 0, 2))
+            card.add_column("field", style="dim", no_wrap=True)
+            card.add_column("value", overflow="fold")
+            for header, value, col in zip(heads[1:], cells[1:], [c for c in rep.columns() if c != "scenario"][1:]):
+                label = f"{col.removeprefix('paper_').removeprefix('diff_')} {header}" if header in ("paper", "diff") \
+                    else header
+                card.add_row(escape(label), escape(value))
+            console.print(card)
+    style = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}
+    for c in rep.claims:
+        console.print(f"[bold {style[c.status]}]{c.status}[/] {escape(c.id)}: {escape(c.text)}", highlight=False,
+                      soft_wrap=True)
+        console.print(f"     {escape(c.compared)}", highlight=False, soft_wrap=True)

@@ -1,0 +1,349 @@
+"""A paper as data: ``scenarios/papers/<paper>/paper.yaml`` names the runs that reproduce it, the
+numbers the paper reports for them and the claims to check against what the runs measure.
+
+The schema (unknown keys are errors; every error names the file and the key)::
+
+    paper: fu2022                     # the folder's name
+    title: "Fu et al. 2022, Adap DP-FL"
+    data: fashion_mnist               # the data the paper's numbers were measured on
+    notes: "..."                      # optional: what differs from the paper, shown in reproduction.md
+    runs:                             # one `dpfl run` each
+      - name: adap_as_published       # unique, [a-z0-9_]
+        scenario: adap.yaml           # relative to the folder
+        set: ["privacy.adap_dpfl.stop_on=claimed"]   # optional --set overrides
+        paper: {final_accuracy: 0.7956}              # optional: the paper's values, by metric
+        source: "Sec. V-C: ..."       # optional: where the paper states them
+    quick:                            # --quick: a CI-sized version of the same runs
+      set: ["training.rounds=3"]      # after each run's own set
+      runs: [adap_as_published]       # optional subset (default: all)
+    claims:
+      - id: adap_within_3_points
+        text: "..."
+        check: {kind: at_least, run: adap_as_published, metric: final_accuracy, value: 0.7656}
+
+A metric is a key of a run's ``summary.json``, dotted for a nested one (``client_accuracy.mean``),
+plus ``final_loss``, ``epsilon``, ``epsilon_claimed`` and ``epsilon_empirical`` (the audit's
+estimate) taken from the last round where the summary lacks them (:func:`run_metrics`).
+Nothing here runs anything; ``reproduce.py`` does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from ..errors import DPFLError
+
+PAPER_FILE = "paper.yaml"
+MAX_PAPER_BYTES = 1 << 20
+
+RunName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,80}$")]
+Metric = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$", max_length=200)]
+Override = Annotated[str, StringConstraints(pattern=r"^[^=\s][^=]*=", max_length=2000)]
+
+
+def _no_bool(value):
+    if isinstance(value, bool):  # YAML's `true` is not the number 1
+        raise ValueError(f"must be a number (got {value!r})")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False, strict=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class RunSpec(_Strict):
+    name: RunName
+    scenario: str = Field(min_length=1)
+    set: list[Override] = []
+    paper: dict[Metric, Number] = {}
+    source: str | None = None
+
+
+class QuickSpec(_Strict):
+    set: list[Override] = []
+    runs: list[RunName] | None = None
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+class _Check(_Strict):
+    metric: Metric
+
+    def run_names(self) -> tuple[str, ...]:
+        return tuple(getattr(self, "runs", ())) + tuple(getattr(self, n) for n in ("run", "baseline")
+                                                        if getattr(self, n, None) is not None)
+
+
+class AtLeast(_Check):
+    kind: Literal["at_least"]
+    run: RunName
+    value: Number
+
+
+class AtMost(_Check):
+    kind: Literal["at_most"]
+    run: RunName
+    value: Number
+
+
+class Within(_Check):
+    kind: Literal["within"]
+    run: RunName
+    value: Number
+    tol: Annotated[float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False, strict=False)]
+
+
+class Order(_Check):
+    kind: Literal["order"]
+    runs: list[RunName] = Field(min_length=2)
+    direction: Literal["descending", "ascending"]
+
+
+class Monotone(_Check):
+    kind: Literal["monotone"]
+    runs: list[RunName] = Field(min_length=2)
+    direction: Literal["increasing", "decreasing"]
+
+
+class GapAtMost(_Check):
+    kind: Literal["gap_at_most"]
+    run: RunName
+    baseline: RunName
+    value: Number
+
+
+class GapShrinks(_Check):
+    kind: Literal["gap_shrinks"]
+    runs: list[RunName] = Field(min_length=2)
+    baseline: RunName
+
+
+Check = Annotated[Union[AtLeast, AtMost, Within, Order, Monotone, GapAtMost, GapShrinks], Field(discriminator="kind")]
+CHECK_KINDS = ("at_least", "at_most", "within", "order", "monotone", "gap_at_most", "gap_shrinks")
+
+
+class Claim(_Strict):
+    id: RunName
+    text: str = Field(min_length=1)
+    check: Check
+
+
+class PaperSpec(_Strict):
+    paper: RunName
+    title: str = Field(min_length=1)
+    data: str = Field(min_length=1)
+    notes: str | None = None
+    runs: list[RunSpec] = Field(min_length=1)
+    quick: QuickSpec = QuickSpec()
+    claims: list[Claim] = []
+
+    @model_validator(mode="after")
+    def _names(self):
+        names = [r.name for r in self.runs]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"runs.{i}.name: {name!r} is given twice")
+        for where, listed in (("quick.runs", self.quick.runs or ()),):
+            for j, name in enumerate(listed):
+                if name not in names:
+                    raise ValueError(f"{where}.{j}: no run named {name!r} (runs: {', '.join(names)})")
+                if name in listed[:j]:
+                    raise ValueError(f"{where}.{j}: {name!r} is listed twice")
+        ids = [c.id for c in self.claims]
+        for i, claim in enumerate(self.claims):
+            if claim.id in ids[:i]:
+                raise ValueError(f"claims.{i}.id: {claim.id!r} is given twice")
+            for name in claim.check.run_names():
+                if name not in names:
+                    raise ValueError(f"claims.{i}.check: no run named {name!r} (runs: {', '.join(names)})")
+            runs = getattr(claim.check, "runs", ())
+            if len(set(runs)) < len(runs):
+                raise ValueError(f"claims.{i}.check.runs: a run is listed twice")
+        return self
+
+    def run(self, name: str) -> RunSpec:
+        return next(r for r in self.runs if r.name == name)
+
+    def metrics(self) -> list[str]:
+        """The metrics the paper reports a value for, in order of first mention."""
+        out: list[str] = []
+        for r in self.runs:
+            out += [m for m in r.paper if m not in out]
+        return out
+
+
+def _location(err: dict) -> str:
+    """pydantic's location of an error as the key a user wrote (the check's kind tag left out)."""
+    parts = [str(p) for p in err["loc"]]
+    parts = [p for i, p in enumerate(parts) if not (i and parts[i - 1] == "check" and p in CHECK_KINDS)]
+    return ".".join(parts)
+
+
+def format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc, msg = _location(first), first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "union_tag_invalid":
+        msg = f"unknown check kind {first['input'].get('kind')!r} (one of {', '.join(CHECK_KINDS)})" \
+            if isinstance(first.get("input"), dict) else msg
+    elif first["type"] == "string_pattern_mismatch":
+        parts = loc.split(".")
+        if "set" in parts[-2:-1]:
+            what = "is not an override (key.path=value)"
+        elif parts[-1] in ("[key]", "metric"):
+            what = "is not a metric name (letters, digits and _, dotted for a nested key)"
+        else:
+            what = "is not a valid name (lower-case letters, digits and _)"
+        loc = loc.removesuffix(".[key]")
+        msg = f"{first['input']!r} {what}"
+    elif first["type"] not in ("value_error", "missing") and "input" in first:
+        msg = f"{msg} (got {str(first['input'])[:80]!r})"
+    if first["type"] == "value_error" and ": " in msg and not loc:  # the model check names its own key
+        loc, msg = msg.split(": ", 1)
+    extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{loc}: {msg}{extra}" if loc else msg + extra
+
+
+def parse_paper(raw, where: str) -> PaperSpec:
+    """A paper.yaml's mapping as a :class:`PaperSpec`; a mistake is one DPFLError naming ``where`` and the key."""
+    if not isinstance(raw, dict):
+        raise DPFLError("a paper.yaml must be a YAML mapping (paper, title, data, runs, quick, claims)", field=where)
+    try:
+        return PaperSpec.model_validate(raw)
+    except ValidationError as err:
+        raise DPFLError(format_error(err), field=where) from None
+
+
+def load_paper(folder: Path) -> PaperSpec:
+    """Read and check ``folder/paper.yaml``, including that every run's scenario file exists."""
+    from ..scenario import load_yaml
+
+    path = Path(folder) / PAPER_FILE
+    if not path.is_file():
+        raise DPFLError(f"no {PAPER_FILE} in {folder}")
+    if path.stat().st_size > MAX_PAPER_BYTES:
+        raise DPFLError(f"{path.stat().st_size} bytes; a paper.yaml is at most {MAX_PAPER_BYTES}", field=str(path))
+    try:
+        raw = load_yaml(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DPFLError("not a text (UTF-8) file", field=str(path)) from None
+    except DPFLError as err:
+        raise DPFLError(str(err), field=str(path)) from None
+    except Exception as err:  # noqa: BLE001 - yaml.YAMLError and its kin: where, not a traceback
+        mark = getattr(err, "problem_mark", None)
+        raise DPFLError(f"not valid YAML{f' (line {mark.line + 1})' if mark else ''}", field=str(path)) from None
+    spec = parse_paper(raw, str(path))
+    for i, run in enumerate(spec.runs):
+        if Path(run.scenario).is_absolute():
+            raise DPFLError(f"{run.scenario!r} must be relative to the paper's folder", field=f"{path}: runs.{i}.scenario")
+        if not (Path(folder) / run.scenario).is_file():
+            raise DPFLError(f"no scenario file {run.scenario!r} in {folder}", field=f"{path}: runs.{i}.scenario")
+    return spec
+
+
+# --- metrics and checks ------------------------------------------------------------------------------
+
+def run_metrics(summary: dict, rounds: list[dict]) -> dict:
+    """What a finished run offers as metrics: its summary, plus ``final_loss``, ``epsilon`` and
+    ``epsilon_claimed`` from the last round that has them where the summary lacks them, and
+    ``epsilon_empirical`` as the audit's estimate (its interval stays in ``epsilon_empirical_low``
+    / ``_high``)."""
+    values = dict(summary)
+    for key, row_key in (("final_loss", "test_loss"), ("epsilon", "epsilon"), ("epsilon_claimed", "epsilon_claimed")):
+        if values.get(key) is None:
+            values[key] = next((r[row_key] for r in reversed(rounds) if r.get(row_key) is not None), None)
+    audit = values.get("epsilon_empirical")
+    if isinstance(audit, dict):
+        values["epsilon_empirical"] = audit.get("epsilon")
+        values["epsilon_empirical_low"], values["epsilon_empirical_high"] = audit.get("low"), audit.get("high")
+    return values
+
+
+class MetricMissing(Exception):
+    """A metric a check needs is not there (or not a number)."""
+
+
+def metric(values: dict, name: str, run: str) -> float:
+    """``values[name]``, walking a dotted name into nested mappings; raises :class:`MetricMissing`."""
+    node = values.get(name) if name in values else values
+    if name not in values:
+        for part in name.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+        raise MetricMissing(f"{run} has no {name}")
+    if isinstance(node, bool) or not isinstance(node, (int, float)) or math.isnan(node):
+        raise MetricMissing(f"{run}'s {name} is not a number ({str(node)[:40]})")
+    return float(node)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """A claim's verdict: 'PASS', 'FAIL', or 'SKIP' (a run it names has no result here), and the
+    numbers it compared as text."""
+
+    id: str
+    text: str
+    status: str
+    compared: str
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.3e}"
+
+
+def evaluate_check(check, results: dict[str, dict | None]) -> tuple[str, str]:
+    """(status, compared) of one check. ``results``: run name -> its metrics (:func:`run_metrics`),
+    or None for a run that did not finish here; a run missing from ``results`` was not run."""
+    absent = [n for n in dict.fromkeys(check.run_names()) if results.get(n) is None]
+    if absent:
+        why = ", ".join(f"{n} {'did not finish' if n in results else 'was not run'}" for n in absent)
+        return "SKIP", why
+    m = check.metric
+    try:
+        get = {n: metric(results[n], m, n) for n in check.run_names()}
+    except MetricMissing as err:
+        return "FAIL", f"{m}: {err}"
+    kind = check.kind
+    if kind in ("at_least", "at_most", "within"):
+        here = get[check.run]
+        if kind == "within":
+            ok = abs(here - check.value) <= check.tol
+            return _verdict(ok), f"{m}: |{check.run} {_fmt(here)} - {_fmt(check.value)}| = " \
+                                 f"{_fmt(abs(here - check.value))} {'<=' if ok else '>'} {_fmt(check.tol)}"
+        ok = here >= check.value if kind == "at_least" else here <= check.value
+        op = (">=" if ok else "<") if kind == "at_least" else ("<=" if ok else ">")
+        return _verdict(ok), f"{m}: {check.run} {_fmt(here)} {op} {_fmt(check.value)}"
+    if kind in ("order", "monotone"):
+        vals = [get[n] for n in check.runs]
+        down = check.direction in ("descending", "decreasing")
+        strict = kind == "order"  # order: strictly; monotone: ties allowed
+        pairs = list(zip(vals, vals[1:]))
+        ok = all((a > b if strict else a >= b) if down else (a < b if strict else a <= b) for a, b in pairs)
+        sym = (">" if strict else ">=") if down else ("<" if strict else "<=")
+        return _verdict(ok), f"{m}: " + f" {sym} ".join(f"{n} {_fmt(v)}" for n, v in zip(check.runs, vals)) + \
+            ("" if ok else " (not so)")
+    if kind == "gap_at_most":
+        gap = get[check.baseline] - get[check.run]
+        ok = gap <= check.value
+        return _verdict(ok), f"{m}: {check.baseline} {_fmt(get[check.baseline])} - {check.run} " \
+                             f"{_fmt(get[check.run])} = {_fmt(gap)} {'<=' if ok else '>'} {_fmt(check.value)}"
+    gaps = [get[check.baseline] - get[n] for n in check.runs]  # gap_shrinks: strictly, run after run
+    ok = all(a > b for a, b in zip(gaps, gaps[1:]))
+    return _verdict(ok), f"{m}: gap to {check.baseline} {_fmt(get[check.baseline])}: " + \
+        ", ".join(f"{n} {_fmt(g)}" for n, g in zip(check.runs, gaps)) + (" (shrinks)" if ok else " (does not shrink)")
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def evaluate_claims(spec: PaperSpec, results: dict[str, dict | None]) -> list[ClaimResult]:
+    return [ClaimResult(c.id, c.text, *evaluate_check(c.check, results)) for c in spec.claims]

@@ -1,0 +1,287 @@
+"""`dpfl reproduce` without Ray: the paper.yaml schema, every check kind, the rows, the markdown and
+the csv read from hand-made run directories, the plan and the resumable manifest, and a dry run of
+every paper folder shipped under scenarios/papers (each helper's folder is checked by the suite)."""
+from __future__ import annotations
+
+import copy
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.runs import papers as pp
+from dpfl_ray.runs import reproduce as rp
+from dpfl_ray.runs import sweep as sw
+from tests.helpers import dpfl_in_process
+
+BASE = {
+    "paper": "toy", "title": "Toy et al. 2099", "data": "synthetic",
+    "runs": [
+        {"name": "a", "scenario": "s.yaml", "paper": {"final_accuracy": 0.8}, "source": "Table 1"},
+        {"name": "b", "scenario": "s.yaml", "set": ["training.lr=0.1"], "paper": {"final_accuracy": 0.7}},
+        {"name": "c", "scenario": "s.yaml"},
+    ],
+    "quick": {"set": ["training.rounds=1"], "runs": ["a", "b"]},
+    "claims": [{"id": "a_good", "text": "a reaches 75%", "check": {"kind": "at_least", "run": "a",
+                                                                      "metric": "final_accuracy", "value": 0.75}}],
+}
+SCENARIO = {"name": "toy", "seed": 1, "data": {"source": "synthetic", "num_clients": 4, "synthetic_examples": 80},
+            "model": {"name": "logistic"}, "training": {"rounds": 2},
+            "sampling": {"mode": "fixed", "clients_per_round": 2}}
+
+
+def spec_with(change=None) -> pp.PaperSpec:
+    raw = copy.deepcopy(BASE)
+    if change:
+        change(raw)
+    return pp.parse_paper(raw, "toy/paper.yaml")
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    d = tmp_path / "toy"
+    d.mkdir()
+    (d / "paper.yaml").write_text(yaml.safe_dump(BASE, sort_keys=False))
+    (d / "s.yaml").write_text(yaml.safe_dump(SCENARIO))
+    return d
+
+
+# --- schema -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.update(extra=1), "toy/paper.yaml: extra: unknown key"),
+    (lambda r: r["runs"][1].update(sett=["x=1"]), "toy/paper.yaml: runs.1.sett: unknown key"),
+    (lambda r: r["claims"][0]["check"].update(tolerance=1), "claims.0.check.tolerance: unknown key"),
+    (lambda r: r["runs"].append({"name": "a", "scenario": "t.yaml"}), "runs.3.name: 'a' is given twice"),
+    (lambda r: r["claims"][0]["check"].update(run="zz"), "claims.0.check: no run named 'zz'"),
+    (lambda r: r["claims"].append({"id": "o", "text": "t", "check": {"kind": "order", "runs": ["a", "q"],
+                                                                     "metric": "m", "direction": "ascending"}}),
+     "claims.1.check: no run named 'q'"),
+    (lambda r: r["claims"].append({"id": "g", "text": "t", "check": {"kind": "gap_shrinks", "runs": ["a", "b"],
+                                                                     "metric": "m", "baseline": "nope"}}),
+     "claims.1.check: no run named 'nope'"),
+    (lambda r: r["claims"].append(copy.deepcopy(r["claims"][0])), "claims.1.id: 'a_good' is given twice"),
+    (lambda r: r["quick"].update(runs=["a", "x"]), "quick.runs.1: no run named 'x'"),
+    (lambda r: r["claims"][0]["check"].update(kind="atleast"), "claims.0.check: unknown check kind 'atleast'"),
+    (lambda r: r["claims"][0]["check"].pop("value"), "claims.0.check.value: Field required"),
+    (lambda r: r["runs"][0].update(name="Run-A"), "runs.0.name: 'Run-A' is not a valid name"),
+    (lambda r: r["runs"][0].update(set=["training.rounds"]), "runs.0.set.0: 'training.rounds' is not an override"),
+    (lambda r: r["runs"][0].update(paper={"final_accuracy": True}), "runs.0.paper.final_accuracy: must be a number"),
+    (lambda r: r["runs"][0].update(paper={"final accuracy": 0.5}), "'final accuracy' is not a metric name"),
+    (lambda r: r["runs"].clear(), "runs: List should have at least 1 item"),
+    (lambda r: r.pop("title"), "title: Field required"),
+])
+def test_schema_mistakes_name_the_file_and_the_key(change, message):
+    with pytest.raises(DPFLError) as err:
+        spec_with(change)
+    assert message in str(err.value) and str(err.value).startswith("toy/paper.yaml: ") and "\n" not in str(err.value)
+
+
+def test_a_valid_spec_and_its_metrics():
+    spec = spec_with()
+    assert [r.name for r in spec.runs] == ["a", "b", "c"] and spec.quick.runs == ["a", "b"]
+    assert spec.metrics() == ["final_accuracy"] and spec.run("b").set == ["training.lr=0.1"]
+
+
+def test_load_paper_checks_the_file_and_the_scenarios(folder):
+    assert pp.load_paper(folder).title == "Toy et al. 2099"
+    (folder / "s.yaml").unlink()
+    with pytest.raises(DPFLError, match=r"paper.yaml: runs.0.scenario: no scenario file 's.yaml'"):
+        pp.load_paper(folder)
+    (folder / "paper.yaml").write_text("paper: toy\npaper: again\n")
+    with pytest.raises(DPFLError, match=r"paper.yaml: line 2: key 'paper' is given twice"):
+        pp.load_paper(folder)
+    (folder / "paper.yaml").write_text("runs: [\n")
+    with pytest.raises(DPFLError, match=r"paper.yaml: not valid YAML"):
+        pp.load_paper(folder)
+    with pytest.raises(DPFLError, match="no paper.yaml"):
+        pp.load_paper(folder.parent)
+
+
+# --- checks -----------------------------------------------------------------------------------------
+
+RESULTS = {"a": {"final_accuracy": 0.80, "epsilon": 2.5, "client_accuracy": {"mean": 0.6}},
+           "b": {"final_accuracy": 0.75, "epsilon": 2.0},
+           "c": {"final_accuracy": 0.75, "epsilon": 1.0},
+           "base": {"final_accuracy": 0.90}}
+
+
+def check(**fields):
+    claim = {"id": "x", "text": "t", "check": {"metric": "final_accuracy", **fields}}
+    names = ["a", "b", "c", "base"]
+    raw = {**BASE, "runs": [{"name": n, "scenario": "s.yaml"} for n in names], "quick": {}, "claims": [claim]}
+    return pp.parse_paper(raw, "p").claims[0].check
+
+
+@pytest.mark.parametrize("fields, status, compared", [
+    (dict(kind="at_least", run="a", value=0.79), "PASS", "final_accuracy: a 0.8 >= 0.79"),
+    (dict(kind="at_least", run="b", value=0.79), "FAIL", "final_accuracy: b 0.75 < 0.79"),
+    (dict(kind="at_most", run="a", value=0.81), "PASS", "a 0.8 <= 0.81"),
+    (dict(kind="at_most", run="a", value=0.7), "FAIL", "a 0.8 > 0.7"),
+    (dict(kind="at_most", run="a", metric="epsilon", value=2), "FAIL", "epsilon: a 2.5 > 2"),
+    (dict(kind="at_least", run="a", metric="client_accuracy.mean", value=0.5), "PASS", "a 0.6 >= 0.5"),
+    (dict(kind="within", run="a", value=0.82, tol=0.03), "PASS", "|a 0.8 - 0.82| = 0.02 <= 0.03"),
+    (dict(kind="within", run="a", value=0.9, tol=0.05), "FAIL", "|a 0.8 - 0.9| = 0.1 > 0.05"),
+    (dict(kind="order", runs=["a", "b"], direction="descending"), "PASS", "a 0.8 > b 0.75"),
+    (dict(kind="order", runs=["a", "b", "c"], direction="descending"), "FAIL", "(not so)"),  # a tie is no order
+    (dict(kind="order", runs=["b", "a"], direction="ascending"), "PASS", "b 0.75 < a 0.8"),
+    (dict(kind="order", runs=["a", "b"], direction="ascending"), "FAIL", "(not so)"),
+    (dict(kind="monotone", runs=["a", "b", "c"], direction="decreasing"), "PASS", "a 0.8 >= b 0.75 >= c 0.75"),
+    (dict(kind="monotone", runs=["c", "b", "a"], direction="decreasing"), "FAIL", "(not so)"),
+    (dict(kind="monotone", runs=["c", "b", "a"], direction="increasing"), "PASS", "c 0.75 <= b 0.75 <= a 0.8"),
+    (dict(kind="monotone", runs=["a", "c"], metric="epsilon", direction="increasing"), "FAIL", "(not so)"),
+    (dict(kind="gap_at_most", run="a", baseline="base", value=0.1), "PASS", "base 0.9 - a 0.8 = 0.1 <= 0.1"),
+    (dict(kind="gap_at_most", run="b", baseline="base", value=0.1), "FAIL", "base 0.9 - b 0.75 = 0.15 > 0.1"),
+    (dict(kind="gap_shrinks", runs=["b", "a"], baseline="base"), "PASS", "b 0.15, a 0.1 (shrinks)"),
+    (dict(kind="gap_shrinks", runs=["a", "b"], baseline="base"), "FAIL", "(does not shrink)"),
+    (dict(kind="gap_shrinks", runs=["b", "c"], baseline="base"), "FAIL", "(does not shrink)"),
+])
+def test_every_check_kind_passes_and_fails_with_the_numbers_it_compared(fields, status, compared):
+    got, text = pp.evaluate_check(check(**fields), RESULTS)
+    assert got == status and compared in text, text
+
+
+def test_a_missing_metric_fails_and_an_absent_run_is_skipped():
+    assert pp.evaluate_check(check(kind="at_least", run="c", metric="epsilon_empirical", value=1), RESULTS) == \
+        ("FAIL", "epsilon_empirical: c has no epsilon_empirical")
+    assert pp.evaluate_check(check(kind="at_least", run="a", metric="client_accuracy.max", value=1), RESULTS)[0] \
+        == "FAIL"
+    weird = {**RESULTS, "a": {"final_accuracy": "high"}}
+    assert "not a number" in pp.evaluate_check(check(kind="at_least", run="a", value=1), weird)[1]
+    partial = {"a": RESULTS["a"], "b": None}  # b did not finish, c was never run
+    assert pp.evaluate_check(check(kind="order", runs=["a", "b", "c"], direction="descending"), partial) == \
+        ("SKIP", "b did not finish, c was not run")
+
+
+def test_run_metrics_fill_in_from_the_rounds_and_the_audit():
+    summary = {"final_accuracy": 0.5, "final_loss": None, "epsilon_empirical": {"epsilon": 1.2, "low": 0.9, "high": 1.5}}
+    rounds = [{"round": 1, "test_loss": 2.0, "epsilon": 0.3, "epsilon_claimed": 0.2},
+              {"round": 2, "test_loss": 1.5, "epsilon": 0.6}]
+    values = pp.run_metrics(summary, rounds)
+    assert values["final_loss"] == 1.5 and values["epsilon"] == 0.6 and values["epsilon_claimed"] == 0.2
+    assert (values["epsilon_empirical"], values["epsilon_empirical_low"], values["epsilon_empirical_high"]) == \
+        (1.2, 0.9, 1.5)
+
+
+# --- plan, manifest, rows, rendering ------------------------------------------------------------------
+
+def test_the_plan_orders_the_overrides_and_checks_only(folder):
+    spec = pp.load_paper(folder)
+    runs = rp.plan(folder, spec, quick=True, sets=["seed=3"], data="/data/x")
+    assert [r.name for r in runs] == ["a", "b"]  # quick: its subset
+    assert runs[1].overrides == ("training.lr=0.1", "training.rounds=1", "data.path=/data/x", "seed=3")
+    assert runs[0].scenario == (folder / "s.yaml").resolve()
+    assert [r.name for r in rp.plan(folder, spec, only=["c"])] == ["c"]
+    with pytest.raises(DPFLError, match="--only: 'zz' is not a run of toy"):
+        rp.plan(folder, spec, only=["zz"])
+    with pytest.raises(DPFLError, match="--only: 'c' is not one of toy's quick runs"):
+        rp.plan(folder, spec, quick=True, only=["c"])
+
+
+def test_find_paper_by_name_or_path(folder):
+    assert rp.find_paper("toy", root=folder.parent) == folder
+    assert rp.find_paper(str(folder), root=folder.parent / "elsewhere") == folder
+    with pytest.raises(DPFLError, match=r"paper: no paper 'nope'.*\(papers: toy\)"):
+        rp.find_paper("nope", root=folder.parent)
+
+
+def write_run(run_dir: Path, summary: dict, rounds: list[dict]) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+
+
+def test_rows_markdown_and_csv_from_run_directories(folder, tmp_path):
+    spec = pp.load_paper(folder)
+    out = tmp_path / "out"
+    write_run(out / "a", {"final_accuracy": 0.78, "epsilon": 2.31, "epsilon_claimed": 2.0, "rounds_completed": 40,
+                          "stop_reason": "privacy_budget_exhausted", "wall_seconds": 12.5},
+              [{"round": 40, "test_accuracy": 0.78, "test_loss": 0.6}])
+    write_run(out / "b", {"final_accuracy": 0.5, "stop_reason": "interrupted", "rounds_completed": 3}, [])
+    rep = rp.collect(out, spec, quick=False, statuses={"a": "skipped", "b": "timeout"})
+    assert [r["run"] for r in rep.rows] == ["a", "b"]  # c neither ran now nor before: not shown
+    a, b = rep.rows
+    assert (a["final_accuracy"], a["paper_final_accuracy"], a["diff_final_accuracy"]) == (0.78, 0.8, -0.02)
+    assert (a["epsilon_accounted"], a["epsilon_claimed"], a["epsilon_empirical"]) == (2.31, 2.0, None)
+    assert (a["rounds"], a["stop_reason"], a["status"]) == (40, "privacy_budget_exhausted", "ok")
+    assert b["status"] == "timeout" and b["final_accuracy"] is None  # an unfinished run has no result
+    assert [(c.id, c.status) for c in rep.claims] == [("a_good", "PASS")]
+
+    md = rp.render_markdown(spec, rep, quick=False, command="dpfl reproduce toy", elapsed_s=3.0,
+                            data_here="idx at /d")
+    assert md.startswith("## Toy et al. 2099 (`toy`)")
+    assert "| run | scenario | final_accuracy | paper | diff | ε accounted | ε claimed | ε empirical | rounds | stop " \
+           "| wall s | status |" in md
+    assert "| a | s.yaml | 0.7800 | 0.8000 | -0.0200 | 2.310 | 2.000 | - | 40 | privacy_budget_exhausted | 12.5 | ok |" \
+        in md
+    assert "| b | s.yaml | - | 0.7000 | - | - | - | - | 3 | interrupted | - | timeout |" in md
+    assert "- `a`: Table 1" in md and "these runs read `idx at /d`" in md
+    assert "| `a_good`: a reaches 75% | **PASS** | final_accuracy: a 0.78 >= 0.75 |" in md
+    assert "```\ndpfl reproduce toy\n```" in md and "Wall time: 12.5 s over the 2 runs" in md
+
+    rp.write_csv(rep, out / "reproduction.csv")
+    with open(out / "reproduction.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0]) == ["run", "scenario", "final_accuracy", "paper_final_accuracy", "diff_final_accuracy",
+                             "epsilon_accounted", "epsilon_claimed", "epsilon_empirical", "rounds", "stop_reason",
+                             "wall_seconds", "status"]
+    assert rows[0]["paper_final_accuracy"] == "0.8" and rows[1]["final_accuracy"] == ""
+
+
+def test_the_plot_draws_here_beside_the_paper(folder, tmp_path):
+    spec = pp.load_paper(folder)
+    write_run(tmp_path / "a", {"final_accuracy": 0.78, "epsilon": 2.3, "stop_reason": "completed"}, [])
+    rep = rp.collect(tmp_path, spec, quick=False)
+    assert rp.plot(spec, rep, tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_paper_metric_named_like_an_epsilon_column_is_not_shown_twice(folder):
+    spec = spec_with(lambda r: r["runs"][0].update(paper={"epsilon_claimed": 2.0}))
+    rep = rp.collect(folder / "nothing", spec, quick=False, statuses={"a": "failed: x"})
+    assert rep.columns().count("epsilon_claimed") == 1 and "paper_epsilon_claimed" in rep.columns()
+
+
+def test_the_manifest_resumes_the_same_reproduction_and_refuses_another(folder, tmp_path):
+    spec = pp.load_paper(folder)
+    out = tmp_path / "out"
+    rp.prepare(out, spec, False, rp.plan(folder, spec, only=["a"]))
+    rp.prepare(out, spec, False, rp.plan(folder, spec))  # more runs join
+    assert set(json.loads((out / rp.MANIFEST).read_text())["runs"]) == {"a", "b", "c"}
+    with pytest.raises(DPFLError, match="holds the full reproduction of toy"):
+        rp.prepare(out, spec, True, rp.plan(folder, spec, quick=True))
+    write_run(out / "a", {"final_accuracy": 0.7, "stop_reason": "completed"}, [])
+    with pytest.raises(DPFLError, match="run a in .* was made from another scenario file or other overrides"):
+        rp.prepare(out, spec, False, rp.plan(folder, spec, sets=["seed=4"]))
+    rp.prepare(out, spec, False, rp.plan(folder, spec, sets=["seed=4"], only=["b"]))  # b never finished
+    # the directory's lock is the sweep's, under the reproduction's own manifest
+    with sw.SweepLock(out, manifest=rp.MANIFEST, command="reproduce", what="reproduction"):
+        with pytest.raises(DPFLError, match="is in use by a reproduction: PID"):
+            sw.SweepLock(out, manifest=rp.MANIFEST, command="reproduce", what="reproduction").acquire()
+    with pytest.raises(DPFLError, match="holds files that are not a reproduction"):
+        sw.SweepLock(folder, manifest=rp.MANIFEST, command="reproduce", what="reproduction").acquire()
+
+
+# --- every shipped paper folder -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("paper", [p.name for p in rp.paper_folders()] or ["(none)"])
+def test_every_shipped_paper_folder_passes_a_dry_run(paper):
+    if paper == "(none)":
+        pytest.skip("no paper folder under scenarios/papers")
+    spec = pp.load_paper(rp.PAPERS_DIR / paper)
+    assert spec.paper == paper, f"{paper}/paper.yaml says paper: {spec.paper}"
+    res = dpfl_in_process("reproduce", paper, "--dry-run")
+    assert res.exit_code == 0, res.output
+    assert f"ok: {paper}: every run's scenario is valid, full and quick" in res.stdout
+    lines = res.stdout.splitlines()
+    assert sum(line.startswith("full  ") for line in lines) == len(spec.runs)
+
+
+def test_list_and_a_bad_paper_name():
+    res = dpfl_in_process("reproduce", "--list")
+    assert res.exit_code == 0, res.output
+    assert all(p.name in res.stdout for p in rp.paper_folders())
+    res = dpfl_in_process("reproduce", "no_such_paper")
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "no paper 'no_such_paper'" in res.stderr
