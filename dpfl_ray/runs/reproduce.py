@@ -110,7 +110,8 @@ def prepare(out: Path, spec: PaperSpec, quick: bool, runs: Sequence[SweepRun]) -
     for run in runs:
         entry = {"scenario": str(run.scenario), "scenario_sha256": _sha(run.scenario), "overrides": list(run.overrides)}
         before = manifest["runs"].get(run.name)
-        if before is not None and before != entry and is_finished(Path(out) / run.name):
+        same = before is not None and all(before.get(k) == entry[k] for k in ("scenario_sha256", "overrides"))
+        if before is not None and not same and is_finished(Path(out) / run.name):
             raise DPFLError(f"run {run.name} in {out} was made from another scenario file or other overrides "
                             f"({' '.join(before.get('overrides', [])) or 'none'}); choose another --out, or delete "
                             f"{Path(out) / run.name} to run it again", field="--out")
@@ -154,8 +155,13 @@ def collect(out: Path, spec: PaperSpec, quick: bool, statuses: dict[str, str] | 
         r = spec.run(name)
         row = {"run": name, "scenario": r.scenario, "rounds": None, "stop_reason": None, "wall_seconds": None}
         values = None
+        run = None
         if (run_dir / "summary.json").is_file():
-            run = load_run(run_dir)
+            try:
+                run = load_run(run_dir)
+            except DPFLError as err:  # a damaged run directory is a row that says so, not a crash
+                status = f"unreadable: {err}"
+        if run is not None:
             values = run_metrics(run.summary, run.rounds)
             row.update(rounds=values.get("rounds_completed", len(run.rounds)), stop_reason=values.get("stop_reason"),
                        wall_seconds=values.get("wall_seconds"))

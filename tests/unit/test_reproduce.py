@@ -231,6 +231,15 @@ def test_rows_markdown_and_csv_from_run_directories(folder, tmp_path):
     assert rows[0]["paper_final_accuracy"] == "0.8" and rows[1]["final_accuracy"] == ""
 
 
+def test_a_damaged_run_directory_is_a_row_that_says_so(folder, tmp_path):
+    spec = pp.load_paper(folder)
+    write_run(tmp_path / "c", {}, [])
+    (tmp_path / "c" / "summary.json").write_text("{not json")
+    rep = rp.collect(tmp_path, spec, quick=False)
+    assert [(r["run"], r["status"].split(":")[0], r["final_accuracy"]) for r in rep.rows] == [("c", "unreadable", None)]
+    assert rep.claims[0].status == "SKIP"
+
+
 def test_the_plot_draws_here_beside_the_paper(folder, tmp_path):
     spec = pp.load_paper(folder)
     write_run(tmp_path / "a", {"final_accuracy": 0.78, "epsilon": 2.3, "stop_reason": "completed"}, [])
