@@ -41,6 +41,17 @@ def ray_address(ray_session) -> str:
     return ray_session.get_runtime_context().gcs_address
 
 
+@pytest.fixture(autouse=True)
+def _no_parked_workers_for_other_drivers(request):
+    """Workers parked by this process's last in-process run (runtime/warm.py) hold the session
+    Ray's CPUs: a test whose `dpfl` subprocess joins that Ray gets them back first."""
+    if "ray_address" in request.fixturenames:
+        from dpfl_ray.runtime import warm
+
+        warm.clear()
+    yield
+
+
 @pytest.fixture
 def one_torch_thread():
     """torch on one thread, as a worker runs it (resources.torch_threads): bitwise claims are made

@@ -30,6 +30,7 @@ from .checkpoint import scenario_fingerprint
 from .cluster import placement_summary
 from .messages import WorkerChaos
 from .secagg_round import real_deadline, secagg_round
+from . import warm
 from .workers import make_worker_class
 
 
@@ -452,8 +453,13 @@ def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None
     return cls.remote(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan)
 
 
-def start_workers(scenario: Scenario, data: dict, num_clients: int) -> list:
-    """The ClientWorker pool, started from the driver at the same time as the coordinator."""
+def start_workers(scenario: Scenario, data: dict, num_clients: int) -> tuple[list, tuple[float, float]]:
+    """The ClientWorker pool, started from the driver at the same time as the coordinator, and its
+    shape (CPUs, GPUs per worker). Warm workers parked by an earlier run of this driver
+    (runtime/warm.py) are taken first."""
     plan = plan_pool(scenario.resources, ray.cluster_resources(), num_clients)
+    raw = scenario.model_dump(mode="json")
+    workers = warm.take(plan.num_cpus, plan.num_gpus, plan.workers, raw, data)
     cls = make_worker_class(plan.num_cpus, plan.num_gpus)
-    return [cls.remote(scenario.model_dump(mode="json"), data) for _ in range(plan.workers)]
+    workers += [cls.remote(raw, data) for _ in range(plan.workers - len(workers))]
+    return workers, (plan.num_cpus, plan.num_gpus)

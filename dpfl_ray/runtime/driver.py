@@ -15,6 +15,7 @@ from ..errors import DPFLError
 from ..faults.plan import FaultPlan
 from ..runs.record import RunRecord, versions
 from ..scenario import Scenario
+from . import warm
 from .coordinator import make_coordinator, start_workers
 from .checkpoint import write_checkpoint
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
@@ -111,13 +112,14 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     shutdown = shutdown or Shutdown()
     record.write_scenario(scenario.to_yaml())
     coord, run_ref, seen, stop_reason, error, lost = None, None, 0, "completed", None, None
+    workers, shape = [], (0.0, 0.0)
     answered = False  # has the coordinator replied yet (its process may still be starting)?
     last_checkpoint = resume  # the driver's own copy of the committed state
     try:
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
-        workers = start_workers(scenario, data, fed.num_clients)
+        workers, shape = start_workers(scenario, data, fed.num_clients)
         if callable(theta0):  # the caller's model thread, awaited while the workers start
             theta0 = theta0()
             timings.mark("initial_model_ready")
@@ -170,6 +172,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         state = _initial_state(scenario)
     wall = time.time() - (t0 if started_at is None else started_at)
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings)
+    if error is None and stop_reason != "interrupted" and not shutdown.requested:
+        warm.park(*shape, workers)  # for this driver's next run (runtime/warm.py)
     if lost is not None and last_checkpoint is not None:
         raise DPFLError(f"{error}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json "
                         f"and summary.json are for that round; resume with: dpfl run --resume {record.path}")

@@ -9,6 +9,7 @@ algorithm runs.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 from typing import TYPE_CHECKING
@@ -63,6 +64,23 @@ class ClientWorker:
     def __init__(self, scenario: dict, data: dict):
         """``data``: the federation's object refs, nested so that Ray hands them over unresolved."""
         _load_training()
+        self._bind(scenario, data)
+
+    def rebind(self, scenario: dict, data: dict) -> bool:
+        """Serve another run (runtime/warm.py): every attribute a run set is dropped and
+        ``__init__``'s work is done anew, so the worker is the one a fresh process would be; only
+        the imports and the process stay."""
+        self._bind(scenario, data)
+        return True
+
+    def release(self) -> bool:
+        """Drop the run's data and model while the worker waits, parked, for the next run."""
+        self.__dict__.clear()
+        gc.collect()
+        return True
+
+    def _bind(self, scenario: dict, data: dict) -> None:
+        self.__dict__.clear()
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         torch.set_num_threads(self.sc.resources.torch_threads)
         use_cuda = self.sc.resources.num_gpus_per_worker > 0 and torch.cuda.is_available()

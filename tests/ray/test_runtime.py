@@ -1,7 +1,6 @@
 """The Ray shell on a real local Ray: pool placement, a short run, dropouts, determinism."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -103,6 +102,8 @@ def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
     pids = [i["pid"] for i in ray_session.get(coord.worker_info.remote())]
     victim = ray_session.get(coord.worker_handle.remote(0))
     ray_session.kill(victim)
+    with pytest.raises(ray_session.exceptions.RayActorError):  # dead before the first round, not during it
+        ray_session.get(victim.info.remote(), timeout=60)
     ray_session.get(coord.run.remote())
     rounds = [e for e in ray_session.get(coord.events.remote(0)) if e["event"] == "round"]
     crashed = rounds[0]["dropped"]["crash"]["training"]
@@ -147,3 +148,29 @@ def test_a_row_that_cannot_be_written_still_leaves_a_summary(ray_session, tmp_pa
     assert [r["round"] for r in rows] == list(range(1, len(rows) + 1))
     assert summary["rounds_completed"] == len(rows) >= 2
     assert (tmp_path / "run" / "model.pt").stat().st_size > 0
+
+
+def test_a_warm_worker_trains_as_a_fresh_one(ray_session, tmp_path):
+    """runtime/warm.py: the workers of a clean run serve the driver's next run of the same shape,
+    rebound; a run on rebound workers that served another model meanwhile is bitwise the fresh run."""
+    from dpfl_ray.runtime import warm
+
+    def cnn():
+        return tiny_scenario(data={"source": "mnist5k", "num_clients": 20, "examples_per_client": 10},
+                             model={"name": "cnn"}, training={"rounds": 2, "batch_size": 5, "lr": 0.1})
+
+    def parked():
+        return sorted(h._actor_id.hex() for handles in warm._parked.values() for h in handles)
+
+    warm.clear()
+    _, rounds_fresh, fresh = _run(cnn(), tmp_path, "fresh")
+    first = parked()
+    assert len(first) == 1  # the run's one worker, kept
+    _run(tiny_scenario(model={"name": "mlp", "hidden": [16]}), tmp_path, "other")
+    assert parked() == first  # the same process served the other run
+    _, rounds_warm, again = _run(cnn(), tmp_path, "warm")
+    assert parked() == first
+    assert [r["test_accuracy"] for r in rounds_warm] == [r["test_accuracy"] for r in rounds_fresh]
+    assert all(torch.equal(fresh[k], again[k]) for k in fresh)
+    warm.clear()
+    assert parked() == []
