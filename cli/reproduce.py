@@ -95,7 +95,8 @@ def reproduce(
     command = shlex.join(["dpfl", *sys.argv[1:]])
     with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction") as lock:
         rp.prepare(out_dir, spec, quick, runs)
-        _say(f"reproduce {spec.paper}{' (quick)' if quick else ''}: {len(runs)} runs -> {out_dir}")
+        plural = "" if len(runs) == 1 else "s"
+        _say(f"reproduce {spec.paper}{' (quick)' if quick else ''}: {len(runs)} run{plural} -> {out_dir}")
 
         def on_run(i: int, run, status: str) -> None:
             _say(f"[{i + 1}/{len(runs)}] {run.name}: {status}")
