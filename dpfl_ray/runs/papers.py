@@ -243,7 +243,8 @@ def load_paper(folder: Path) -> PaperSpec:
     spec = parse_paper(raw, str(path))
     for i, run in enumerate(spec.runs):
         if Path(run.scenario).is_absolute():
-            raise DPFLError(f"{run.scenario!r} must be relative to the paper's folder", field=f"{path}: runs.{i}.scenario")
+            raise DPFLError(f"{run.scenario!r} must be relative to the paper's folder",
+                            field=f"{path}: runs.{i}.scenario")
         if not (Path(folder) / run.scenario).is_file():
             raise DPFLError(f"no scenario file {run.scenario!r} in {folder}", field=f"{path}: runs.{i}.scenario")
     return spec

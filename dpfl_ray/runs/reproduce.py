@@ -275,7 +275,8 @@ def render_markdown(spec: PaperSpec, rep: Reproduction, *, quick: bool, command:
     if rep.claims:
         lines += ["### Claims", "", "| claim | result | compared |", "|---|---|---|"]
         for c in rep.claims:
-            lines.append(f"| `{c.id}`: {_md_cell(' '.join(c.text.split()))} | **{c.status}** | {_md_cell(c.compared)} |")
+            text = _md_cell(" ".join(c.text.split()))
+            lines.append(f"| `{c.id}`: {text} | **{c.status}** | {_md_cell(c.compared)} |")
         lines += ["", "PASS / FAIL: the check held or not on the numbers shown; SKIP: a run it needs did not "
                   "finish or was not run in this reproduction.", ""]
     total = sum(r["wall_seconds"] or 0 for r in rep.rows)
