@@ -99,6 +99,7 @@ class Coordinator:
         self.workers: list = list(workers or [])
         self.groups = summation_groups(int(self.theta.size))
         self.last_eval = (None, None)
+        self.final_eval: dict = {}  # the final model's evaluation, when the last round had none
         self.pool: dict = {}
         if resume is not None:
             self._restore(resume)
@@ -183,7 +184,7 @@ class Coordinator:
         how many rounds they cover."""
         with self._lock:
             out = {"rounds": self.rounds_done, "theta": self.theta,
-                   "summary": {**self.algorithm.summary_fields(), "placement": self.pool},
+                   "summary": {**self.algorithm.summary_fields(), "placement": self.pool, **self.final_eval},
                    "checkpoint": self._checkpoint()}
             if self.audit is not None and self.audit.rounds:
                 delta, tm = self.sc.privacy.delta, self.sc.privacy.audit.threat_model
@@ -208,8 +209,20 @@ class Coordinator:
                 stop_reason = "privacy_budget_exhausted"
                 break
             self._round(t, self.last_eval)
+        if stop_reason == "privacy_budget_exhausted":
+            self._evaluate_final_model()
         self._record_stack_padding()
         return {"stop_reason": stop_reason}
+
+    def _evaluate_final_model(self) -> None:
+        """A budget that ends the run between two evaluations (output.eval_every) leaves the final
+        model unevaluated: its accuracy, not the last evaluated round's, is the run's result."""
+        done, every = self.rounds_done, self.sc.output.eval_every
+        if done == 0 or done % every == 0 or done == self.sc.training.rounds:
+            return
+        acc, loss = self._evaluate(self.theta)
+        with self._lock:
+            self.final_eval = {"final_accuracy": acc, "final_loss": loss, "final_evaluated_round": done}
 
     def _record_stack_padding(self) -> None:
         """Put the stack sizes the workers' CPUs made them pad (dpfl_ray.training.local_batched) into the

@@ -67,9 +67,14 @@ def test_fu_as_published_stops_on_the_claim_and_its_ledger_books_more(ray_sessio
     budget by its claim, while the ledger, which counts the norm query too, passes it."""
     sc = _fu()
     sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 30}), "privacy": sc.privacy.model_copy(
-        update={"adap_dpfl": sc.privacy.adap_dpfl.model_copy(update={"stop_on": "claimed"})})})
+        update={"adap_dpfl": sc.privacy.adap_dpfl.model_copy(update={"stop_on": "claimed"})}),
+        "output": sc.output.model_copy(update={"eval_every": 100})})
     fed, summary, rows, ledger = _run(sc, tmp_path / "fu_claimed")
-    assert summary["stop_on"] == "claimed"
+    assert summary["stop_on"] == "claimed" and summary["stop_reason"] == "privacy_budget_exhausted"
+    # no round was evaluated (eval_every 100): the budget's stop evaluates the final model itself
+    assert all(r["test_accuracy"] is None for r in rows)
+    assert summary["final_evaluated_round"] == summary["rounds_completed"] == len(rows)
+    assert 0 <= summary["final_accuracy"] <= 1 and summary["final_loss"] > 0
     assert summary["epsilon_claimed"] <= 1.0 < summary["epsilon"]
     assert any("exhausted" in r["dropped"] for r in rows)
     assert max(ledger["per_client_epsilon"].values()) == pytest.approx(summary["epsilon"])
