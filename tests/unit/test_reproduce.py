@@ -294,3 +294,31 @@ def test_list_and_a_bad_paper_name():
     assert all(p.name in res.stdout for p in rp.paper_folders())
     res = dpfl_in_process("reproduce", "no_such_paper")
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "no paper 'no_such_paper'" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def synthetic_idx(tmp_path_factory):
+    from tests.e2e.test_reproduce import write_idx
+
+    return write_idx(tmp_path_factory.mktemp("idx"))
+
+
+@pytest.mark.parametrize("paper", [p.name for p in rp.paper_folders()] or ["(none)"])
+def test_every_quick_run_builds_its_federation_and_algorithm_on_a_synthetic_idx_set(paper, synthetic_idx):
+    """`--quick --data DIR` without the Debian package, up to the point where Ray starts: the data
+    is read and partitioned, and the algorithm accepts the scenario, for every quick run (the e2e
+    test runs fu2022's quick runs for real; the others' runs only differ from here in their Ray)."""
+    if paper == "(none)":
+        pytest.skip("no paper folder under scenarios/papers")
+    from dpfl_ray.algorithms import algorithm_class, make_algorithm
+    from dpfl_ray.data import build_federation
+    from dpfl_ray.scenario import load_scenario
+
+    folder = rp.PAPERS_DIR / paper
+    for run in rp.plan(folder, pp.load_paper(folder), quick=True, data=str(synthetic_idx)):
+        sc = load_scenario(run.scenario, list(run.overrides))
+        assert sc.data.path == str(synthetic_idx.resolve()), run.name
+        fed = build_federation(sc)
+        assert fed.num_clients == sc.data.num_clients and min(fed.sizes) > 0, run.name
+        algorithm_class(sc).check_scenario(sc)
+        make_algorithm(sc, fed.weights, sizes=fed.sizes)
