@@ -462,6 +462,8 @@ def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None
         from ..training.models import initial_theta
 
         theta0 = initial_theta(scenario.model, data["input_shape"], data["num_classes"], scenario.seed)
+    if workers is None:  # the coordinator starts its own pool: workers parked for a run here give their CPUs back
+        warm.clear()
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
     return cls.remote(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan)
 

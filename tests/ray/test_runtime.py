@@ -116,7 +116,10 @@ def test_a_crashed_worker_counts_as_dropouts_and_is_replaced(ray_session):
     has_torch = lambda self: __import__("sys").modules.get("torch") is not None  # noqa: E731
     assert ray_session.get(coord.__ray_call__.remote(has_torch)) is False
     for i in range(2):
-        ray_session.kill(ray_session.get(coord.worker_handle.remote(i)))
+        worker = ray_session.get(coord.worker_handle.remote(i))
+        ray_session.kill(worker)
+        with pytest.raises(ray_session.exceptions.RayActorError):  # dead before the coordinator evaluates
+            ray_session.get(worker.info.remote(), timeout=60)
     alone = ray_session.get(coord.__ray_call__.remote(lambda self: self._evaluate(self.theta)), timeout=120)
     assert alone == (rounds[-1]["test_accuracy"], rounds[-1]["test_loss"])
     assert ray_session.get(coord.__ray_call__.remote(has_torch)) is True
