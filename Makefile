@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-TEST_PROCESSES ?= 2
+TEST_PROCESSES ?= 3
 # Wheels are installed without compiling every module to bytecode (--no-compile: most of torch's and
 # ray's thousands of modules are never imported). Python compiles what is imported on first use and caches it, unless
 # PYTHONDONTWRITEBYTECODE is set (as in some shells and CI images): then every process would compile
@@ -26,9 +26,10 @@ run: $(STAMP)
 	$(BIN)/dpfl run scenarios/quickstart.yaml
 
 test: $(STAMP)
-	# Two test processes (pytest-xdist) on a 2-core machine: a serial run leaves CPU idle while Ray
-	# processes start and tests wait on subprocesses; a third starts one Ray more for no gain
-	# (benchmarks/RESULTS.md). Each process has its own local Ray (tests/conftest.py).
+	# Three test processes (pytest-xdist) on a 2-core machine: much of the suite waits on Ray's start,
+	# on subprocesses and on deadlines, not on CPU. On a fresh clone (Intel, 2 cores, 2026-11-26) the
+	# tests took 9:02 with two processes, 7:53 with three, 7:42 with four (where a 5 s signal bound
+	# failed once at that load). Each process has its own local Ray (tests/conftest.py).
 	# --dist worksteal: an idle process takes queued tests from a busy one instead of waiting.
 	# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist worksteal tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

@@ -9,6 +9,19 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.pop("COLUMNS", None)
 
 
+# Long tests first: `make test` runs on pytest-xdist with work stealing, and a minute-long cluster
+# or CLI test collected last would run alone at the end while the other processes sit idle.
+_FIRST = ("tests/ray_cluster/", "tests/e2e/", "tests/ray/")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        path = item.nodeid
+        return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+
+    items.sort(key=rank)  # stable: each group keeps its own order
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One real local Ray for the whole test session (for each pytest-xdist process: `make test`
