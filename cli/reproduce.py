@@ -114,9 +114,14 @@ def reproduce(
     for path in written:
         _say(f"wrote {path}")
     failed = [r for r in rep.rows if r["run"] in statuses and r["status"] not in ("ok", "skipped")]
+    damaged = [r["run"] for r in failed if str(r["status"]).startswith("unreadable")]
+    if damaged:  # finished by its summary, so a rerun would skip it: the user decides what to do with its files
+        _say(f"{', '.join(damaged)}: the run directory under {out_dir} is damaged; move it away and run the same "
+             "command to run it again")
+    if len(failed) > len(damaged):
+        _say(f"{len(failed) - len(damaged)} of {len(runs)} runs did not finish "
+             f"({', '.join(r['run'] for r in failed if r['run'] not in damaged)}); run the same command to retry them")
     if failed:
-        _say(f"{len(failed)} of {len(runs)} runs did not finish ({', '.join(r['run'] for r in failed)}); run the "
-             "same command to retry them")
         raise typer.Exit(1)
 
 

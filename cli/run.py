@@ -42,9 +42,11 @@ def run(
     import ray
 
     from dpfl_ray.runs.record import RunRecord
+    from dpfl_ray.runtime import warm
     from dpfl_ray.runtime.driver import ensure_ray, ray_stopped, ray_to_watch, run_scenario, stop_ray, write_unstarted
     from dpfl_ray.runtime.rescue import Watcher
     from dpfl_ray.runtime.resources import plan_pool
+    warm.set_enabled(False)  # one run per process: nothing would take parked workers (runtime/warm.py)
     if shutdown.requested:
         model.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)

@@ -283,8 +283,9 @@ def _missing_idx(folder: Path) -> list[str]:
 
 def _named_idx(source: str, path: str | None) -> Dataset:
     """fashion_mnist / mnist: data.path if set (and then only there: a folder named on purpose is never
-    silently replaced by another), else the first of $DPFL_DATA/<name>, $DPFL_DATA and the system's
-    dataset folder that holds all four files."""
+    silently replaced by another), else the first of $DPFL_DATA/<name> and the system's dataset folder
+    that holds all four files. Never $DPFL_DATA itself: MNIST and Fashion-MNIST have the same file
+    names and shapes, so a folder that is not named after its set could hold the other one."""
     label, subdirs, system = _NAMED[source]
     env = os.environ.get("DPFL_DATA")
     install = "apt-get install dataset-fashion-mnist" if source == "fashion_mnist" else None
@@ -298,7 +299,7 @@ def _named_idx(source: str, path: str | None) -> Dataset:
                             f"{other}", field="data.path")
         return _read_idx_folder(folder, source, num_classes=10)
     base = Path(env).expanduser() if env else None
-    candidates = ([base / s for s in subdirs] + [base] if base else []) + [system]
+    candidates = ([base / s for s in subdirs] if base else []) + [system]
     for folder in candidates:
         if not _missing_idx(folder):
             return _read_idx_folder(folder, source, num_classes=10, field="data.source")

@@ -42,6 +42,7 @@ def stop_ray() -> None:
 
     abandoned = start_abandoned()  # ray.init may still run in its thread: Ray's driver state is not ours to touch
     gone = abandoned or _HEAD_LOST  # nothing left to disconnect from in order
+    warm.forget()  # parked workers end with this Ray: their handles must not reach the next one
     if ray.is_initialized() and not gone:
         stop_autoscaler_monitor()  # only ever a child of this process when its Ray is private
         with contextlib.suppress(Exception):

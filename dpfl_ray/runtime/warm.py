@@ -5,13 +5,15 @@ wall time on a loaded machine); its run-specific work (the scenario, the data re
 few milliseconds. A driver that runs several scenarios in one Ray session (the test suite, a grid
 run in-process) parks the workers of a run that ended cleanly and hands them to the next run of the
 same worker shape, which rebinds them (``ClientWorker.rebind``: every attribute is set anew, so a
-rebound worker trains exactly as a fresh one; tests/ray compare pools of fresh and rebound workers).
+rebound worker trains exactly as a fresh one; tests/ray compare runs on fresh and rebound workers).
 
 What is never reused: a worker of a run that failed or was interrupted (it may be mid-call), one
-that does not answer ``release`` within RELEASE_SECONDS (hung, or dead: the coordinator kills the
-stragglers it replaces), and workers of another Ray session. Parked workers hold their CPU and GPU
-reservation, so a run that needs another shape first kills every parked worker. ``DPFL_WARM_WORKERS=0``
-turns parking off.
+that does not answer ``release`` within RELEASE_SECONDS or ``rebind`` within REBIND_SECONDS (hung,
+or dead: the coordinator kills the stragglers it replaces), and workers of another Ray session
+(``stop_ray`` forgets them before ``ray.shutdown``). Parked workers hold their CPU and GPU
+reservation, so a run that needs another shape first kills every parked worker, and an idle driver
+gives them back after IDLE_SECONDS. ``dpfl run``, one run per process, parks nothing
+(``set_enabled(False)``); ``DPFL_WARM_WORKERS=0`` turns parking off everywhere.
 """
 from __future__ import annotations
 
@@ -21,13 +23,38 @@ import threading
 import ray
 
 RELEASE_SECONDS = 5.0
-REBIND_SECONDS = 60.0
+REBIND_SECONDS = 10.0  # a rebind is milliseconds of work: a worker that takes longer is not reused
 # Parked workers hold their CPUs: another driver on the same Ray waits for them at most this long.
 IDLE_SECONDS = 30.0
 
 _parked: dict[tuple, list] = {}
 _lock = threading.Lock()
 _idle: threading.Timer | None = None
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    global _enabled  # noqa: PLW0603
+    _enabled = bool(on)
+    if not on:
+        clear()
+
+
+def enabled() -> bool:
+    return _enabled and os.environ.get("DPFL_WARM_WORKERS", "1") != "0"
+
+
+def _session() -> tuple[str, str]:
+    """This driver's connection: the job id restarts at 01000000 with every fresh Ray, the node id does not."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_job_id(), ctx.get_node_id()
+
+
+def _kill(handle) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone, or a handle of a session that ended
+        pass
 
 
 def _cancel_idle() -> None:
@@ -37,12 +64,11 @@ def _cancel_idle() -> None:
         _idle = None
 
 
-def enabled() -> bool:
-    return os.environ.get("DPFL_WARM_WORKERS", "1") != "0"
-
-
-def _session() -> str:
-    return ray.get_runtime_context().get_job_id()
+def forget() -> None:
+    """Drop every parked handle without a call to Ray: before ``ray.shutdown()``, which ends them."""
+    with _lock:
+        _cancel_idle()
+        _parked.clear()
 
 
 def clear() -> None:
@@ -57,10 +83,7 @@ def _clear() -> None:
     for key, handles in list(_parked.items()):
         if key[0] == session:
             for h in handles:
-                try:
-                    ray.kill(h, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+                _kill(h)
     _parked.clear()
 
 
@@ -70,14 +93,17 @@ def take(num_cpus: float, num_gpus: float, count: int, scenario: dict, data: dic
     resources the new run needs."""
     with _lock:
         _cancel_idle()
-        if not enabled() or not _parked:
+        if not _parked:
+            return []
+        if not enabled():
+            _clear()
             return []
         key = (_session(), float(num_cpus), float(num_gpus))
         mine = _parked.pop(key, [])
         _clear()
     spare, mine = mine[count:], mine[:count]
     for h in spare:
-        ray.kill(h, no_restart=True)
+        _kill(h)
     if not mine:
         return []
     refs = [h.rebind.remote(scenario, data) for h in mine]
@@ -90,7 +116,7 @@ def take(num_cpus: float, num_gpus: float, count: int, scenario: dict, data: dic
                 continue
         except Exception:  # noqa: BLE001 - died while parked: a fresh one takes its place
             pass
-        ray.kill(h, no_restart=True)
+        _kill(h)
     return ok
 
 
@@ -109,10 +135,7 @@ def park(num_cpus: float, num_gpus: float, handles: list) -> None:
                 continue
         except Exception:  # noqa: BLE001 - the coordinator replaced (killed) it, or it died
             pass
-        try:
-            ray.kill(h, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        _kill(h)
     if keep:
         global _idle  # noqa: PLW0603
         with _lock:

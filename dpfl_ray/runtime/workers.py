@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     import torch
 
     from ..training.local import local_update
-    from ..training.local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
+    from ..training.local_batched import (
+        batched_local_updates, batching_pays, clients_per_batch, reset_stack_usage, stack_padding, warm_up,
+    )
     from ..training.models import build_model, set_flat, shard_sums
 
 
@@ -42,12 +44,14 @@ def _load_training() -> None:
     and the coordinator holds handles to every worker but trains nothing; importing torch there
     cost every run a second of CPU and 200 MB."""
     global torch, local_update, batched_local_updates, batching_pays, clients_per_batch, stack_padding  # noqa: PLW0603
-    global warm_up  # noqa: PLW0603
+    global warm_up, reset_stack_usage  # noqa: PLW0603
     global build_model, set_flat, shard_sums  # noqa: PLW0603
     import torch
 
     from ..training.local import local_update
-    from ..training.local_batched import batched_local_updates, batching_pays, clients_per_batch, stack_padding, warm_up
+    from ..training.local_batched import (
+        batched_local_updates, batching_pays, clients_per_batch, reset_stack_usage, stack_padding, warm_up,
+    )
     from ..training.models import build_model, set_flat, shard_sums
 
 
@@ -75,12 +79,16 @@ class ClientWorker:
 
     def release(self) -> bool:
         """Drop the run's data and model while the worker waits, parked, for the next run."""
+        on_gpu = getattr(self, "device", None) is not None and self.device.type == "cuda"
         self.__dict__.clear()
         gc.collect()
+        if on_gpu:  # the cached blocks go back to the GPU while parked
+            torch.cuda.empty_cache()
         return True
 
     def _bind(self, scenario: dict, data: dict) -> None:
         self.__dict__.clear()
+        reset_stack_usage()  # summary.placement.stack_padding: this run's stacks only
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         torch.set_num_threads(self.sc.resources.torch_threads)
         use_cuda = self.sc.resources.num_gpus_per_worker > 0 and torch.cuda.is_available()

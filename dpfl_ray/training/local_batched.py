@@ -191,13 +191,21 @@ def _grads(loss, ps: dict[str, torch.Tensor], xb, yb) -> dict[str, torch.Tensor]
 # Stack sizes this process has checked: (model, program, input shape, K, batch sizes, device) -> the
 # K to run (K itself, a larger K, or 0 for one client at a time in a stack of two).
 _STACK_FOR: dict[tuple, int] = {}
+_USED: set[tuple] = set()  # the keys asked since reset_stack_usage(): one run's, on a reused worker
 MAX_STACK_PADDING = 8
 
 
 def stack_padding() -> dict[str, int]:
-    """The stack sizes this process could not run as they were, ``{"K": K'}``: padded to K' clients,
-    or K' = 0, trained one client at a time in a stack of two."""
-    return {str(key[4]): k for key, k in sorted(_STACK_FOR.items(), key=lambda kv: kv[0][4]) if k != key[4]}
+    """The stack sizes this process could not run as they were since the last
+    :func:`reset_stack_usage`, ``{"K": K'}``: padded to K' clients, or K' = 0, trained one client at a
+    time in a stack of two. The check itself is kept for the process's life (a property of its CPU)."""
+    used = sorted((key for key in _USED if key in _STACK_FOR), key=lambda key: key[4])
+    return {str(key[4]): _STACK_FOR[key] for key in used if _STACK_FOR[key] != key[4]}
+
+
+def reset_stack_usage() -> None:
+    """A worker starts serving another run (runtime/warm.py): report only that run's stack sizes."""
+    _USED.clear()
 
 
 def _invariant_stack(key: tuple, loss, start, x0: np.ndarray, y0: np.ndarray, k: int, sizes: tuple[int, ...]) -> int:
@@ -210,6 +218,7 @@ def _invariant_stack(key: tuple, loss, start, x0: np.ndarray, y0: np.ndarray, k:
     and shape: one gradient step of the first client's first examples copied into all K slots,
     for each batch size the client's epoch uses, against the same step in a stack of two."""
     device = next(iter(start.values())).device
+    _USED.add(key)
     if key in _STACK_FOR:
         return _STACK_FOR[key]
     probes = [(torch.from_numpy(np.ascontiguousarray(x0[:b])).to(device), torch.from_numpy(y0[:b]).to(device))

@@ -60,10 +60,19 @@ def cache_files(folder: Path) -> list[Path]:
     return sorted(folder.rglob("*.npy")) if folder.exists() else []
 
 
-@pytest.mark.parametrize("subdir", ["fashion-mnist", "fashion_mnist", ""])
+def test_dpfl_data_itself_is_not_taken_for_either_set(tmp_path, monkeypatch):
+    """The two sets share file names and shapes: only a folder named after its set is read."""
+    idx_folder(tmp_path / "data")
+    monkeypatch.setenv("DPFL_DATA", str(tmp_path / "data"))
+    for source in ("fashion_mnist", "mnist"):
+        with pytest.raises(DPFLError, match="not found"):
+            load_source(DataConfig(source=source), 0)
+
+
+@pytest.mark.parametrize("subdir", ["fashion-mnist", "fashion_mnist"])
 @pytest.mark.parametrize("gz", [False, True])
 def test_fashion_mnist_found_through_dpfl_data(tmp_path, monkeypatch, subdir, gz):
-    folder = idx_folder(tmp_path / "data" / subdir if subdir else tmp_path / "data", gz=gz)
+    folder = idx_folder(tmp_path / "data" / subdir, gz=gz)
     monkeypatch.setenv("DPFL_DATA", str(tmp_path / "data"))
     ds = load_source(DataConfig(source="fashion_mnist"), 0)
     assert ds.name == "fashion_mnist" and ds.num_classes == 10

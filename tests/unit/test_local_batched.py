@@ -284,3 +284,22 @@ def test_vector_inputs_and_unknown_layers():
     seq = _sequential(tanh, theta, xs, ys, [0, 1], **kw)
     for s, b in zip(seq, _batched(tanh, theta, xs, ys, [0, 1], **kw)):
         np.testing.assert_allclose(b, s, rtol=1e-4, atol=1e-6)
+
+
+def test_stack_padding_reports_only_the_stacks_asked_since_the_last_reset():
+    """A warm worker (runtime/warm.py) serves several runs: each run's summary names the stack sizes
+    it used, while the check behind them is kept for the process's life."""
+    from dpfl_ray.training import local_batched as lb
+
+    key = ("a run's model", "cpu", (1, 28, 28), 5, 3)  # the key's last field is the stack size K
+    before = dict(lb._STACK_FOR)
+    try:
+        lb._STACK_FOR[key] = 4
+        lb._USED.add(key)
+        assert lb.stack_padding().get("3") == 4
+        lb.reset_stack_usage()
+        assert "3" not in lb.stack_padding() and lb._STACK_FOR[key] == 4
+    finally:
+        lb._STACK_FOR.clear()
+        lb._STACK_FOR.update(before)
+        lb._USED.discard(key)
