@@ -42,11 +42,9 @@ def run(
     import ray
 
     from dpfl_ray.runs.record import RunRecord
-    from dpfl_ray.runtime import warm
     from dpfl_ray.runtime.driver import ensure_ray, ray_stopped, ray_to_watch, run_scenario, stop_ray, write_unstarted
     from dpfl_ray.runtime.rescue import Watcher
     from dpfl_ray.runtime.resources import plan_pool
-    warm.set_enabled(False)  # one run per process: nothing would take parked workers (runtime/warm.py)
     if shutdown.requested:
         model.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)
@@ -71,7 +69,8 @@ def run(
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
                                      completed=len(record.rounds))
             summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown,
-                                   resume=checkpoint, startup=startup, theta0=model.result, started_at=t0)
+                                   resume=checkpoint, startup=startup, theta0=model.result, started_at=t0,
+                                   keep_workers=False)  # one run per process: nothing would take them
     except KeyboardInterrupt:
         if checkpoint is not None and record is None:  # the directory is as the last stop left it
             stop_ray()

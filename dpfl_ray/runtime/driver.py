@@ -88,7 +88,8 @@ CALL_TIMEOUT_SECONDS = 60.0
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
                  poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None,
-                 theta0: np.ndarray | Callable[[], np.ndarray] | None = None, started_at: float | None = None) -> dict:
+                 theta0: np.ndarray | Callable[[], np.ndarray] | None = None, started_at: float | None = None,
+                 keep_workers: bool = True) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
     Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
@@ -102,7 +103,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     and it is awaited only after the workers were requested. Joining a Ray that is already running,
     the driver's torch import then overlaps the workers' start instead of preceding it.
     ``started_at``: when the caller began (before Ray started, and any second try of that start):
-    the summary's wall time counts from there.
+    the summary's wall time counts from there. ``keep_workers``: park the workers of a clean run for
+    this process's next run (runtime/warm.py).
 
     When the coordinator is lost (its actor died, or the Ray head stopped answering), the files
     are written for the round of the last checkpoint the driver holds, ``rounds.jsonl`` is cut back
@@ -173,7 +175,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         state = _initial_state(scenario)
     wall = time.time() - (t0 if started_at is None else started_at)
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings)
-    if error is None and stop_reason != "interrupted" and not shutdown.requested:
+    if keep_workers and error is None and stop_reason != "interrupted" and not shutdown.requested:
         warm.park(*shape, workers)  # for this driver's next run (runtime/warm.py)
     if lost is not None and last_checkpoint is not None:
         raise DPFLError(f"{error}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json "

@@ -13,7 +13,7 @@ or dead: the coordinator kills the stragglers it replaces), and workers of anoth
 (``stop_ray`` forgets them before ``ray.shutdown``). Parked workers hold their CPU and GPU
 reservation, so a run that needs another shape first kills every parked worker, and an idle driver
 gives them back after IDLE_SECONDS. ``dpfl run``, one run per process, parks nothing
-(``set_enabled(False)``); ``DPFL_WARM_WORKERS=0`` turns parking off everywhere.
+(``run_scenario(keep_workers=False)``); ``DPFL_WARM_WORKERS=0`` turns parking off everywhere.
 """
 from __future__ import annotations
 
@@ -30,18 +30,10 @@ IDLE_SECONDS = 30.0
 _parked: dict[tuple, list] = {}
 _lock = threading.Lock()
 _idle: threading.Timer | None = None
-_enabled = True
-
-
-def set_enabled(on: bool) -> None:
-    global _enabled  # noqa: PLW0603
-    _enabled = bool(on)
-    if not on:
-        clear()
 
 
 def enabled() -> bool:
-    return _enabled and os.environ.get("DPFL_WARM_WORKERS", "1") != "0"
+    return os.environ.get("DPFL_WARM_WORKERS", "1") != "0"
 
 
 def _session() -> tuple[str, str]:
