@@ -27,9 +27,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	# Three test processes (pytest-xdist) on a 2-core machine: much of the suite waits on Ray's start,
-	# on subprocesses and on deadlines, not on CPU. On a fresh clone (Intel, 2 cores, 2026-11-26) the
-	# tests took 9:02 with two processes, 7:53 with three, 7:42 with four (where a 5 s signal bound
-	# failed once at that load). Each process has its own local Ray (tests/conftest.py).
+	# on subprocesses and on deadlines, not on CPU, so a third process fills that time; a fourth gains
+	# little and loads the machine enough to strain the tests' signal bounds (benchmarks/RESULTS.md).
+	# Each process has its own local Ray (tests/conftest.py).
 	# --dist worksteal: an idle process takes queued tests from a busy one instead of waiting.
 	# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist worksteal tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

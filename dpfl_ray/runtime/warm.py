@@ -42,6 +42,26 @@ def _session() -> tuple[str, str]:
     return ctx.get_job_id(), ctx.get_node_id()
 
 
+def _key(num_cpus: float, num_gpus: float) -> tuple:
+    return _session(), float(num_cpus), float(num_gpus)
+
+
+def _answering(handles: list, refs: list, timeout_s: float) -> list:
+    """The handles whose call (``refs``, one each) returned True within ``timeout_s``; the others
+    are killed."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    ok = []
+    for h, ref in zip(handles, refs):
+        try:
+            if ref in ready and ray.get(ref, timeout=0):
+                ok.append(h)
+                continue
+        except Exception:  # noqa: BLE001 - the actor died (or was killed) before it answered
+            pass
+        _kill(h)
+    return ok
+
+
 def _kill(handle) -> None:
     try:
         ray.kill(handle, no_restart=True)
@@ -90,26 +110,15 @@ def take(num_cpus: float, num_gpus: float, count: int, scenario: dict, data: dic
         if not enabled():
             _clear()
             return []
-        key = (_session(), float(num_cpus), float(num_gpus))
-        mine = _parked.pop(key, [])
+        mine = _parked.pop(_key(num_cpus, num_gpus), [])
         _clear()
     spare, mine = mine[count:], mine[:count]
     for h in spare:
         _kill(h)
     if not mine:
         return []
-    refs = [h.rebind.remote(scenario, data) for h in mine]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=REBIND_SECONDS)
-    ok = []
-    for h, ref in zip(mine, refs):
-        try:
-            if ref in ready and ray.get(ref, timeout=0):
-                ok.append(h)
-                continue
-        except Exception:  # noqa: BLE001 - died while parked: a fresh one takes its place
-            pass
-        _kill(h)
-    return ok
+    # one that died while parked, or does not answer, is killed: a fresh one takes its place
+    return _answering(mine, [h.rebind.remote(scenario, data) for h in mine], REBIND_SECONDS)
 
 
 def park(num_cpus: float, num_gpus: float, handles: list) -> None:
@@ -117,21 +126,12 @@ def park(num_cpus: float, num_gpus: float, handles: list) -> None:
     ``release`` in time are killed."""
     if not enabled() or not handles:
         return
-    refs = [h.release.remote() for h in handles]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=RELEASE_SECONDS)
-    keep = []
-    for h, ref in zip(handles, refs):
-        try:
-            if ref in ready and ray.get(ref, timeout=0):
-                keep.append(h)
-                continue
-        except Exception:  # noqa: BLE001 - the coordinator replaced (killed) it, or it died
-            pass
-        _kill(h)
+    # one the coordinator replaced (killed), that died, or that is still busy is killed
+    keep = _answering(handles, [h.release.remote() for h in handles], RELEASE_SECONDS)
     if keep:
         global _idle  # noqa: PLW0603
         with _lock:
-            _parked.setdefault((_session(), float(num_cpus), float(num_gpus)), []).extend(keep)
+            _parked.setdefault(_key(num_cpus, num_gpus), []).extend(keep)
             _cancel_idle()
             _idle = threading.Timer(IDLE_SECONDS, clear)
             _idle.daemon = True
