@@ -28,7 +28,17 @@ app.add_typer(jobs.app, name="jobs")
 def main() -> None:
     """Console entry point: like ``app()``, but a malformed command line (unknown option, a value
     of the wrong type) or any exception a command lets through is one ``error:`` line and exit 2
-    instead of a usage box or a traceback (``DPFL_DEBUG=1`` keeps the traceback)."""
+    instead of a usage box or a traceback (``DPFL_DEBUG=1`` keeps the traceback).
+
+    A Ctrl-C is exit 130 wherever it lands, including the moments between giving the signals back
+    (:func:`cli.release_early_signals`) and a command taking them, and while an error is printed."""
+    try:
+        _main()
+    except KeyboardInterrupt:
+        _leave(130)
+
+
+def _main() -> None:
     import logging
     import sys
 
