@@ -56,7 +56,7 @@ from torch.func import functional_call
 
 from ..errors import DPFLError
 from ..training.local_dp import TorchNormal, clip_and_sum, per_example_grad_fn
-from ..training.models import set_flat
+from ..training.models import pool_twin, set_flat
 from ..privacy.randomness import DPRandomness
 
 __all__ = ["DPAGDConfig", "DPAGDResult", "HuangClientBudget", "budgets_by_size", "gaussian_noise_multiplier",
@@ -209,13 +209,18 @@ class DPAGDResult:
 
 def _candidate_scores(model: nn.Module, params: dict, grad: dict, candidates: Sequence[float],
                       x: torch.Tensor, y: torch.Tensor, loss_clip: float) -> np.ndarray:
-    """-sum_i min(loss(w - eta g; x_i), loss_clip) per candidate eta (higher is better)."""
+    """-sum_i min(loss(w - eta g; x_i), loss_clip) per candidate eta (higher is better).
+
+    The forward passes run through the model's pool twin (max-pools channels-last, the same maxima):
+    on the CNN a 600-image pass takes a quarter of the time, and the arg-max's passes over a user's
+    whole data set were most of a DPAGD iteration."""
     buffers = dict(model.named_buffers())
+    twin = pool_twin(model)
     out = []
     with torch.no_grad():
         for eta in candidates:
             moved = {k: p - eta * grad[k] for k, p in params.items()}
-            losses = nn.functional.cross_entropy(functional_call(model, (moved, buffers), (x,)), y, reduction="none")
+            losses = nn.functional.cross_entropy(functional_call(twin, (moved, buffers), (x,)), y, reduction="none")
             out.append(losses.clamp(0.0, loss_clip).sum())
     return -torch.stack(out).double().cpu().numpy()
 
