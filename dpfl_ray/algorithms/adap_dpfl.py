@@ -163,6 +163,9 @@ class AdapDPFL(Algorithm):
         self.validation_losses.append(float(loss))
         self.sigma = decayed_noise_multiplier(self.sigma, self.validation_losses, self.settings.beta)
 
+    def reads_validation_every_round(self) -> bool:
+        return self.settings.beta is not None
+
     def summary_fields(self) -> dict:
         a = self.settings
         return {"epsilon_budget": self.budget, "adaptive_clipping": a.alpha is not None,

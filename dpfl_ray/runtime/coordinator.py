@@ -291,10 +291,11 @@ class Coordinator:
         acc, loss = last_eval
         metrics = {}
         t_eval = time.perf_counter()
-        if (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds:
+        scheduled = (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds
+        if scheduled:
             acc, loss = self._evaluate(theta)
             metrics = {"test_accuracy": acc, "test_loss": loss}
-        if self.has_validation:
+        if self.has_validation and (scheduled or alg.reads_validation_every_round()):
             metrics["validation_loss"] = extra["validation_loss"] = self._evaluate(theta, "validation")[1]
         if metrics:
             extra["eval_seconds"] = time.perf_counter() - t_eval

@@ -80,6 +80,19 @@ def test_fu_as_published_stops_on_the_claim_and_its_ledger_books_more(ray_sessio
     assert max(ledger["per_client_epsilon"].values()) == pytest.approx(summary["epsilon"])
 
 
+def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_that_reads_it(ray_session, tmp_path):
+    """Fu's noise decay (beta set) reads the validation loss after every round; with a constant
+    sigma nothing does, and the split is evaluated with the test split, every eval_every rounds."""
+    for beta, every_round in ((0.9, True), (None, False)):
+        sc = _fu(budget=50.0, beta=beta)
+        sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 4}),
+                                   "output": sc.output.model_copy(update={"eval_every": 3})})
+        _, _, rows, _ = _run(sc, tmp_path / f"beta_{beta}")
+        with_loss = [r["round"] for r in rows if "validation_loss" in r]
+        assert with_loss == ([1, 2, 3, 4] if every_round else [3, 4]), (beta, with_loss)
+        assert all(r["validation_loss"] > 0 for r in rows if "validation_loss" in r)
+
+
 def test_huang_spends_within_each_budget(ray_session, tmp_path):
     sc = tiny_scenario(training={"algorithm": "huang2020", "rounds": 3},
                        sampling={"mode": "fixed", "clients_per_round": 20},
