@@ -73,6 +73,7 @@ class ClientLedgers:
         self.orders = np.array(rdp_lib.DEFAULT_RDP_ORDERS if orders is None else orders, dtype=np.float64)
         self._curves: dict[str, np.ndarray] = {}     # repr(event) -> RDP curve of one occurrence
         self._events: dict[str, dpe.DpEvent] = {}
+        self._event_dicts: dict[str, dict] = {}      # repr(event) -> event_to_dict(event), for to_dict
         self._rdp: dict[int, np.ndarray] = {}
         self._counts: dict[int, dict[str, int]] = {}
         self._rounds: dict[int, list[int]] = {}
@@ -221,10 +222,18 @@ class ClientLedgers:
             clients[str(c)] = entry
         out = {"delta": self.delta, "num_clients": self.num_clients, "conversion": self.conversion,
                "orders": [float(o) for o in self.orders],
-               "events": [event_to_dict(self._events[k]) for k in keys], "clients": clients}
+               "events": [self._event_dict(k) for k in keys], "clients": clients}
         if include_epsilon:
             out["summary"] = self.summary()
         return out
+
+    def _event_dict(self, key: str) -> dict:
+        """event_to_dict of a booked event, made once: a checkpoint every round of a long run (Fu et
+        al.'s sigma decays, so every round's event is new) otherwise converted every event again."""
+        out = self._event_dicts.get(key)
+        if out is None:
+            out = self._event_dicts[key] = event_to_dict(self._events[key])
+        return out  # shared by every to_dict: serialised, never changed
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClientLedgers":

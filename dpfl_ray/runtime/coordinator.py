@@ -103,6 +103,7 @@ class Coordinator:
         self.pool: dict = {}
         if resume is not None:
             self._restore(resume)
+        self._snapshot_algorithm()
         _one_torch_thread()  # an algorithm may have brought torch in; it runs on one core here
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -111,9 +112,16 @@ class Coordinator:
         with self._lock:
             return self._checkpoint()
 
+    def _snapshot_algorithm(self) -> None:
+        """The algorithm's state and summary as of the last committed round. The round in flight
+        changes the live algorithm outside the lock (its ledgers, sigma), so a checkpoint read from
+        it could hold half of the next round, or fail on a dict that grew while it was copied."""
+        self._algorithm_state = self.algorithm.state_dict() if self.sc.output.checkpoint_every else None
+        self._algorithm_summary = self.algorithm.summary_fields()
+
     def _checkpoint(self) -> dict:
         state = {"round": self.rounds_done, "last_eval": list(self.last_eval),
-                 "algorithm": self.algorithm.state_dict(), "arrays": {"theta": self.theta},
+                 "algorithm": self._algorithm_state, "arrays": {"theta": self.theta},
                  **scenario_fingerprint(self.sc)}  # dpfl run --resume refuses an edited scenario.yaml
         if self.privacy:
             privacy = self.privacy.state_dict(self.rounds_done)
@@ -184,8 +192,9 @@ class Coordinator:
         how many rounds they cover."""
         with self._lock:
             out = {"rounds": self.rounds_done, "theta": self.theta,
-                   "summary": {**self.algorithm.summary_fields(), "placement": self.pool, **self.final_eval},
-                   "checkpoint": self._checkpoint()}
+                   "summary": {**self._algorithm_summary, "placement": self.pool, **self.final_eval}}
+            if self.sc.output.checkpoint_every:
+                out["checkpoint"] = self._checkpoint()
             if self.audit is not None and self.audit.rounds:
                 delta, tm = self.sc.privacy.delta, self.sc.privacy.audit.threat_model
                 out["audit"] = self.audit.to_record(delta)
@@ -325,6 +334,7 @@ class Coordinator:
             self.theta = theta
             self.rounds_done = t + 1
             self.last_eval = (acc, loss)
+            self._snapshot_algorithm()
             self._events.append(record)
         return record
 

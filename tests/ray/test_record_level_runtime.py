@@ -93,6 +93,34 @@ def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_tha
         assert all(r["validation_loss"] > 0 for r in rows if "validation_loss" in r)
 
 
+def test_a_checkpoint_read_while_rounds_run_is_the_state_of_one_committed_round(ray_session):
+    """The driver reads checkpoints while the coordinator's next round runs. Fu's noise decay makes
+    every round's event new, so a ledger copied from the live algorithm mid-round held the next
+    round (or failed: 'dictionary changed size during iteration', seen after 1,256 rounds of the
+    paper-scale run). Every checkpoint's algorithm ledgers cover exactly its committed rounds."""
+    import ray
+
+    from dpfl_ray.runtime.coordinator import make_coordinator
+    from dpfl_ray.runtime.driver import put_federation
+
+    sc = _fu(budget=50.0, beta=0.999)
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 25}),
+                               "output": sc.output.model_copy(update={"eval_every": 100})})
+    coord = make_coordinator(sc, put_federation(build_federation(sc)))
+    run_ref = coord.run.remote()
+    seen = set()
+    while not ray.wait([run_ref], timeout=0)[0]:
+        state = ray.get(coord.checkpoint.remote(), timeout=120)
+        ledgers = state["algorithm"]["ledgers"]["clients"]
+        assert all(max(entry["rounds"], default=-1) < state["round"] for entry in ledgers.values()), state["round"]
+        booked = sum(sum(entry["counts"].values()) for entry in ledgers.values())
+        assert booked == 20 * state["round"], (booked, state["round"])  # every client trains every round
+        assert len(state["algorithm"]["validation_losses"]) == state["round"]
+        seen.add(state["round"])
+    assert ray.get(run_ref, timeout=120)["stop_reason"] == "completed"
+    assert len(seen) > 3, seen  # the reads fell between many different rounds
+
+
 def test_huang_spends_within_each_budget(ray_session, tmp_path):
     sc = tiny_scenario(training={"algorithm": "huang2020", "rounds": 3},
                        sampling={"mode": "fixed", "clients_per_round": 20},
