@@ -21,7 +21,8 @@ The schema (unknown keys are errors; every error names the file and the key)::
         text: "..."
         check: {kind: at_least, run: adap_as_published, metric: final_accuracy, value: 0.7656}
 
-A metric is a key of a run's ``summary.json``, dotted for a nested one (``client_accuracy.mean``),
+A metric is a key of a run's ``summary.json``, dotted for a nested one (``client_accuracy.mean``;
+``[key]`` for a key that is not a plain name: ``client_accuracy.by_group[eps_k=1].mean``),
 plus ``final_loss``, ``epsilon``, ``epsilon_claimed`` and ``epsilon_empirical`` (the audit's
 estimate) taken from the last round where the summary lacks them (:func:`run_metrics`).
 Nothing here runs anything; ``reproduce.py`` does.
@@ -29,6 +30,7 @@ Nothing here runs anything; ``reproduce.py`` does.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -41,7 +43,10 @@ PAPER_FILE = "paper.yaml"
 MAX_PAPER_BYTES = 1 << 20
 
 RunName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,80}$")]
-Metric = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$", max_length=200)]
+# a key of summary.json, dotted for a nested one; [key] names a key that is not a plain name
+# (client_accuracy.by_group[eps_k=2.75].mean: Huang et al.'s Fig. 7 categories)
+Metric = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+|\[[^\[\]]+\])*$",
+                                          max_length=200)]
 Override = Annotated[str, StringConstraints(pattern=r"^[^=\s][^=]*=", max_length=2000)]
 
 
@@ -199,7 +204,7 @@ def format_error(err: ValidationError) -> str:
         if "set" in parts[-2:-1]:
             what = "is not an override (key.path=value)"
         elif parts[-1] in ("[key]", "metric"):
-            what = "is not a metric name (letters, digits and _, dotted for a nested key)"
+            what = "is not a metric name (letters, digits and _, dotted for a nested key, [key] for another key)"
         else:
             what = "is not a valid name (lower-case letters, digits and _)"
         loc = loc.removesuffix(".[key]")
@@ -276,7 +281,8 @@ def metric(values: dict, name: str, run: str) -> float:
     """``values[name]``, walking a dotted name into nested mappings; raises :class:`MetricMissing`."""
     node = values.get(name) if name in values else values
     if name not in values:
-        for part in name.split("."):
+        for plain, bracketed in re.findall(r"([A-Za-z0-9_]+)|\[([^\[\]]+)\]", name):
+            part = plain or bracketed
             node = node.get(part) if isinstance(node, dict) else None
     if node is None:
         raise MetricMissing(f"{run} has no {name}")

@@ -322,3 +322,17 @@ def test_every_quick_run_builds_its_federation_and_algorithm_on_a_synthetic_idx_
         assert fed.num_clients == sc.data.num_clients and min(fed.sizes) > 0, run.name
         algorithm_class(sc).check_scenario(sc)
         make_algorithm(sc, fed.weights, sizes=fed.sizes)
+
+
+def test_a_metric_names_a_key_that_is_not_a_plain_name_in_brackets():
+    """Huang et al.'s Fig. 7 categories are summary keys such as 'eps_k=2.75'."""
+    values = {"client_accuracy": {"by_group": {"eps_k=2.75": {"mean": 0.61}, "eps_k=8": {"mean": 0.7}}}}
+    assert pp.metric(values, "client_accuracy.by_group[eps_k=2.75].mean", "u100") == 0.61
+    with pytest.raises(pp.MetricMissing):
+        pp.metric(values, "client_accuracy.by_group[eps_k=3].mean", "u100")
+    assert pp.evaluate_check(check(kind="at_least", run="a", metric="client_accuracy.by_group[eps_k=8].mean",
+                                   value=0.65), {"a": values}) == \
+        ("PASS", "client_accuracy.by_group[eps_k=8].mean: a 0.7 >= 0.65")
+    for bad in ("client_accuracy.by_group[", "a..b", "[eps_k=1]", "a[x]y"):
+        with pytest.raises(ValueError):
+            check(kind="at_least", run="a", metric=bad, value=1)
