@@ -3,6 +3,7 @@ ledger holds what its own DP-SGD / DPAGD ran, checked against direct dp_accounti
 whose budget is spent withdraw as `exhausted` and the run stops when all have; the algorithm's
 state survives a checkpoint round trip; `privacy.randomness: os` reaches the workers."""
 import json
+import time
 
 import dp_accounting
 import pytest
@@ -85,11 +86,11 @@ def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_tha
     sigma nothing does, and the split is evaluated with the test split, every eval_every rounds."""
     for beta, every_round in ((0.9, True), (None, False)):
         sc = _fu(budget=50.0, beta=beta)
-        sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 4}),
-                                   "output": sc.output.model_copy(update={"eval_every": 3})})
+        sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 3}),
+                                   "output": sc.output.model_copy(update={"eval_every": 2})})
         _, _, rows, _ = _run(sc, tmp_path / f"beta_{beta}")
         with_loss = [r["round"] for r in rows if "validation_loss" in r]
-        assert with_loss == ([1, 2, 3, 4] if every_round else [3, 4]), (beta, with_loss)
+        assert with_loss == ([1, 2, 3] if every_round else [2, 3]), (beta, with_loss)
         assert all(r["validation_loss"] > 0 for r in rows if "validation_loss" in r)
 
 
@@ -104,7 +105,7 @@ def test_a_checkpoint_read_while_rounds_run_is_the_state_of_one_committed_round(
     from dpfl_ray.runtime.driver import put_federation
 
     sc = _fu(budget=50.0, beta=0.999)
-    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 25}),
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 8}),
                                "output": sc.output.model_copy(update={"eval_every": 100})})
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     run_ref = coord.run.remote()
@@ -117,8 +118,9 @@ def test_a_checkpoint_read_while_rounds_run_is_the_state_of_one_committed_round(
         assert booked == 20 * state["round"], (booked, state["round"])  # every client trains every round
         assert len(state["algorithm"]["validation_losses"]) == state["round"]
         seen.add(state["round"])
+        time.sleep(0.05)  # many reads a round, without starving the round's own thread of the lock
     assert ray.get(run_ref, timeout=120)["stop_reason"] == "completed"
-    assert len(seen) > 3, seen  # the reads fell between many different rounds
+    assert len(seen) >= 3, seen  # the reads fell between several different rounds
 
 
 def test_huang_spends_within_each_budget(ray_session, tmp_path):
