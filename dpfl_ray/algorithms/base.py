@@ -333,8 +333,8 @@ class Algorithm(ABC):
 
     def reads_validation_every_round(self) -> bool:
         """Whether :meth:`observe` needs validation_loss after every round. Otherwise the runtime
-        evaluates the validation split with the test split (every ``output.eval_every`` rounds):
-        at Fu et al.'s scale the 6,000-image pass was a third of a round."""
+        evaluates the validation split with the test split (every ``output.eval_every`` rounds),
+        so a run whose algorithm never reads it does not pay a full pass over it every round."""
         return False
 
     def state_dict(self) -> dict:

@@ -211,9 +211,9 @@ def _candidate_scores(model: nn.Module, params: dict, grad: dict, candidates: Se
                       x: torch.Tensor, y: torch.Tensor, loss_clip: float) -> np.ndarray:
     """-sum_i min(loss(w - eta g; x_i), loss_clip) per candidate eta (higher is better).
 
-    The forward passes run through the model's pool twin (max-pools channels-last, the same maxima):
-    on the CNN a 600-image pass takes a quarter of the time, and the arg-max's passes over a user's
-    whole data set were most of a DPAGD iteration."""
+    The forward passes run through the model's pool twin (max-pools channels-last, the same maxima,
+    faster on CPU): the arg-max passes over a user's whole data set once per candidate, the bulk of a
+    DPAGD iteration."""
     buffers = dict(model.named_buffers())
     twin = pool_twin(model)
     out = []

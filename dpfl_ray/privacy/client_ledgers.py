@@ -228,8 +228,8 @@ class ClientLedgers:
         return out
 
     def _event_dict(self, key: str) -> dict:
-        """event_to_dict of a booked event, made once: a checkpoint every round of a long run (Fu et
-        al.'s sigma decays, so every round's event is new) otherwise converted every event again."""
+        """event_to_dict of a booked event, made once: a ledger whose events keep changing (Fu et al.'s
+        decaying sigma) is checkpointed with thousands of them, each converted only the first time."""
         out = self._event_dicts.get(key)
         if out is None:
             out = self._event_dicts[key] = event_to_dict(self._events[key])

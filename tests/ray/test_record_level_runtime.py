@@ -96,9 +96,9 @@ def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_tha
 
 def test_a_checkpoint_read_while_rounds_run_is_the_state_of_one_committed_round(ray_session):
     """The driver reads checkpoints while the coordinator's next round runs. Fu's noise decay makes
-    every round's event new, so a ledger copied from the live algorithm mid-round held the next
-    round (or failed: 'dictionary changed size during iteration', seen after 1,256 rounds of the
-    paper-scale run). Every checkpoint's algorithm ledgers cover exactly its committed rounds."""
+    every round's event new, so a ledger copied from the live algorithm mid-round would hold the next
+    round (or fail: 'dictionary changed size during iteration'). Every checkpoint's algorithm ledgers
+    cover exactly its committed rounds."""
     import ray
 
     from dpfl_ray.runtime.coordinator import make_coordinator
