@@ -46,7 +46,8 @@ def sigma_schedule(sigma: str) -> list[float]:
         return [r["noise_multiplier"] for r in rows if r.get("noise_multiplier")]
 
 
-def main(mode: str, sigma: str, rounds: int, clip: float = 1.0, lot: int = 78, lr: float = 1e-3) -> None:
+def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, clip: float = 1.0, lot: int = 78,
+         lr: float = 1e-3) -> None:
     sigmas = sigma_schedule(sigma)
     torch.set_num_threads(1)
     sc = load_scenario("scenarios/papers/fu2022/const_sigma.yaml")
@@ -70,22 +71,23 @@ def main(mode: str, sigma: str, rounds: int, clip: float = 1.0, lot: int = 78, l
             if mode == "persistent" and states[c] is not None:
                 opt.load_state_dict(states[c])
             n = len(ys[c])
-            idx = torch.from_numpy(np.flatnonzero(rng.random(n) < lot / n))  # a Poisson lot
-            summed, _ = clip_and_sum(grads_of(params, xs[c][idx], ys[c][idx]), clip)
-            flat = torch.cat([summed[k].reshape(-1) for k in names])
             z = sigmas[min(r, len(sigmas)) - 1]
-            flat = (flat + z * clip * torch.randn(flat.shape, generator=noise)) / lot
-            offset = 0
-            for k in names:
-                p = params[k]
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-            opt.step()
+            for _ in range(lots):
+                idx = torch.from_numpy(np.flatnonzero(rng.random(n) < lot / n))  # a Poisson lot
+                summed, _ = clip_and_sum(grads_of(params, xs[c][idx], ys[c][idx]), clip)
+                flat = torch.cat([summed[k].reshape(-1) for k in names])
+                flat = (flat + z * clip * torch.randn(flat.shape, generator=noise)) / lot
+                offset = 0
+                for k in names:
+                    p = params[k]
+                    p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+                opt.step()
             if mode == "persistent":
                 states[c] = opt.state_dict()
             total += torch.cat([params[k].detach().reshape(-1) for k in names]).numpy() / fed.num_clients
         theta = total
-        if r % 250 == 0 or r == rounds:
+        if r % every == 0 or r == rounds:
             set_flat(model, theta)
             acc, loss = evaluate(model, ds.x_test, ds.y_test)
             print(f"{mode} round {r} sigma {z:.3f}: test accuracy {acc:.4f} loss {loss:.4f} ({time.time() - t0:.0f} s)",
@@ -93,4 +95,4 @@ def main(mode: str, sigma: str, rounds: int, clip: float = 1.0, lot: int = 78, l
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:6]))

@@ -13,6 +13,11 @@ stops on the claim instead, which is the run as published: its accounted epsilon
 and the run's ledger says by how much. With ``alpha: null`` the threshold is the
 constant privacy.clipping.norm and no norm query runs; with ``beta: null`` sigma stays constant:
 together they are the paper's constant-sigma baseline.
+
+Adam (Sec. V-A) starts anew in every client round by default (``optimizer_state: round``): a round
+of one lot is then Adam's first step, about lr times the sign of the noisy gradient. With
+``optimizer_state: client`` each client keeps its moments from one of its rounds to the next (as
+one optimizer object per client does); they are post-processing of its booked noisy gradients.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import dp_accounting
 import numpy as np
 import torch
 
-from ..training.local_dp import DPSGDConfig, dpsgd_update
+from ..training.local_dp import AdamState, DPSGDConfig, dpsgd_update
 from ..privacy.client_ledgers import ClientLedgers
 from ..privacy.randomness import DPRandomness
 from .adap_dpfl_core import (
@@ -42,7 +47,8 @@ class AdapDPSGD(LocalProcedure):
     """One round of Alg. 1 lines 6-15 on each sampled client. ``clips``: client id -> C_t^k
     (missing: the client's first round, C_0 from random noise); ``alpha`` None: constant clip.
     ``randomness`` travels to the workers: it draws every client's lots and noise (C_0's random
-    inputs touch no data and stay on the scenario seed)."""
+    inputs touch no data and stay on the scenario seed). ``adam_states``: client id -> its Adam
+    moments from its last round, with ``keep_adam_state`` (``optimizer_state: client``)."""
 
     noise_multiplier: float
     lot_size: int
@@ -52,6 +58,8 @@ class AdapDPSGD(LocalProcedure):
     clip_norm: float
     clips: tuple[tuple[int, float], ...]
     randomness: DPRandomness
+    adam_states: tuple[tuple[int, AdamState], ...] = ()
+    keep_adam_state: bool = False
 
     def _threshold(self, model, theta, x, client_id, seed) -> float:
         if self.alpha is None:
@@ -73,11 +81,13 @@ class AdapDPSGD(LocalProcedure):
         else:
             cfg = client_config(clip, self.noise_multiplier, self.lr, self.lot_size, steps=self.steps)
         res = dpsgd_update(model, theta, x, y, cfg, seed=seed, round_idx=round_idx, client_id=client_id,
-                           randomness=self.randomness)
+                           randomness=self.randomness, adam_state=dict(self.adam_states).get(client_id),
+                           keep_adam_state=self.keep_adam_state)
         nxt = clip if self.alpha is None else next_clip_threshold(res, self.alpha)
         claimed = _claimed_event(res.sampling_rate, res.noise_multiplier, res.steps)
         return res.update, ClientReport(events=((res.dp_event(), 1),), claimed_events=((claimed, 1),),
-                                        values={"clip_norm": float(nxt), "clip_used": float(clip)})
+                                        values={"clip_norm": float(nxt), "clip_used": float(clip)},
+                                        client_state=res.adam_state)
 
 
 class AdapDPFL(Algorithm):
@@ -113,6 +123,7 @@ class AdapDPFL(Algorithm):
         self.sigma = float(noise_multiplier or p.noise_multiplier)
         self.clip_norm = float(p.clipping.norm)
         self.clips: dict[int, float] = {}
+        self.adam_states: dict[int, AdamState] = {}  # optimizer_state: client
         self.validation_losses: list[float] = []
         self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))
         # stop_on: claimed -> the paper's eq. 10 ledger decides the stop (module doc)
@@ -140,8 +151,9 @@ class AdapDPFL(Algorithm):
     def client_spec(self) -> ClientSpec:
         a = self.settings
         clips = tuple((c, self.clips[c]) for c in self._sampled if c in self.clips)
+        states = tuple((c, self.adam_states[c]) for c in self._sampled if c in self.adam_states)
         return ClientSpec(local=AdapDPSGD(self.sigma, a.lot_size, a.lr, a.steps, a.alpha, self.clip_norm, clips,
-                                          self.randomness))
+                                          self.randomness, states, keep_adam_state=a.optimizer_state == "client"))
 
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         for c, report in outcome.reports.items():
@@ -150,6 +162,8 @@ class AdapDPFL(Algorithm):
             for event, count in report.claimed_events if self.claims is not None else ():
                 self.claims.record(int(c), event, count)
             self.clips[int(c)] = float(report.values["clip_norm"])
+            if report.client_state is not None:
+                self.adam_states[int(c)] = report.client_state
         agg = FedAvg(weights=self.weights).finish(outcome, dim)
         used = [r.values["clip_used"] for r in outcome.reports.values()]
         agg.info.update(noise_multiplier=self.sigma, clip_norm_mean=float(np.mean(used)) if used else None)
@@ -169,10 +183,12 @@ class AdapDPFL(Algorithm):
     def summary_fields(self) -> dict:
         a = self.settings
         return {"epsilon_budget": self.budget, "adaptive_clipping": a.alpha is not None,
-                "noise_decay": a.beta is not None, "noise_multiplier_final": self.sigma, "stop_on": a.stop_on}
+                "noise_decay": a.beta is not None, "noise_multiplier_final": self.sigma, "stop_on": a.stop_on,
+                "optimizer_state": a.optimizer_state}
 
     def state_dict(self) -> dict:
         return {"sigma": self.sigma, "clips": {str(c): v for c, v in self.clips.items()},
+                "adam_states": {str(c): st.to_dict() for c, st in self.adam_states.items()},
                 "validation_losses": list(self.validation_losses),
                 "ledgers": self.ledgers.to_dict(include_epsilon=False),
                 **({} if self.claims is None else {"claims": self.claims.to_dict(include_epsilon=False)})}
@@ -180,6 +196,7 @@ class AdapDPFL(Algorithm):
     def load_state_dict(self, state: dict) -> None:
         self.sigma = float(state["sigma"])
         self.clips = {int(c): float(v) for c, v in state["clips"].items()}
+        self.adam_states = {int(c): AdamState.from_dict(v) for c, v in state.get("adam_states", {}).items()}
         self.validation_losses = [float(v) for v in state["validation_losses"]]
         self.ledgers = ClientLedgers.from_dict(state["ledgers"])
         if self.claims is not None:

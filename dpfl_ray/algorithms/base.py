@@ -64,13 +64,16 @@ class ClientNoise(ABC):
 class ClientReport:
     """What a client's local procedure reports beside its update (record-level DP): the
     dp_accounting events its own ledger books, as (event, count) pairs; what the paper's own
-    accounting books (``claimed_events``) or spends in its units (``spent``); and named values the
-    algorithm keeps for the client (e.g. its next clipping threshold)."""
+    accounting books (``claimed_events``) or spends in its units (``spent``); named values the
+    algorithm keeps for the client (e.g. its next clipping threshold); and ``client_state``, what
+    the client itself keeps for its next round (e.g. its optimizer's moments). The simulation holds
+    that state between rounds; the aggregate never depends on it."""
 
     events: tuple = ()
     claimed_events: tuple = ()
     spent: float | None = None
     values: Mapping[str, float] = field(default_factory=dict)
+    client_state: object | None = None
 
 
 class LocalProcedure(ABC):

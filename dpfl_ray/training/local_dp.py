@@ -21,6 +21,8 @@ come from the run's secret ChaCha20 streams (:class:`TorchNormal`).
 """
 from __future__ import annotations
 
+import base64
+
 import math
 import numbers
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from ..errors import DPFLError
 from .models import set_flat
 from ..privacy.randomness import DPRandomness
 
-__all__ = ["DPSGDConfig", "DPSGDResult", "dpsgd_update", "per_example_grads", "per_example_grad_fn",
+__all__ = ["AdamState", "DPSGDConfig", "DPSGDResult", "dpsgd_update", "per_example_grads", "per_example_grad_fn",
            "clip_and_sum", "per_example_grad_norms", "noise_generator", "TorchNormal", "poisson_lots",
            "fixed_batches"]
 
@@ -90,6 +92,29 @@ class DPSGDConfig:
 
 
 @dataclass(frozen=True)
+class AdamState:
+    """A client's Adam moments between its rounds: the step count and the first and second moment
+    estimates, flat float32 in the model's parameter order. They are functions of the client's own
+    noisy gradients only, each of which its ledger books as released, so keeping them is
+    post-processing."""
+
+    step: int
+    exp_avg: np.ndarray
+    exp_avg_sq: np.ndarray
+
+    def to_dict(self) -> dict:
+        """JSON-able and exact: the float32 bytes in base64."""
+        return {"step": int(self.step), "exp_avg": base64.b64encode(self.exp_avg.astype("<f4").tobytes()).decode(),
+                "exp_avg_sq": base64.b64encode(self.exp_avg_sq.astype("<f4").tobytes()).decode()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AdamState":
+        def arr(text: str) -> np.ndarray:
+            return np.frombuffer(base64.b64decode(text), dtype="<f4").astype(np.float32)
+        return cls(step=int(d["step"]), exp_avg=arr(d["exp_avg"]), exp_avg_sq=arr(d["exp_avg_sq"]))
+
+
+@dataclass(frozen=True)
 class DPSGDResult:
     """One client's DP-SGD run: the update and what its ledger must book.
 
@@ -109,6 +134,7 @@ class DPSGDResult:
     lot_size: int
     lot_sizes: tuple[int, ...]
     noisy_norm_sums: tuple[float, ...] | None = None
+    adam_state: AdamState | None = None  # Adam's moments after the last step, when asked for
 
     def step_event(self) -> dpe.DpEvent:
         """The dp_accounting event of one step (add/remove-one-record relation).
@@ -245,11 +271,13 @@ class TorchNormal:
 # --- the local update ----------------------------------------------------------------------------
 
 def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarray, cfg: DPSGDConfig, *,
-                 seed: int, round_idx: int, client_id: int, randomness: DPRandomness | None = None
-                 ) -> DPSGDResult:
+                 seed: int, round_idx: int, client_id: int, randomness: DPRandomness | None = None,
+                 adam_state: AdamState | None = None, keep_adam_state: bool = False) -> DPSGDResult:
     """Abadi et al. 2016, Alg. 1 on one client from ``theta``; returns Delta = w - theta (float32).
 
     ``randomness`` draws the lots and the noise (None: the reproducible streams of ``seed``).
+    Adam starts from ``adam_state`` (None: a new optimizer) and, with ``keep_adam_state``, the
+    result carries its moments after the last step, for the client's next round.
 
     Each step: take a lot (line 'take a random sample'), per-example gradients, clip to S, add
     N(0, sigma^2 S^2 I) to the sum, divide by L, descend (SGD, or Adam as Fu et al. 2022 use --
@@ -278,6 +306,10 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     dim = sum(params[k].numel() for k in names)
     std = cfg.noise_multiplier * cfg.clip_norm
     opt = torch.optim.Adam([params[k] for k in names], lr=cfg.lr) if cfg.optimizer == "adam" else None
+    if adam_state is not None:
+        if opt is None:
+            raise DPFLError("an Adam state was given to an SGD client", field="optimizer")
+        _load_adam_state(opt, params, names, adam_state)
     norm_sums: list[torch.Tensor] = []
     grads_of = per_example_grad_fn(model)
 
@@ -303,7 +335,37 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     return DPSGDResult(update=delta.cpu().numpy().astype(np.float32), steps=steps, sampling=cfg.sampling,
                        sampling_rate=q, noise_multiplier=float(cfg.noise_multiplier),
                        clip_norm=float(cfg.clip_norm), num_examples=n, lot_size=cfg.lot_size,
-                       lot_sizes=tuple(len(lot) for lot in lots), noisy_norm_sums=sums)
+                       lot_sizes=tuple(len(lot) for lot in lots), noisy_norm_sums=sums,
+                       adam_state=_read_adam_state(opt, params, names, adam_state) if keep_adam_state and opt else None)
+
+
+def _load_adam_state(opt: torch.optim.Adam, params: dict[str, torch.Tensor], names: list[str],
+                     state: AdamState) -> None:
+    dim = sum(params[k].numel() for k in names)
+    if state.exp_avg.shape != (dim,) or state.exp_avg_sq.shape != (dim,):
+        raise DPFLError(f"an Adam state of {state.exp_avg.size} values for a model of {dim} parameters",
+                        field="optimizer")
+    if state.step == 0:
+        return
+    offset = 0
+    for k in names:
+        p = params[k]
+        n = p.numel()
+        opt.state[p] = {  # torch.optim.Adam's own per-parameter state (non-capturable: step on the CPU)
+            "step": torch.tensor(float(state.step), dtype=torch.float32),
+            "exp_avg": torch.from_numpy(state.exp_avg[offset:offset + n].copy()).view_as(p).to(p.device),
+            "exp_avg_sq": torch.from_numpy(state.exp_avg_sq[offset:offset + n].copy()).view_as(p).to(p.device)}
+        offset += n
+
+
+def _read_adam_state(opt: torch.optim.Adam, params: dict[str, torch.Tensor], names: list[str],
+                     before: AdamState | None) -> AdamState | None:
+    states = [opt.state.get(params[k]) for k in names]
+    if not all(states):  # no step taken (a client round of zero steps): the moments are as they came
+        return before
+    flat = {key: torch.cat([st[key].detach().reshape(-1) for st in states]).cpu().numpy().astype(np.float32)
+            for key in ("exp_avg", "exp_avg_sq")}
+    return AdamState(step=int(states[0]["step"].item()), **flat)
 
 
 @torch.no_grad()

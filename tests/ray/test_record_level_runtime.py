@@ -13,6 +13,7 @@ from dp_accounting.rdp import RdpAccountant
 from dpfl_ray.algorithms import make_algorithm
 from dpfl_ray.data import build_federation
 from dpfl_ray.runs.record import RunRecord
+from dpfl_ray.runtime.checkpoint import read_checkpoint
 from dpfl_ray.runtime.driver import run_scenario
 from tests.helpers import tiny_scenario
 
@@ -65,10 +66,13 @@ def test_fu_ledgers_are_dp_accounting_and_spent_clients_withdraw(ray_session, tm
 
 def test_fu_as_published_stops_on_the_claim_and_its_ledger_books_more(ray_session, tmp_path):
     """stop_on: claimed is the paper's own stop (eq. 10, gradient only): every client ends within the
-    budget by its claim, while the ledger, which counts the norm query too, passes it."""
+    budget by its claim, while the ledger, which counts the norm query too, passes it. With
+    optimizer_state: client, each client's Adam moments come back to it round after round: the
+    checkpoint holds as many Adam steps for a client as it uploaded lots."""
     sc = _fu()
     sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 30}), "privacy": sc.privacy.model_copy(
-        update={"adap_dpfl": sc.privacy.adap_dpfl.model_copy(update={"stop_on": "claimed"})}),
+        update={"adap_dpfl": sc.privacy.adap_dpfl.model_copy(update={"stop_on": "claimed",
+                                                                      "optimizer_state": "client"})}),
         "output": sc.output.model_copy(update={"eval_every": 100})})
     fed, summary, rows, ledger = _run(sc, tmp_path / "fu_claimed")
     assert summary["stop_on"] == "claimed" and summary["stop_reason"] == "privacy_budget_exhausted"
@@ -79,6 +83,8 @@ def test_fu_as_published_stops_on_the_claim_and_its_ledger_books_more(ray_sessio
     assert summary["epsilon_claimed"] <= 1.0 < summary["epsilon"]
     assert any("exhausted" in r["dropped"] for r in rows)
     assert max(ledger["per_client_epsilon"].values()) == pytest.approx(summary["epsilon"])
+    kept = read_checkpoint(tmp_path / "fu_claimed")["algorithm"]["adam_states"]
+    assert {c: s["step"] for c, s in kept.items()} == {c: len(e["rounds"]) for c, e in ledger["clients"]["clients"].items()}
 
 
 def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_that_reads_it(ray_session, tmp_path):

@@ -145,3 +145,53 @@ def test_label_sorted_fragments():
         assert all(len(np.unique(labels[f])) == 1 for f in frags)
     with pytest.raises(DPFLError, match="fragments"):
         label_sorted_fragments(labels, np.random.default_rng(0), num_clients=7)
+
+
+def test_a_client_that_keeps_its_adam_state_takes_over_two_rounds_the_two_steps_of_one_round():
+    from dpfl_ray.training.local_dp import AdamState, DPSGDConfig
+
+    model, x, y = problem()
+    theta = get_flat(model).copy()
+    # the whole data set as every lot and no noise: each step's gradient depends on the parameters only
+    cfg = DPSGDConfig(clip_norm=1.0, noise_multiplier=0.0, lr=0.01, lot_size=len(y), sampling="fixed", steps=1,
+                      optimizer="adam")
+    both = dpsgd_update(model, theta, x, y, replace(cfg, steps=2), seed=0, round_idx=0, client_id=0)
+    first = dpsgd_update(model, theta, x, y, cfg, seed=0, round_idx=0, client_id=0, keep_adam_state=True)
+    assert first.adam_state.step == 1 and first.adam_state.exp_avg.shape == theta.shape
+    kept = AdamState.from_dict(first.adam_state.to_dict())  # as a checkpoint stores it: exact
+    assert np.array_equal(kept.exp_avg, first.adam_state.exp_avg) and kept.step == 1
+    theta1 = theta + first.update
+    second = dpsgd_update(model, theta1, x, y, cfg, seed=0, round_idx=1, client_id=0, adam_state=kept,
+                          keep_adam_state=True)
+    fresh = dpsgd_update(model, theta1, x, y, cfg, seed=0, round_idx=1, client_id=0)
+    assert second.adam_state.step == 2
+    np.testing.assert_allclose(theta1 + second.update, theta + both.update, rtol=0, atol=1e-6)
+    # a new optimizer's first step moves every parameter by about lr; the kept one does not
+    assert np.abs(fresh.update - second.update).max() > 1e-3
+
+
+def test_adap_dpfl_hands_each_client_its_own_adam_state_and_checkpoints_it():
+    from dpfl_ray.algorithms.adap_dpfl import AdapDPFL
+    from dpfl_ray.algorithms.base import RoundOutcome
+    from dpfl_ray.scenario import load_scenario
+
+    sc = load_scenario("scenarios/papers/fu2022/adap.yaml",
+                       ["privacy.adap_dpfl.optimizer_state=client", "data.source=mnist5k"])
+    model, x, y = problem()
+    alg = AdapDPFL(sc, weights=[1.0, 1.0], sizes=[len(y), len(y)])
+    theta = get_flat(model).copy()
+    for r in range(2):
+        alg.begin_round(r, [0, 1])
+        proc = alg.client_spec().local
+        assert proc.keep_adam_state and [c for c, _ in proc.adam_states] == ([] if r == 0 else [0, 1])
+        out = {c: proc.run(model, theta, x, y, seed=0, round_idx=r, client_id=c) for c in (0, 1)}
+        alg.finish(RoundOutcome(round=r, survivors=(0, 1), total=out[0][0] + out[1][0],
+                                reports={c: rep for c, (_, rep) in out.items()}), theta.size)
+    assert {c: s.step for c, s in alg.adam_states.items()} == {0: 2, 1: 2}
+    again = AdapDPFL(sc, weights=[1.0, 1.0], sizes=[len(y), len(y)])
+    again.load_state_dict(alg.state_dict())
+    assert all(np.array_equal(again.adam_states[c].exp_avg_sq, alg.adam_states[c].exp_avg_sq) for c in (0, 1))
+    plain = AdapDPFL(load_scenario("scenarios/papers/fu2022/adap.yaml", ["data.source=mnist5k"]),
+                     weights=[1.0, 1.0], sizes=[len(y), len(y)])
+    plain.begin_round(0, [0, 1])
+    assert not plain.client_spec().local.keep_adam_state
