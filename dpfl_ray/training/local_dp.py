@@ -22,7 +22,6 @@ come from the run's secret ChaCha20 streams (:class:`TorchNormal`).
 from __future__ import annotations
 
 import base64
-
 import math
 import numbers
 from dataclasses import dataclass
