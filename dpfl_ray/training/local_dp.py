@@ -308,7 +308,7 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     if adam_state is not None:
         if opt is None:
             raise DPFLError("an Adam state was given to an SGD client", field="optimizer")
-        _load_adam_state(opt, params, names, adam_state)
+        _load_adam_state(opt, params, names, dim, adam_state)
     norm_sums: list[torch.Tensor] = []
     grads_of = per_example_grad_fn(model)
 
@@ -338,9 +338,8 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
                        adam_state=_read_adam_state(opt, params, names, adam_state) if keep_adam_state and opt else None)
 
 
-def _load_adam_state(opt: torch.optim.Adam, params: dict[str, torch.Tensor], names: list[str],
+def _load_adam_state(opt: torch.optim.Adam, params: dict[str, torch.Tensor], names: list[str], dim: int,
                      state: AdamState) -> None:
-    dim = sum(params[k].numel() for k in names)
     if state.exp_avg.shape != (dim,) or state.exp_avg_sq.shape != (dim,):
         raise DPFLError(f"an Adam state of {state.exp_avg.size} values for a model of {dim} parameters",
                         field="optimizer")
