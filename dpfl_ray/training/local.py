@@ -29,7 +29,7 @@ def local_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     model.train()
     device = next(model.parameters()).device
     params = list(model.parameters())
-    forward = pool_forward(model)  # max-pools channels-last: less time, same result to float tolerance
+    forward = pool_forward(model)  # max-pools channels-last: less time, the same bits
     theta_t = [p.detach().clone() for p in params]
     xt, yt = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
     torch.manual_seed(torch_seed)
