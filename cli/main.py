@@ -105,6 +105,11 @@ def _leave(code: int) -> None:
     driver = sys.modules.get("dpfl_ray.runtime.driver")
     if driver is not None and driver.ray_stopped():
         os._exit(code)
+    # CPython remembers a KeyboardInterrupt that ended an exec() or eval() of a string (dataclasses,
+    # typing and namedtuple run hundreds while modules import) and, under `python -m`, ends the
+    # process by SIGINT at exit (status -2, no message) even though the interrupt was handled here.
+    # A string exec that ends normally clears that memory.
+    exec("pass")
     sys.exit(code)
 
 

@@ -189,3 +189,41 @@ def test_a_signal_while_the_command_loads_is_a_quiet_stop(tmp_path, delay):
     assert b"Traceback" not in err
     summary = out / "summary.json"
     assert not summary.exists() or json.loads(summary.read_text())["rounds_completed"] < 200
+
+
+INTERRUPT_INSIDE_A_STRING_EXEC = '''
+import os, signal, sys
+
+class _Interrupt:
+    """On the first import after the command has given the signals back, a real SIGINT whose
+    KeyboardInterrupt ends an exec() of a string, as one landing in dataclasses' or typing's does."""
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        released = "typer" in sys.modules and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        if not _Interrupt.fired and released:
+            _Interrupt.fired = True
+            open(os.environ["DPFL_TEST_MARK"], "w").write(name)
+            exec("os.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(3): pass", {"os": os, "signal": signal})
+        return None
+
+sys.meta_path.insert(0, _Interrupt())
+'''
+
+
+def test_an_interrupt_that_ends_a_string_exec_still_exits_130(tmp_path):
+    """Under `python -m`, CPython turns a KeyboardInterrupt that ended an exec() of a string into a
+    death by SIGINT at exit (status -2), even once it was handled. The command's Ctrl-C is a
+    quiet exit 130 all the same. Deterministic: the interrupt is raised inside such an exec."""
+    (tmp_path / "sitecustomize.py").write_text(INTERRUPT_INSIDE_A_STRING_EXEC)
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump({"name": "tiny", "data": {"source": "synthetic", "num_clients": 4},
+                                        "model": {"name": "logistic"}, "training": {"rounds": 2}}))
+    mark = tmp_path / "fired"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "DPFL_TEST_MARK": str(mark)}
+    done = subprocess.run([sys.executable, "-m", "cli.main", "run", str(scenario), "--out", str(tmp_path / "run")],
+                          cwd=ROOT, env=env, capture_output=True, timeout=120)
+    assert mark.exists(), "the interrupt was never raised"
+    assert done.returncode == 130, (done.returncode, done.stderr.decode()[-2000:])
+    assert b"Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
