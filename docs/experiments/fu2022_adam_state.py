@@ -32,6 +32,10 @@ Measured 2026-11-26 (Intel Xeon, 2 cores, the two modes side by side, one thread
 - 69 lots per client round (about one pass over a client's 5,400 records), fresh, sigma 4: at rounds
   5 / 10 / 20 / 30 / 40 / 50 / 60 / 65 (345 ... 4,485 lots a client): 0.290 / 0.425 / 0.480 / 0.531 /
   0.590 / 0.608 / 0.620 / 0.623 (stopped there). More lots per round buy no more accuracy per lot.
+- fresh, constant sigma 0 / 0.5 / 1 (C = 1), 2,600 rounds, at rounds 500 / 1,000 / 1,500 / 2,000 /
+  2,600: sigma 0 0.770 / 0.806 / 0.814 / 0.828 / 0.842; sigma 0.5 0.630 / 0.685 / 0.695 / 0.705 / 0.719;
+  sigma 1 0.549 / 0.643 / 0.665 / 0.683 / 0.694 (sigma 0 alone with the test suite beside it; 0.5 and 1
+  side by side). The runtime's constant sigma 2 run: 0.643 at 2,567.
 See docs/reproductions.md (Fu et al. 2022).
 """
 import json
