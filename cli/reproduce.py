@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .common import console, user_errors
+from .sweep import run_on_tune
 
 
 def _say(text: str) -> None:
@@ -68,17 +69,22 @@ def reproduce(
     set_: list[str] = typer.Option([], "--set", help="override a field in every run (repeatable)"),
     only: list[str] = typer.Option([], "--only", help="run only this run (repeatable)"),
     timeout: float = typer.Option(12 * 3600.0, "--timeout", min=1, help="seconds one run may take"),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address every run connects to"),
+    address: Optional[str] = typer.Option(None, "--address", help="the Ray cluster every run joins (default: "
+                                          "RAY_ADDRESS, else a private local Ray)"),
+    max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
+                                                 help="runs at once (default: as many as the cluster's resources fit)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate every run's scenario, full and quick; run nothing"),
 ) -> None:
-    """Run a paper's runs with `dpfl run`, one after the other, and write reproduction.csv, .md and
+    """Run a paper's runs as Ray Tune trials (as `dpfl sweep` does), and write reproduction.csv, .md and
     .png: each run here beside the paper's value, its claimed, accounted and empirical epsilon, and
     the paper's claims checked. Finished runs are never run again."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs import papers as pp
     from dpfl_ray.runs import reproduce as rp
     from dpfl_ray.runs import sweep as sw
+    from dpfl_ray.runtime.shutdown import Shutdown
 
+    shutdown = Shutdown().install()  # a signal is recorded; the runs are told to stop (runtime/trials.py)
     if list_:
         return _list_papers()
     if paper is None:
@@ -93,26 +99,23 @@ def reproduce(
     data_here = rp.data_of(runs)
     out_dir = out or Path("runs") / "reproduce" / (spec.paper + ("-quick" if quick else ""))
     command = shlex.join(["dpfl", *sys.argv[1:]])
-    with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction") as lock:
+    with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction"):
         rp.prepare(out_dir, spec, quick, runs)
+        todo, statuses = sw.set_aside(out_dir, runs)
         plural = "" if len(runs) == 1 else "s"
-        _say(f"reproduce {spec.paper}{' (quick)' if quick else ''}: {len(runs)} run{plural} -> {out_dir}")
-
-        def on_run(i: int, run, status: str) -> None:
-            _say(f"[{i + 1}/{len(runs)}] {run.name}: {status}")
-
-        runner = sw.subprocess_runner(None, timeout, address, keep_fds=(lock.fd,))
-        try:
-            statuses = sw.run_all(out_dir, runs, runner, on_run)
-        except KeyboardInterrupt:
-            again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(out_dir)])
-            _say(f"interrupted; resume with: {shlex.join(again)}")
-            raise typer.Exit(130)
+        _say(f"reproduce {spec.paper}{' (quick)' if quick else ''}: {len(runs)} run{plural}, "
+             f"{len(runs) - len(todo)} finished before -> {out_dir}")
+        if todo:
+            statuses.update(run_on_tune(out_dir, todo, None, timeout, address, max_concurrent, shutdown))
         rep, written = rp.write_outputs(out_dir, spec, quick, statuses, command=command,
                                         elapsed_s=time.monotonic() - t0, data_here=data_here)
     _print(spec, rep)
     for path in written:
         _say(f"wrote {path}")
+    if shutdown.requested:
+        again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(out_dir)])
+        _say(f"interrupted; resume with: {shlex.join(again)}")
+        raise typer.Exit(shutdown.exit_code)
     failed = [r for r in rep.rows if r["run"] in statuses and r["status"] not in ("ok", "skipped")]
     damaged = [r["run"] for r in failed if str(r["status"]).startswith("unreadable")]
     if damaged:  # finished by its summary, so a rerun would skip it: the user decides what to do with its files

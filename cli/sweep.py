@@ -8,20 +8,10 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .common import console, user_errors
-
-
-def _shard(text: str | None) -> tuple[int, int]:
-    from dpfl_ray.errors import DPFLError
-
-    if text is None:
-        return 0, 1
-    i, _, n = text.partition("/")
-    if not (i.isdigit() and n.isdigit()) or not 0 <= int(i) < int(n):
-        raise DPFLError(f"expected I/N with 0 <= I < N, like 0/4 (got {text!r})", field="--shard")
-    return int(i), int(n)
 
 
 def _num(value, fmt: str) -> str:
@@ -37,58 +27,97 @@ def sweep(
     out: Optional[Path] = typer.Option(None, "--out", help="sweep directory (default: OUTPUT.DIR/NAME-sweep/TIMESTAMP); "
                                                             "an existing one is resumed"),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="seconds one run may take"),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address every run connects to"),
-    shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only every N-th combination from the I-th "
-                                                               "(split a sweep over several jobs)"),
+    address: Optional[str] = typer.Option(None, "--address", help="the Ray cluster every run joins: HOST:PORT, "
+                                          "ray://HOST:10001 or auto (default: RAY_ADDRESS, else a private local Ray)"),
+    max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
+                                                 help="runs at once (default: as many as the cluster's resources fit)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the combinations, run nothing"),
 ) -> None:
-    """Run every combination of the grid (x seeds) with `dpfl run`, one after the other; write
-    sweep.csv and plots of final accuracy and epsilon against each axis. Finished runs are skipped."""
+    """Run every combination of the grid (x seeds) as Ray Tune trials in one Ray session, side by
+    side; write sweep.csv and plots of final accuracy and epsilon against each axis. Finished runs
+    are skipped: the same command resumes."""
+    from dpfl_ray.runtime.shutdown import Shutdown
     from dpfl_ray.runs import sweep as sw
     from dpfl_ray.runs.record import default_run_dir
     from dpfl_ray.scenario import load_scenario
 
+    shutdown = Shutdown().install()  # a signal is recorded; the trials are told to stop (runtime/trials.py)
     base = load_scenario(scenario, set_)  # a bad scenario or --set is reported as itself
     axes = sw.parse_grid(grid)
     runs = sw.expand(axes, sw.parse_seeds(seeds), set_)
-    index, count = _shard(shard)
     sw.validate(scenario, runs)  # every combination, before anything runs
-    mine = runs[index::count]
     if dry_run:
-        for run in mine:
+        for run in runs:
             console.print(run.name, highlight=False, soft_wrap=True)
-        console.print(f"ok: {len(runs)} combinations" + (f", {len(mine)} in shard {shard}" if count > 1 else ""))
+        console.print(f"ok: {len(runs)} combinations")
         return
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
-    # A second sweep on this directory is refused; the runs inherit the lock (dpfl_ray/runs/sweep.py)
-    with sw.SweepLock(sweep_dir, index, count) as lock:
+    with sw.SweepLock(sweep_dir):  # a second sweep on this directory is refused
         sw.prepare(sweep_dir, scenario, axes, sw.parse_seeds(seeds), set_)
-        console.print(f"[bold]sweep[/] {escape(base.name)}: {len(mine)} runs -> {escape(str(sweep_dir))}",
-                      highlight=False)
-
-        def on_run(i: int, run, status: str) -> None:
-            console.print(f"[{i + 1}/{len(mine)}] {run.name}: {status}", highlight=False, soft_wrap=True,
-                          markup=False)
-
-        runner = sw.subprocess_runner(scenario.resolve(), timeout, address, keep_fds=(lock.fd,))
-        try:
-            statuses = sw.run_all(sweep_dir, mine, runner, on_run)
-        except KeyboardInterrupt:
-            again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
-            console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True,
-                          markup=False)
-            raise typer.Exit(130)
-        if count > 1:  # shards finish at different times; one unsharded call writes the whole table
-            console.print(f"shard {shard} done; run without --shard to write sweep.csv and the plots", markup=False)
-            return
+        todo, statuses = sw.set_aside(sweep_dir, runs)
+        console.print(f"[bold]sweep[/] {escape(base.name)}: {len(runs)} runs, {len(runs) - len(todo)} finished "
+                      f"before -> {escape(str(sweep_dir))}", highlight=False)
+        if todo:
+            statuses.update(run_on_tune(sweep_dir, todo, scenario, timeout, address, max_concurrent, shutdown))
         rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses)
     _table(rows, list(axes))
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True, markup=False)
+    if shutdown.requested:
+        again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
+        console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(shutdown.exit_code)
     failed = [r for r in rows if r["run"] in statuses and r["status"] not in ("ok",)]
     if failed:
-        console.print(f"{len(failed)} of {len(mine)} runs did not finish; run the same command to retry them")
+        console.print(f"{len(failed)} of {len(runs)} runs did not finish; run the same command to retry them")
         raise typer.Exit(1)
+
+
+def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: float, address: str | None,
+                max_concurrent: int | None, shutdown) -> dict[str, str]:
+    """The runs ``todo`` as Tune trials on the cluster ``address`` names (else a private Ray), with
+    rich progress; returns {run name: status}. Shared by ``dpfl sweep`` and ``dpfl reproduce``."""
+    from dpfl_ray.runtime.driver import ensure_ray, stop_ray
+    from dpfl_ray.runtime.shutdown import keep_handlers
+
+    configs = None
+    try:
+        with keep_handlers():
+            ensure_ray(address, pending_signal=lambda: shutdown.first)
+        shutdown.install()  # ray.init's C++ core installs signal handlers of its own
+        from dpfl_ray.runtime import trials
+
+        configs = trials.run_configs(sweep_dir, todo, scenario, timeout)
+        with _progress() as progress:
+            task = progress.add_task("runs", total=len(configs), status="starting")
+            live: dict[str, str] = {}
+
+            def on_result(config: dict, m: dict) -> None:
+                acc, eps = m.get("test_accuracy"), m.get("epsilon")
+                live[config["name"]] = (f"r{m['round']}" + (f" acc {acc:.3f}" if acc is not None else "")
+                                        + (f" eps {eps:.2f}" if eps is not None else ""))
+                progress.update(task, status=_running(live))
+
+            def on_done(config: dict, status: str) -> None:
+                live.pop(config["name"], None)
+                progress.console.print(f"{config['name']}: {status}", highlight=False, soft_wrap=True, markup=False)
+                progress.update(task, advance=1, status=_running(live))
+
+            return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done)
+    except KeyboardInterrupt:  # a signal while Ray started: no trial ran
+        return {run.name: "interrupted" for run in todo}
+    finally:
+        stop_ray()
+
+
+def _running(live: dict[str, str]) -> str:
+    return "; ".join(f"{name} {what}" for name, what in list(live.items())[:3]) + (" ..." if len(live) > 3 else "")
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]runs"), MofNCompleteColumn(), BarColumn(), TextColumn("ETA"),
+                    TimeRemainingColumn(), TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
+                    transient=False)
 
 
 def _table(rows: list[dict], axes: list[str]) -> None:

@@ -2,7 +2,7 @@
 
 A paper's folder (``scenarios/papers/<paper>/``, schema in :mod:`.papers`) names its runs; each
 becomes a :class:`~.load.SweepRun` with its own scenario file and runs through the sweep's engine
-(``sweep.run_all`` with ``sweep.subprocess_runner``: a real ``dpfl run`` per run, a timeout, a
+(a Ray Tune trial per run, runtime/trials.py: the run directory ``dpfl run`` would write, a timeout, a
 finished run never run again, the directory locked by ``sweep.SweepLock``). Then the run
 directories are read back into one row per run (here against the paper), the claims are checked,
 and ``reproduction.csv``, ``reproduction.md`` and ``reproduction.png`` are written. Nothing here

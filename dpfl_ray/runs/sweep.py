@@ -2,28 +2,23 @@
 combination, then ``sweep.csv`` and plots of final accuracy and of effective vs claimed epsilon
 against each grid axis, with error bars over seeds. The logic behind ``dpfl sweep``.
 
-Runs go through a *runner* callable, by default the real ``dpfl run`` in a subprocess with a
-timeout, one after the other. A sweep directory is resumable: a run whose ``summary.json`` says it
-finished is skipped, an unfinished one is moved to ``.incomplete/`` and run again. Nothing here
-imports Ray; the runs themselves do (docs/faults.md, "Sweeps", for running on a cluster).
+The runs themselves are Ray Tune trials (runtime/trials.py); nothing here imports Ray. A sweep
+directory is resumable: a run whose ``summary.json`` says it finished is skipped, an unfinished one
+is moved to ``.incomplete/`` and run again (``set_aside``).
 """
 from __future__ import annotations
 
 import csv
-import ctypes
 import fcntl
 import hashlib
 import itertools
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..errors import DPFLError
 # The grid's expansion and the manifest live in load.py (report reads sweeps through it too);
@@ -36,10 +31,6 @@ LOCK = MANIFEST + ".lock"
 # A summary with any other stop_reason is a run that ended on its own and would end the same again.
 UNFINISHED = ("interrupted", "error", None)
 CSV_METRICS = ["final_accuracy", "epsilon", "epsilon_claimed", "rounds", "stop_reason", "wall_seconds", "status"]
-
-
-Runner = Callable[[SweepRun, Path], str]
-"""Runs one combination into a (new) run directory; returns 'ok' or why not ('timeout', 'failed: ...')."""
 
 
 def split_values(text: str) -> list[str]:
@@ -135,27 +126,19 @@ def _foreign_files(sweep_dir: Path, manifest: str = MANIFEST) -> bool:
 
 
 class SweepLock:
-    """Who may write in a sweep directory: one sweep, or the shards of one sweep.
+    """Who may write in a sweep directory: one sweep.
 
-    Each sweep process holds ``flock`` on its own lock file (``sweep.json.lock``, or
-    ``sweep.json.lock.I-of-N`` for shard I/N), which names its PID and host for the message a
-    second sweep prints. The kernel releases the lock when every process holding it is gone, and
-    the runs a sweep starts inherit it (``fd``): a ``kill -9``'d sweep keeps its directory until
-    its runs have stopped, so a rerun never moves a live run to ``.incomplete/``. An unsharded
-    sweep also refuses while any shard holds its lock, and a shard while an unsharded one does:
-    each takes its own lock before it looks at the others', so of two that start together at
-    least one sees the other. Where a file system ignores flock, a lock file whose PID is alive
-    on this host counts as held.
+    The sweep holds ``flock`` on its lock file (``sweep.json.lock``), which names its PID and host
+    for the message a second sweep prints. The kernel releases the lock when the process is gone.
+    Where a file system ignores flock, a lock file whose PID is alive on this host counts as held.
 
     ``manifest``, ``command`` and ``what``: the file that marks the directory as this command's, the
     command's name on its command line, and what the messages call its work (``dpfl reproduce``
     locks its directory the same way, under its own manifest)."""
 
-    def __init__(self, sweep_dir: Path, index: int = 0, count: int = 1, manifest: str = MANIFEST,
-                 command: str = "sweep", what: str = "sweep"):
+    def __init__(self, sweep_dir: Path, manifest: str = MANIFEST, command: str = "sweep", what: str = "sweep"):
         self.dir, self.fd, self.manifest, self.command, self.what = Path(sweep_dir), None, manifest, command, what
-        self.lock = manifest + ".lock"
-        self.path = self.dir / (self.lock if count == 1 else f"{self.lock}.{index}-of-{count}")
+        self.path = self.dir / (manifest + ".lock")
 
     def acquire(self) -> "SweepLock":
         if _foreign_files(self.dir, self.manifest):
@@ -170,11 +153,6 @@ class SweepLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                       "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
-            others = ([p for p in self.dir.glob(f"{self.lock}.*-of-*") if p != self.path]
-                      if self.path.name == self.lock else [self.dir / self.lock])
-            for other in others:
-                if _held(other, self.command):
-                    raise DPFLError(self._busy(other), field="--out")
         except BaseException:
             if mine:  # the owner's name stays in a lock file this process did not get
                 os.ftruncate(fd, 0)
@@ -187,9 +165,7 @@ class SweepLock:
         owner = _owner(path) or {}
         who = (f"PID {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}" if owner
                else "another process")
-        shard = path.name.removeprefix(self.lock).lstrip(".")
-        return (f"{self.dir} is in use by a {self.what}{f' (shard {shard})' if shard else ''}: {who}, or a "
-                f"run it started that is still stopping; wait for it, or use another --out")
+        return f"{self.dir} is in use by a {self.what}: {who}; wait for it, or use another --out"
 
     def release(self) -> None:
         if self.fd is not None:
@@ -273,100 +249,49 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
     elif _foreign_files(sweep_dir):
         raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    # the manifest first, whole or not at all: shards of one sweep may start at the same time
+    # the manifest whole or not at all
     tmp = sweep_dir / f"{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, old_path)
     (sweep_dir / "scenario.yaml").write_bytes(text)
 
 
-def run_all(sweep_dir: Path, runs: Sequence[SweepRun], runner: Runner,
-            on_run: Callable[[int, SweepRun, str], None] | None = None) -> dict[str, str]:
-    """Run each unfinished combination; returns {run name: status} ('skipped' for finished ones)."""
-    statuses: dict[str, str] = {}
-    for i, run in enumerate(runs):
+RUNNING = ".running"
+
+
+def hold_run(sweep_dir: Path, name: str) -> int:
+    """Taken by the process that runs ``name`` for as long as it lives (the descriptor returned):
+    while a run of an earlier sweep still stops (its sweep was killed), its directory is not
+    touched (``set_aside``). The kernel releases it with the process."""
+    path = Path(sweep_dir) / RUNNING / f"{name}.lock"
+    path.parent.mkdir(exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if not _try_flock(fd):
+        os.close(fd)
+        raise DPFLError(f"run {name} is already running (its lock {path} is held)")
+    return fd
+
+
+def set_aside(sweep_dir: Path, runs: Sequence[SweepRun]) -> tuple[list[SweepRun], dict[str, str]]:
+    """The runs still to do, and {name: 'skipped'} for the finished ones. An unfinished try's
+    directory is moved to ``.incomplete/NAME.N``, never overwritten: the run starts afresh. A
+    run that some process still runs (``hold_run``) is refused with one line."""
+    todo, statuses = [], {}
+    for run in runs:
         run_dir = sweep_dir / run.name
         if is_finished(run_dir):
             statuses[run.name] = "skipped"
-        else:
-            if run_dir.exists():  # an unfinished try: kept aside, never overwritten
-                aside = sweep_dir / ".incomplete"
-                aside.mkdir(exist_ok=True)
-                n = sum(1 for p in aside.iterdir() if p.name.startswith(run.name + ".")) + 1
-                shutil.move(str(run_dir), str(aside / f"{run.name}.{n}"))
-            statuses[run.name] = runner(run, run_dir)
-        if on_run:
-            on_run(i, run, statuses[run.name])
-    return statuses
-
-
-def _die_with_parent():
-    """A preexec_fn: the child gets SIGTERM when this process dies, even by SIGKILL (Linux
-    PR_SET_PDEATHSIG); it then stops like a `dpfl run` told to, writing its files. The run has a
-    process group of its own (so the sweep can stop it and its Ray), which a signal to the
-    sweep's group no longer reaches: this is what ties it to the sweep."""
-    parent = os.getpid()
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: nothing is imported after fork
-    except (OSError, AttributeError):
-        return None  # not Linux: the run outlives a killed sweep (its lock still guards the directory)
-
-    def tie() -> None:
-        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the sweep died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return tie
-
-
-def subprocess_runner(scenario: Path | None, timeout_s: float, address: str | None = None,
-                      log_dir: Path | None = None, grace_s: float = 30.0, keep_fds: Sequence[int] = ()) -> Runner:
-    """The real ``dpfl run`` of a run's own scenario file (else ``scenario``) in its own process
-    group: past ``timeout_s`` it gets SIGINT (it writes its summary and stops its Ray), and SIGKILL
-    ``grace_s`` later; SIGTERM if the sweep dies. ``keep_fds``: descriptors the run inherits (the
-    sweep's lock, held until the run is gone)."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-
-    def run(sweep_run: SweepRun, run_dir: Path) -> str:
-        cmd = [sys.executable, "-m", "cli.main", "run", str(sweep_run.scenario or scenario), "--out", str(run_dir)]
-        for item in sweep_run.overrides:
-            cmd += ["--set", item]
-        cmd += ["--address", address] if address else []
-        log = (log_dir or run_dir.parent / "logs") / f"{sweep_run.name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    pass_fds=tuple(keep_fds), preexec_fn=_die_with_parent())
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _stop(proc, grace_s)
-                return "timeout"
-            except KeyboardInterrupt:
-                _stop(proc, grace_s)
-                raise
-        if rc == 0:
-            return "ok"
-        if rc == 130:
-            return "interrupted"
-        errors = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("error:")]
-        return f"failed: {errors[-1][6:].strip() if errors else f'exit code {rc}, see {log}'}"
-
-    return run
-
-
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
-    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
             continue
+        if _held(sweep_dir / RUNNING / f"{run.name}.lock"):
+            raise DPFLError(f"run {run.name} of an earlier sweep is still stopping in {sweep_dir}; wait a few "
+                            "seconds and run the command again", field="--out")
+        if run_dir.exists():
+            aside = sweep_dir / ".incomplete"
+            aside.mkdir(exist_ok=True)
+            n = sum(1 for p in aside.iterdir() if p.name.startswith(run.name + ".")) + 1
+            shutil.move(str(run_dir), str(aside / f"{run.name}.{n}"))
+        todo.append(run)
+    return todo, statuses
 
 
 def collect(sweep_dir: Path, runs: Sequence[SweepRun], statuses: dict[str, str] | None = None) -> list[dict]:

@@ -24,7 +24,7 @@ from ..privacy.client_sampling import sample_clients
 from ..scenario import Scenario
 from ..runs.record import client_accuracy_summary
 from .messages import Canaries
-from .resources import assign_clients, assign_groups, deal, plan_pool, summation_groups, undeal
+from .resources import PoolPlan, assign_clients, assign_groups, deal, plan_pool, summation_groups, undeal
 from .chaos import strike
 from .checkpoint import scenario_fingerprint
 from .cluster import placement_summary
@@ -479,11 +479,15 @@ def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None
     return cls.remote(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan)
 
 
-def start_workers(scenario: Scenario, data: dict, num_clients: int) -> tuple[list, tuple[float, float]]:
+def start_workers(scenario: Scenario, data: dict, num_clients: int,
+                  count: int | None = None) -> tuple[list, tuple[float, float]]:
     """The ClientWorker pool, started from the driver at the same time as the coordinator, and its
     shape (CPUs, GPUs per worker). Warm workers parked by an earlier run of this driver
-    (runtime/warm.py) are taken first."""
+    (runtime/warm.py) are taken first. ``count``: the pool's size where the caller decided it (a
+    sweep trial: one per bundle of its placement group); else the cluster decides."""
     plan = plan_pool(scenario.resources, ray.cluster_resources(), num_clients)
+    if count is not None:
+        plan = PoolPlan(count, plan.num_cpus, plan.num_gpus)
     raw = scenario.model_dump(mode="json")
     workers = warm.take(plan.num_cpus, plan.num_gpus, plan.workers, raw, data)
     cls = make_worker_class(plan.num_cpus, plan.num_gpus)

@@ -89,7 +89,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
                  poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None,
                  theta0: np.ndarray | Callable[[], np.ndarray] | None = None, started_at: float | None = None,
-                 keep_workers: bool = True) -> dict:
+                 keep_workers: bool = True, workers: int | None = None) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
     Every round reaches ``rounds.jsonl`` as soon as the coordinator commits it. When the run is
@@ -104,7 +104,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     the driver's torch import then overlaps the workers' start instead of preceding it.
     ``started_at``: when the caller began (before Ray started, and any second try of that start):
     the summary's wall time counts from there. ``keep_workers``: park the workers of a clean run for
-    this process's next run (runtime/warm.py).
+    this process's next run (runtime/warm.py). ``workers``: the pool's size, where the caller
+    reserved it (a sweep trial's placement group); else as many as the cluster fits.
 
     When the coordinator is lost (its actor died, or the Ray head stopped answering), the files
     are written for the round of the last checkpoint the driver holds, ``rounds.jsonl`` is cut back
@@ -115,18 +116,18 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     shutdown = shutdown or Shutdown()
     record.write_scenario(scenario.to_yaml())
     coord, run_ref, seen, stop_reason, error, lost = None, None, 0, "completed", None, None
-    workers, shape = [], (0.0, 0.0)
+    pool, shape = [], (0.0, 0.0)
     answered = False  # has the coordinator replied yet (its process may still be starting)?
     last_checkpoint = resume  # the driver's own copy of the committed state
     try:
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
-        workers, shape = start_workers(scenario, data, fed.num_clients)
+        pool, shape = start_workers(scenario, data, fed.num_clients, workers)
         if callable(theta0):  # the caller's model thread, awaited while the workers start
             theta0 = theta0()
             timings.mark("initial_model_ready")
-        coord = make_coordinator(scenario, data, workers, resume, FaultPlan.from_scenario(scenario), theta0)
+        coord = make_coordinator(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0)
         timings.mark("actors_requested")
         run_ref = coord.run.remote()
         every = scenario.output.checkpoint_every
@@ -176,7 +177,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     wall = time.time() - (t0 if started_at is None else started_at)
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings)
     if keep_workers and error is None and stop_reason != "interrupted" and not shutdown.requested:
-        warm.park(*shape, workers)  # for this driver's next run (runtime/warm.py)
+        warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)
     if lost is not None and last_checkpoint is not None:
         raise DPFLError(f"{error}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json "
                         f"and summary.json are for that round; resume with: dpfl run --resume {record.path}")

@@ -46,6 +46,35 @@ def plan_pool(resources_cfg, cluster: dict, num_clients: int) -> PoolPlan:
     return PoolPlan(max(1, min(n, num_clients)), cpus, gpus)
 
 
+# A sweep trial's driver loop and coordinator reserve no CPU of their own, as in `dpfl run`: Tune
+# then schedules the trial's function with nothing (an empty head bundle). A placement group needs
+# one bundle that is not empty, so a trial whose workers reserve nothing holds this token share.
+TRIAL_HEAD_CPU = 0.01
+
+
+def trial_bundles(resources_cfg, num_clients: int) -> list[dict[str, float]]:
+    """The placement group of one sweep trial (one federated run): an empty head bundle for the
+    trial's driver and coordinator, then one bundle per ClientWorker, sized from the scenario's
+    ``resources``. ``workers: auto`` is one worker: a sweep runs its trials side by side rather
+    than spreading one trial over the machine (a run's bits do not depend on its pool)."""
+    n = 1 if resources_cfg.workers == "auto" else min(int(resources_cfg.workers), num_clients)
+    worker = {k: float(v) for k, v in (("CPU", resources_cfg.num_cpus_per_worker),
+                                       ("GPU", resources_cfg.num_gpus_per_worker)) if v > 0}
+    return [{}] + [worker] * n if worker else [{"CPU": TRIAL_HEAD_CPU}]
+
+
+def trials_that_fit(cluster: dict, bundles: list[dict[str, float]]) -> int:
+    """How many trials of these bundles the cluster's totals hold at once (at least 1: Ray then
+    says what is missing). Bundles are summed per resource, which is exact on one node and an upper
+    bound across nodes."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + v
+    fits = [math.floor(float(cluster.get(k, 0)) / v + 1e-9) for k, v in need.items() if v > 0]
+    return max(1, min(fits)) if fits else 1
+
+
 def assign_clients(client_ids, sizes: np.ndarray, num_workers: int) -> list[list[int]]:
     """Split a round's clients over workers, balancing examples (largest first to the least
     loaded). Which worker runs a client never changes its result; this only balances time."""

@@ -330,6 +330,11 @@ class ClientWorker:
 
 def make_worker_class(num_cpus: float, num_gpus: float):
     # SPREAD: on a cluster the pool covers every node, each worker with its GPU fraction, instead of
-    # filling the driver's node first (Ray's default); on one machine it changes nothing.
+    # filling the driver's node first (Ray's default); on one machine it changes nothing. Inside a
+    # sweep trial's placement group (runtime/trials.py) the workers go into its bundles instead:
+    # Ray places them there only when no strategy of their own is given.
+    from ray.util import get_current_placement_group
+
+    strategy = None if get_current_placement_group() is not None else "SPREAD"
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
-                      scheduling_strategy="SPREAD")(ClientWorker)
+                      scheduling_strategy=strategy)(ClientWorker)

@@ -1,6 +1,6 @@
-"""`dpfl sweep` for real: a two-run sweep of the tiny synthetic scenario through `dpfl run`
-subprocesses, its resume, and a bad grid refused before anything runs. The runs join the test
-session's Ray (`--address`), which the sweep hands to every run."""
+"""`dpfl sweep` for real: Ray Tune trials of the tiny synthetic scenario, side by side in the test
+session's Ray (`--address`); the same run directory as `dpfl run`; resume; a bad grid refused
+before anything runs; timeouts, Ctrl-C and a killed sweep."""
 import csv
 import json
 import os
@@ -8,13 +8,24 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import yaml
 
 from dpfl_ray.runs import sweep as sw
 
 from .test_cli import ROOT, TINY, dpfl
+
+RUN_FILES = ("model.pt", "checkpoint.npz", "scenario.yaml", "accuracy.png", "ledger.json")
+
+
+def _timings_aside(run_dir):
+    """A run directory's summary and rows without what the clock or the placement decides."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("wall_seconds", "timings", "placement"):
+        summary.pop(key, None)
+    rows = [{k: v for k, v in json.loads(line).items() if not k.endswith("seconds")}
+            for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
+    return summary, rows
 
 
 def test_a_real_sweep_writes_runs_csv_and_plots_and_resumes(ray_address, tmp_path):
@@ -35,10 +46,32 @@ def test_a_real_sweep_writes_runs_csv_and_plots_and_resumes(ray_address, tmp_pat
                 for r in rows]
     assert survived == [[6, 6], [3, 3]]  # the grid value reached the run: tail dropout of half the six
     assert (out / "accuracy_vs_faults.dropout.rate.png").read_bytes()[:4] == b"\x89PNG"
+
+    # every round reached Tune: its per-trial progress.csv and TensorBoard event files
+    (experiment,) = (out / "tune").iterdir()
+    for r, run_rows in zip(rows, survived):
+        with open(experiment / r["run"] / "progress.csv") as fh:
+            reported = [x for x in csv.DictReader(fh) if x.get("round")]
+        assert [int(x["round"]) for x in reported] == [1, 2]
+        assert [int(x["survived"]) for x in reported] == run_rows
+        assert list((experiment / r["run"]).glob("events.out.tfevents.*"))
+
     again = dpfl(*args)  # everything finished: nothing runs again, the csv is rewritten the same
-    assert again.returncode == 0 and again.stdout.count(": skipped") == 2
+    assert again.returncode == 0 and "2 runs, 2 finished before" in again.stdout, again.stdout + again.stderr
     with open(out / "sweep.csv") as fh:
         assert list(csv.DictReader(fh)) == rows
+
+    # a trial writes what `dpfl run` writes for its combination (its folder named alike: plots carry it)
+    plain = tmp_path / "plain" / "sweep" / rows[1]["run"]
+    res = dpfl("run", scenario, "--set", "faults.dropout.model=tail", "--set", "faults.dropout.rate=0.5",
+               "--out", plain, "--address", ray_address)
+    assert res.returncode == 0, res.stdout + res.stderr
+    trial = out / rows[1]["run"]
+    assert sorted(p.name for p in trial.iterdir()) == sorted(p.name for p in plain.iterdir())
+    for name in RUN_FILES:
+        if (plain / name).exists():
+            assert (trial / name).read_bytes() == (plain / name).read_bytes(), name
+    assert _timings_aside(trial) == _timings_aside(plain)
 
 
 def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
@@ -53,56 +86,85 @@ def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
 
 def test_runs_past_their_timeout_are_stopped_and_recorded(ray_address, tmp_path):
     scenario = tmp_path / "tiny.yaml"
-    # joining a running Ray is quick: enough rounds that no run can finish within its 1 s
-    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 500}}))
+    # enough rounds that no run can finish within its 1 s
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 5000}}))
     out = tmp_path / "sweep"
     res = dpfl("sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "1",
                "--address", ray_address)
     assert res.returncode == 1 and "2 of 2 runs did not finish" in res.stdout, res.stdout + res.stderr
     with open(out / "sweep.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [(r["status"], r["final_accuracy"]) for r in rows] == [("timeout", ""), ("timeout", "")]
-    assert (out / "logs" / f"{rows[0]['run']}.log").is_file()
+    assert [r["status"] for r in rows] == ["timeout", "timeout"]
+    for r in rows:  # each stopped itself, with its files, short of its 5000 rounds
+        summary = json.loads((out / r["run"] / "summary.json").read_text())
+        assert summary["stop_reason"] == "interrupted" and summary["rounds_completed"] < 5000
 
 
-def _processes_naming(text: str) -> list[int]:
-    """PIDs of live processes whose command line contains ``text``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and text.encode() in (proc / "cmdline").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
+def _start(args):
+    return subprocess.Popen([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT,
+                            env=dict(os.environ, COLUMNS="200"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
-def test_a_live_sweep_directory_is_refused_and_a_killed_sweep_takes_its_runs_with_it(ray_address, tmp_path):
-    scenario = tmp_path / "tiny.yaml"
-    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 500}}))
-    out = tmp_path / "sweep"
-    args = ["sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "240",
-            "--address", ray_address]
-    sweep = subprocess.Popen([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT,
-                             env=dict(os.environ, COLUMNS="200"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows, end = out / "training.lr=0.1" / "rounds.jsonl", time.monotonic() + 120
-    while not rows.exists():  # its first run has joined Ray and opened its record
-        assert sweep.poll() is None and time.monotonic() < end
+def _wait_for(paths, proc, seconds=120):
+    end = time.monotonic() + seconds
+    while not all(p.exists() and p.stat().st_size for p in paths):
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
         time.sleep(0.1)
+
+
+def test_ctrl_c_stops_every_trial_with_its_files_and_the_same_command_resumes(ray_session, ray_address, tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 100000}}))
+    out = tmp_path / "sweep"
+    args = ["sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "600",
+            "--address", ray_address]
+    sweep = _start(args)
+    runs = [out / "training.lr=0.1", out / "training.lr=0.2"]
+    _wait_for([r / "rounds.jsonl" for r in runs], sweep)  # both trials train at once
+    # each trial's worker sits in its placement group's bundle (0.5 CPU), not beside it
+    free = ray_session.available_resources()
+    assert [k for k in free if k.startswith("CPU_group_")] == [] and free.get("CPU") == 2 - 2 * 0.5, free
+    sweep.send_signal(signal.SIGINT)
+    stdout, stderr = sweep.communicate(timeout=90)
+    assert sweep.returncode == 130, stdout + stderr
+    assert "interrupted; resume with: dpfl sweep" in stdout and stderr.strip() == "", stdout + stderr
+    with open(out / "sweep.csv") as fh:
+        assert [r["status"] for r in csv.DictReader(fh)] == ["interrupted", "interrupted"]
+    for run in runs:  # each stopped between rounds and wrote its files for its last committed round
+        summary = json.loads((run / "summary.json").read_text())
+        rows = (run / "rounds.jsonl").read_text().splitlines()
+        assert summary["stop_reason"] == "interrupted" and summary["rounds_completed"] == len(rows) > 0
+    assert not (out / ".stop").exists()
+    # the same command resumes: the unfinished runs are set aside and run again (here: told to stop at once)
+    res = dpfl(*args[:-4], "--timeout", "1", "--address", ray_address)
+    assert res.returncode == 1 and "0 finished before" in res.stdout, res.stdout + res.stderr
+    assert sorted(p.name for p in (out / ".incomplete").iterdir()) == ["training.lr=0.1.1", "training.lr=0.2.1"]
+
+
+def test_a_live_sweep_directory_is_refused_and_a_killed_sweeps_runs_are_set_aside(ray_address, tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 100000}}))
+    out = tmp_path / "sweep"
+    args = ["sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "600",
+            "--address", ray_address]
+    sweep = _start(args)
+    rows = out / "training.lr=0.1" / "rounds.jsonl"
+    _wait_for([rows], sweep)
     second = dpfl(*args)
     lines = second.stderr.strip().splitlines()
     assert second.returncode == 2 and len(lines) == 1, second.stderr
     assert f"is in use by a sweep: PID {sweep.pid} on " in lines[0], lines[0]
     assert rows.exists() and not (out / ".incomplete").exists()  # the live run was left alone
 
-    sweep.kill()  # SIGKILL: no handler runs in the sweep
-    sweep.wait(timeout=30)
-    # the run holds the sweep's lock until its last thread has exited: then the directory is free
-    end = time.monotonic() + 10
-    while (_processes_naming(str(out)) or sw._held(out / sw.LOCK)) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert _processes_naming(str(out)) == [] and not sw._held(out / sw.LOCK), "a run outlived its sweep by 10 s"
+    sweep.kill()  # SIGKILL: no handler runs in the sweep; Ray ends the trials of its dead driver
+    sweep.communicate(timeout=30)
+    held = out / sw.RUNNING / "training.lr=0.1.lock"
+    end = time.monotonic() + 60
+    while sw._held(held) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not sw._held(held), "a trial outlived its sweep by 60 s"
     with sw.SweepLock(out):
-        pass
-    summary = json.loads((rows.parent / "summary.json").read_text())
-    assert summary["stop_reason"] == "interrupted"  # it stopped as told, with its files
+        todo, done = sw.set_aside(out, sw.expand({"training.lr": ["0.1", "0.2"]}, None))
+    assert [r.name for r in todo] == ["training.lr=0.1", "training.lr=0.2"] and done == {}
+    assert (out / ".incomplete" / "training.lr=0.1.1" / "rounds.jsonl").stat().st_size > 0  # its rounds kept

@@ -283,7 +283,7 @@ def test_job_runtime_env_ships_the_checkout_and_the_scenario():
     assert {".venv", "runs", ".git", "**/__pycache__"} <= set(env["excludes"]) == set(EXCLUDES)
     assert "pip" not in env and "py_modules" not in env
     pip = job_runtime_env("name: x\n", root, install=True)["pip"]["packages"]
-    assert any(p.startswith("torch==") for p in pip) and any(p.startswith("ray[default]") for p in pip)
+    assert any(p.startswith("torch==") for p in pip) and any(p.startswith("ray[default,tune]") for p in pip)
     installed = job_runtime_env("name: x\n", None)  # no checkout: the two packages travel
     assert "working_dir" not in installed
     assert sorted(Path(p).name for p in installed["py_modules"]) == ["cli", "dpfl_ray"]

@@ -11,7 +11,8 @@ from dpfl_ray.training.local import local_update
 from dpfl_ray.training.model_inputs import check_model_input
 from dpfl_ray.training.models import (build_model, combine_shards, eval_shards, evaluate, get_flat, initial_theta, set_flat,
                              shard_sums)
-from dpfl_ray.runtime.resources import assign_clients, deal, plan_pool, undeal
+from dpfl_ray.runtime.resources import (TRIAL_HEAD_CPU, assign_clients, deal, plan_pool, trial_bundles, trials_that_fit,
+                                        undeal)
 from dpfl_ray.privacy.client_sampling import sample_clients
 from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, SamplingConfig
 
@@ -132,6 +133,20 @@ def test_pool_plan():
     with pytest.raises(DPFLError, match="resources.workers"):  # would queue forever in Ray
         plan_pool(ResourcesConfig(workers=4, num_cpus_per_worker=1), {"CPU": 2}, 100)
     assert plan_pool(ResourcesConfig(workers=4, num_cpus_per_worker=0.5), {"CPU": 2}, 100).workers == 4
+
+
+def test_a_sweep_trial_reserves_a_head_bundle_and_one_bundle_per_worker():
+    head = {}  # the trial's driver and coordinator reserve nothing, as in `dpfl run`
+    assert trial_bundles(ResourcesConfig(workers="auto", num_cpus_per_worker=1), 100) == [head, {"CPU": 1.0}]
+    gpu = ResourcesConfig(workers=3, num_cpus_per_worker=0.5, num_gpus_per_worker=0.25)
+    assert trial_bundles(gpu, 100) == [head] + [{"CPU": 0.5, "GPU": 0.25}] * 3
+    assert trial_bundles(gpu, 2) == [head] + [{"CPU": 0.5, "GPU": 0.25}] * 2  # never more workers than clients
+    assert trial_bundles(ResourcesConfig(workers=2, num_cpus_per_worker=0), 10) == [{"CPU": TRIAL_HEAD_CPU}]
+    # how many trials fit at once: the scarcest resource decides
+    assert trials_that_fit({"CPU": 2}, trial_bundles(ResourcesConfig(num_cpus_per_worker=1), 10)) == 2
+    assert trials_that_fit({"CPU": 2}, trial_bundles(ResourcesConfig(num_cpus_per_worker=0.5), 10)) == 4
+    assert trials_that_fit({"CPU": 16, "GPU": 1}, trial_bundles(gpu, 100)) == 1
+    assert trials_that_fit({"CPU": 0.5}, trial_bundles(ResourcesConfig(num_cpus_per_worker=1), 10)) == 1  # Ray says why
 
 
 def test_assignment_covers_each_client_once_and_balances():

@@ -121,15 +121,23 @@ class FakeRunner:
 GRID = {"faults.dropout.rate": ["0", "0.1", "0.3"], "privacy.calibration": ["none", "baek"]}
 
 
+def run_all(out, runs, runner) -> dict:
+    """What the sweep does around its trials (runtime/trials.py), with a fake run in place of one."""
+    todo, statuses = sw.set_aside(out, runs)
+    for run in todo:
+        statuses[run.name] = runner(run, out / run.name)
+    return statuses
+
+
 def test_a_sweep_runs_once_and_resumes(scenario, tmp_path):
     out = tmp_path / "sweep"
     runs = sw.expand(GRID, [0, 1, 2])
     sw.prepare(out, scenario, GRID, [0, 1, 2], [])
     runner = FakeRunner()
-    first = sw.run_all(out, runs, runner)
+    first = run_all(out, runs, runner)
     assert set(first.values()) == {"ok"} and len(runner.calls) == 18
     sw.prepare(out, scenario, GRID, [0, 1, 2], [])  # reopening with the same scenario is fine
-    again = sw.run_all(out, runs, runner)
+    again = run_all(out, runs, runner)
     assert set(again.values()) == {"skipped"} and len(runner.calls) == 18  # nothing ran twice
 
 
@@ -140,7 +148,7 @@ def test_unfinished_runs_are_moved_aside_and_run_again(scenario, tmp_path):
     fake_run(out / runs[0].name, 0.5, stop="interrupted")
     (out / runs[1].name).mkdir()  # a run killed before it wrote anything
     runner = FakeRunner()
-    assert sw.run_all(out, runs, runner) == {r.name: "ok" for r in runs}
+    assert run_all(out, runs, runner) == {r.name: "ok" for r in runs}
     assert runner.calls == [r.name for r in runs]
     aside = sorted(p.name for p in (out / ".incomplete").iterdir())
     assert aside == [f"{runs[0].name}.1", f"{runs[1].name}.1"]
@@ -201,7 +209,7 @@ def test_plots_skip_epsilon_when_no_run_is_private(scenario, tmp_path):
     assert [r["seed"] for r in rows] == [0, 0]  # read from the summary when the sweep has no --seeds
 
 
-def test_a_sweep_directory_has_one_owner_or_the_shards_of_one_sweep(tmp_path):
+def test_a_sweep_directory_has_one_owner(tmp_path):
     """flock is per open file, so two locks taken in this one process contend as two sweeps would."""
     import os
     import socket
@@ -214,15 +222,8 @@ def test_a_sweep_directory_has_one_owner_or_the_shards_of_one_sweep(tmp_path):
         assert (owner["pid"], owner["host"]) == (os.getpid(), socket.gethostname())
         with pytest.raises(DPFLError, match=f"is in use by a sweep: PID {os.getpid()} on {socket.gethostname()}"):
             sw.SweepLock(out).acquire()
-        with pytest.raises(DPFLError, match="in use by a sweep: PID"):
-            sw.SweepLock(out, 1, 4).acquire()  # a shard waits for the unsharded call
         assert json.loads((out / sw.LOCK).read_text())["pid"] == os.getpid()  # a refusal leaves the name
         assert first.fd is not None
-    with sw.SweepLock(out, 0, 2), sw.SweepLock(out, 1, 2):  # shards of one sweep run side by side
-        with pytest.raises(DPFLError, match=r"\(shard 1-of-2\)"):
-            sw.SweepLock(out, 1, 2).acquire()
-        with pytest.raises(DPFLError, match=r"in use by a sweep \(shard 0-of-2\)"):
-            sw.SweepLock(out).acquire()  # the final unsharded call waits for them
     # a sweep that died (kill -9) left its name but no flock: the next one takes over
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (out / sw.LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
@@ -235,3 +236,25 @@ def test_a_sweep_directory_has_one_owner_or_the_shards_of_one_sweep(tmp_path):
     with pytest.raises(DPFLError, match="not a sweep"):
         sw.SweepLock(busy).acquire()
     assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+
+
+def test_a_run_still_stopping_is_not_set_aside_until_its_process_lets_go(scenario, tmp_path):
+    """A trial holds its run's lock for its life (a killed sweep's trials may still be stopping)."""
+    import os
+
+    out = tmp_path / "sweep"
+    runs = sw.expand({"faults.dropout.rate": ["0", "0.5"]}, None)
+    sw.prepare(out, scenario, {}, None, [])
+    fake_run(out / runs[0].name, 0.5, stop="interrupted")
+    fd = sw.hold_run(out, runs[0].name)
+    try:
+        with pytest.raises(DPFLError, match=f"run {runs[0].name} of an earlier sweep is still stopping"):
+            sw.set_aside(out, runs)
+        assert (out / runs[0].name / "summary.json").exists()  # untouched
+        with pytest.raises(DPFLError, match="already running"):
+            sw.hold_run(out, runs[0].name)
+    finally:
+        os.close(fd)
+    todo, done = sw.set_aside(out, runs)
+    assert [r.name for r in todo] == [r.name for r in runs] and done == {}
+    assert sorted(p.name for p in (out / ".incomplete").iterdir()) == [f"{runs[0].name}.1"]

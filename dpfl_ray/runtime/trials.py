@@ -1,0 +1,248 @@
+"""Sweeps on Ray Tune: every combination (x seed) is one Tune trial, and every trial is one
+federated run, in one Ray session (the sweep's private one, or the cluster it joined).
+
+A trial reserves a placement group (resources.trial_bundles): a head bundle where Tune places the
+trial's function -- the run's driver, which starts the coordinator -- and one bundle per ClientWorker.
+Tune creates the trial's actor with ``placement_group_capture_child_tasks``, so the coordinator and
+the workers (and any replacement the coordinator starts) land in the trial's bundles. The trial
+calls the same ``run_scenario`` as ``dpfl run`` and writes the same run directory (a test compares
+them byte for byte, timings aside), and reports every round to Tune (``tune.report``), so Tune's
+logger callbacks (TensorBoard event files under ``SWEEP/tune/``, or MLflow / W&B callbacks) see the
+curves.
+
+What Tune does not decide here:
+- which runs are left to do (``runs.sweep.set_aside``: finished run directories are never run again;
+  rerunning the command is the resume, so the same code resumes after a crash, a Ctrl-C or a
+  ``kill -9``);
+- how a run stops. A Tune trial that Tune stops is killed with its actor, before the run could write
+  its files; so each trial stops itself: at its ``--timeout``, or when the sweep asks (a signal to
+  the sweep writes ``SWEEP/.stop``, which every trial polls between rounds, as ``dpfl run`` polls
+  its signals) -- it then writes its files for its last committed round and returns. The queue of
+  runs (``_Queue``, a Tune searcher) hands out no new trial once a stop was asked. Only trials that
+  have not returned STOP_GRACE_SECONDS after that are stopped by Tune.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ray import tune
+from ray.tune import Callback, Stopper
+from ray.tune.search import ConcurrencyLimiter, Searcher
+
+from .resources import trial_bundles, trials_that_fit
+from .shutdown import Shutdown
+
+STOP_FLAG = ".stop"
+# How long the sweep waits, after a stop was asked, for its trials to write their files and return.
+STOP_GRACE_SECONDS = 30.0
+# Metrics a trial reports to Tune for every round (and the run's final status at its end).
+ROUND_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "epsilon_claimed", "survived", "sampled")
+
+
+class TrialStop(Shutdown):
+    """A trial's ``Shutdown``: it is asked to stop when the sweep writes its stop file, or when the
+    run passes its deadline (``timed_out``). Polled where ``dpfl run`` polls its signals."""
+
+    def __init__(self, flag: Path, deadline: float):
+        super().__init__()
+        self.flag, self.deadline, self.timed_out = flag, deadline, False
+
+    @property
+    def requested(self) -> bool:
+        if not self.received:
+            if time.monotonic() > self.deadline:
+                self.timed_out = True
+                self.received.append(signal.SIGINT)
+            elif self.flag.exists():
+                self.received.append(signal.SIGINT)
+        return bool(self.received)
+
+
+def trial(config: dict) -> None:
+    """One Tune trial: the run ``config`` names, into its run directory, as ``dpfl run`` would."""
+    t0 = time.time()
+    sweep_dir, run_dir = Path(config["sweep_dir"]), Path(config["sweep_dir"]) / config["name"]
+    stop = TrialStop(sweep_dir / STOP_FLAG, time.monotonic() + float(config["timeout_s"]))
+    if stop.requested:  # started after the sweep was told to stop: nothing to write
+        tune.report({"status": "interrupted" if not stop.timed_out else "timeout", "started": False})
+        return
+    tune.report({"status": _run(config, run_dir, stop, t0, tune.report)})
+
+
+def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None]) -> str:
+    from ..data import build_federation
+    from ..errors import DPFLError
+    from ..runs.record import RunRecord
+    from ..runs.sweep import hold_run
+    from ..scenario import load_scenario
+    from ..training.models import initial_theta
+    from .driver import run_scenario, write_unstarted
+
+    record, held = None, None
+    try:
+        held = hold_run(run_dir.parent, run_dir.name)
+        sc = load_scenario(config["scenario"], list(config["overrides"]))
+        fed = build_federation(sc)
+        startup = {"load_data": time.time() - t0}
+        record = RunRecord(run_dir)
+        theta0 = initial_theta(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+
+        def on_event(ev: dict) -> None:
+            if ev.get("event") == "round":
+                report({k: ev.get(k) for k in ROUND_METRICS if ev.get(k) is not None})
+
+        summary = run_scenario(sc, fed, record, on_event=on_event, shutdown=stop, startup=startup, theta0=theta0,
+                               started_at=t0, keep_workers=False, workers=int(config["workers"]))
+    except DPFLError as err:
+        return f"failed: {err}"
+    except Exception as err:  # noqa: BLE001 - one line in sweep.csv; the run's files say the rest
+        if record is not None and not (run_dir / "summary.json").exists():
+            try:
+                write_unstarted(sc, fed, record, time.time() - t0)
+            except Exception:  # noqa: BLE001 - the status below is what matters
+                pass
+        return f"failed: {type(err).__name__}: {err}"
+    finally:
+        if held is not None:
+            os.close(held)
+    if summary["stop_reason"] == "interrupted":
+        return "timeout" if stop.timed_out else "interrupted"
+    return "ok"
+
+
+def run_configs(sweep_dir: Path, runs: Sequence, scenario: Path | None, timeout_s: float) -> list[dict]:
+    """Each run's trial config: where it writes, what it runs, its placement group."""
+    from ..scenario import load_scenario
+
+    configs = []
+    for run in runs:
+        path = Path(run.scenario or scenario).resolve()
+        sc = load_scenario(path, list(run.overrides))
+        bundles = trial_bundles(sc.resources, sc.data.num_clients)
+        workers = 1 if sc.resources.workers == "auto" else min(int(sc.resources.workers), sc.data.num_clients)
+        configs.append({"name": run.name, "scenario": str(path), "overrides": list(run.overrides),
+                        "sweep_dir": str(Path(sweep_dir).resolve()), "timeout_s": float(timeout_s),
+                        "bundles": bundles, "workers": workers})
+    return configs
+
+
+def default_concurrency(configs: Sequence[dict], cluster: dict) -> int:
+    """As many trials at once as the cluster's resources hold (the largest trial's placement group)."""
+    return min((trials_that_fit(cluster, c["bundles"]) for c in configs), default=1)
+
+
+def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | None, shutdown: Shutdown,
+               on_result: Callable[[dict, dict], None] | None = None,
+               on_done: Callable[[dict, str], None] | None = None) -> dict[str, str]:
+    """Run the trials on the connected Ray; returns {run name: status} for each config.
+
+    ``on_result(config, metrics)``: a round a trial reported; ``on_done(config, status)``: a trial
+    ended. Both run in this thread (Tune's controller loop)."""
+    import ray
+
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # the sweep's own Shutdown decides (module docstring)
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    sweep_dir = Path(sweep_dir).resolve()
+    flag = sweep_dir / STOP_FLAG
+    flag.unlink(missing_ok=True)
+    n = max_concurrent or default_concurrency(configs, ray.cluster_resources())
+    statuses: dict[str, str] = {}
+    by_name = {c["name"]: c for c in configs}
+    queue = _Queue(configs, shutdown)
+    grace = _Grace()
+    watch = _Watch(shutdown, flag, by_name, statuses, on_result, on_done, grace)
+    tuner = tune.Tuner(
+        tune.with_resources(trial, lambda config: tune.PlacementGroupFactory(config["bundles"])),
+        tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n), num_samples=len(configs),
+                                    reuse_actors=False, trial_name_creator=_trial_name,
+                                    trial_dirname_creator=_trial_name),
+        run_config=tune.RunConfig(name=time.strftime("%Y%m%d-%H%M%S"), storage_path=str(sweep_dir / "tune"),
+                                  verbose=0, callbacks=[watch], stop=grace,
+                                  failure_config=tune.FailureConfig(max_failures=0)))
+    tuner.fit()
+    flag.unlink(missing_ok=True)
+    for name in by_name:
+        statuses.setdefault(name, "interrupted" if shutdown.requested else "not run")
+    return statuses
+
+
+def _trial_name(trial) -> str:
+    """A trial is named as its run directory (TensorBoard shows the runs under these names)."""
+    return trial.config.get("name") or trial.trial_id
+
+
+class _Queue(Searcher):
+    """The runs, in order, one per trial; none once the sweep was asked to stop."""
+
+    def __init__(self, configs: Sequence[dict], shutdown: Shutdown):
+        super().__init__()
+        self._todo, self._shutdown = list(configs), shutdown
+
+    def suggest(self, trial_id: str):
+        if self._shutdown.requested or not self._todo:
+            return self.FINISHED
+        return dict(self._todo.pop(0))
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        pass
+
+
+class _Grace(Stopper):
+    """Stops (kills) the trials still running STOP_GRACE_SECONDS after the stop file was written."""
+
+    def __init__(self):
+        self.stop_since: float | None = None
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        return False
+
+    def stop_all(self) -> bool:
+        return self.stop_since is not None and time.monotonic() - self.stop_since > STOP_GRACE_SECONDS
+
+
+class _Watch(Callback):
+    """Tune's controller loop, seen from the sweep: a signal to the sweep becomes the stop file;
+    each trial's rounds and end are handed on."""
+
+    def __init__(self, shutdown, flag, by_name, statuses, on_result, on_done, grace: _Grace):
+        self.shutdown, self.flag, self.by_name, self.statuses = shutdown, flag, by_name, statuses
+        self.on_result, self.on_done, self.grace = on_result, on_done, grace
+
+    def __getstate__(self) -> dict:
+        """Tune pickles its run config into the experiment's state; the live display stays here.
+        (A sweep resumes from its run directories, not from Tune's state.)"""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(Shutdown(), Path(os.devnull), {}, {}, None, None, _Grace())
+
+    def on_step_begin(self, iteration: int, trials: list, **info) -> None:
+        if self.shutdown.requested and self.grace.stop_since is None:
+            self.flag.touch()
+            self.grace.stop_since = time.monotonic()
+
+    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
+        config = self.by_name.get(trial.config.get("name"))
+        if config is not None and "round" in result and self.on_result:
+            self.on_result(config, result)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
+        status = (trial.last_result or {}).get("status") or "failed: the trial ended without a status"
+        self._done(trial, status)
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
+        where = getattr(trial, "path", None) or getattr(trial, "local_path", None) or "its Tune trial directory"
+        self._done(trial, f"failed: the trial's process ended ({where}/error.txt)")
+
+    def _done(self, trial, status: str) -> None:
+        config = self.by_name.get(trial.config.get("name"))
+        if config is None or config["name"] in self.statuses:
+            return
+        self.statuses[config["name"]] = status
+        if self.on_done:
+            self.on_done(config, status)
