@@ -3,8 +3,10 @@ one client after another.
 
 Same data (the workload's federation), model, clients per round (its sampling and fault plan),
 batch sizes, epochs and batch orders as ``dpfl run``; FedAvg's weighted mean moves the model
-between rounds. What it leaves out is everything a simulator adds around the steps: privacy
-noise, clipping, secure aggregation, evaluation, Ray. Run it in its own process for a clean
+between rounds; the test split is evaluated after the same rounds as dpfl evaluates it
+(``output.eval_every`` and the last round), with the same evaluation code, because users want the
+accuracy curve (issue #35). What it leaves out is everything a simulator adds around the steps:
+privacy noise, clipping, secure aggregation, Ray. Run it in its own process for a clean
 whole-process time:
 
     python -m benchmarks.floor W1 --json
@@ -29,7 +31,10 @@ from torch import nn  # noqa: E402
 
 def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False) -> dict:
     """Plain minibatch SGD (FedAvg, McMahan et al. 2017, Alg. 1 ClientUpdate) of every trained
-    client of every round of ``sc``; returns seconds, SGD steps and per-round mean training loss.
+    client of every round of ``sc``, and the test split's evaluation after every round dpfl evaluates
+    (coordinator: round t when (t + 1) % eval_every == 0, and the last); returns seconds (training
+    and evaluation, and the evaluation's share), SGD steps, per-round mean training loss and the
+    evaluated rounds' test accuracy.
 
     ``share=(i, n)`` trains only every n-th client of each round from the i-th, and ``batched``
     trains them with dpfl_ray.training.local_batched: n such processes side by side emulate n workers'
@@ -37,12 +42,13 @@ def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False)
     if batched:
         return _train_share_batched(sc, fed, share)
     from dpfl_ray import rng as rngmod
-    from dpfl_ray.training.models import build_model
+    from dpfl_ray.training.models import build_model, evaluate
 
     from .workloads import trained_clients
 
     torch.set_num_threads(1)
-    tr = sc.training
+    tr, every = sc.training, sc.output.eval_every
+    eval_seconds, accuracy = 0.0, {}
     model = build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
     params = list(model.parameters())
     global_w = [p.detach().clone() for p in params]
@@ -82,8 +88,17 @@ def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False)
             for w, acc in zip(global_w, total):
                 w.add_(acc, alpha=tr.server_lr / weight_sum)
         round_losses.append(float(np.mean(losses)) if losses else None)
-    return {"train_seconds": time.perf_counter() - t0, "sgd_steps": steps, "client_updates": updates,
-            "rounds": tr.rounds, "round_mean_loss": round_losses}
+        if (t + 1) % every == 0 or t + 1 == tr.rounds:
+            t_eval = time.perf_counter()
+            with torch.no_grad():
+                for p, w in zip(params, global_w):
+                    p.copy_(w)
+            accuracy[t + 1] = evaluate(model, fed.dataset.x_test, fed.dataset.y_test)[0]
+            eval_seconds += time.perf_counter() - t_eval
+    return {"train_seconds": time.perf_counter() - t0, "eval_seconds": eval_seconds,
+            "train_seconds_without_eval": time.perf_counter() - t0 - eval_seconds, "sgd_steps": steps,
+            "client_updates": updates, "rounds": tr.rounds, "round_mean_loss": round_losses,
+            "test_accuracy": accuracy}
 
 
 def _train_share_batched(sc, fed, share: tuple[int, int]) -> dict:

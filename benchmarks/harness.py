@@ -250,8 +250,10 @@ def _tail(path: Path, lines: int = 3) -> str:
 
 
 # -- one run of each ------------------------------------------------------------------------------------
-def run_dpfl(name: str, overrides: list[str] | None = None, timeout: float = 1200, workdir: Path | None = None) -> dict:
-    """One ``dpfl run`` of workload ``name`` in a subprocess; its times, rates and peak RSS."""
+def run_dpfl(name: str, overrides: list[str] | None = None, timeout: float = 1200, workdir: Path | None = None,
+             address: str | None = None) -> dict:
+    """One ``dpfl run`` of workload ``name`` in a subprocess; its times, rates and peak RSS.
+    ``address``: a running Ray the run joins (the warm workloads)."""
     from .workloads import scenario
 
     sc = scenario(name, overrides)
@@ -260,6 +262,7 @@ def run_dpfl(name: str, overrides: list[str] | None = None, timeout: float = 120
     yaml_path, out = workdir / "scenario.yaml", workdir / "run"
     yaml_path.write_text(sc.to_yaml())
     cmd = [sys.executable, "-m", "cli.main", "run", str(yaml_path), "--out", str(out)]
+    cmd += ["--address", address] if address else []
     rc, t_start, t_end, sampler, _ = _run_tree(cmd, timeout, "driver", workdir / "dpfl.log")
     sample: dict = {"workload": name, "rc": rc, "run_dir": str(out)}
     if rc != 0:
@@ -282,11 +285,112 @@ def run_dpfl(name: str, overrides: list[str] | None = None, timeout: float = 120
     return sample
 
 
+def run_dpfl_sweep(name: str, overrides: list[str] | None = None, timeout: float = 1200,
+                   workdir: Path | None = None) -> dict:
+    """Workload ``name`` (S8) as one ``dpfl sweep`` over SWEEP_SEEDS seeds in a subprocess, with a
+    private Ray: the whole process's time, and the runs' training summed."""
+    from .workloads import SWEEP_SEEDS, scenario
+
+    sc = scenario(name, overrides)
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"dpfl-bench-{name}-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    yaml_path, out = workdir / "scenario.yaml", workdir / "sweep"
+    yaml_path.write_text(sc.to_yaml())
+    cmd = [sys.executable, "-m", "cli.main", "sweep", str(yaml_path), "--seeds",
+           ",".join(str(i) for i in range(SWEEP_SEEDS)), "--out", str(out)]
+    rc, t_start, t_end, sampler, _ = _run_tree(cmd, timeout, "driver", workdir / "dpfl.log")
+    sample: dict = {"workload": name, "rc": rc, "run_dir": str(out), "process_seconds": t_end - t_start}
+    if rc != 0:
+        sample["error"] = "timed out" if rc == 124 else _tail(workdir / "dpfl.log")
+    runs = sorted(out.glob("seed=*/rounds.jsonl")) if out.exists() else []
+    parsed = [parse_rounds([json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]) for f in runs]
+    for key in ("train_seconds", "eval_seconds", "train_seconds_without_eval", "client_updates"):
+        if parsed and all(key in p for p in parsed):
+            sample[key] = sum(p[key] for p in parsed)
+    sample["runs_finished"] = sum(1 for f in runs if (f.parent / "summary.json").exists())
+    if sample.get("client_updates"):
+        sample["updates_per_second"] = sample["client_updates"] / sample["process_seconds"]
+    sample["peak_rss_bytes"] = sampler.peak_rss()
+    return sample
+
+
+def run_floor_sweep(name: str, overrides: list[str] | None = None, timeout: float = 1200,
+                    workdir: Path | None = None) -> dict:
+    """SWEEP_SEEDS floor processes of ``name``'s base workload, one after another (seed 0, 1, ...)."""
+    from .workloads import SWEEP_SEEDS
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"dpfl-floor-{name}-"))
+    parts = [run_floor(name, [*(overrides or []), f"seed={i}"], timeout, workdir / f"seed={i}")
+             for i in range(SWEEP_SEEDS)]
+    sample: dict = {"workload": name, "rc": max(p["rc"] for p in parts)}
+    failed = [p for p in parts if p["rc"] != 0]
+    if failed:
+        sample["error"] = failed[0].get("error")
+        return sample
+    for key in ("process_seconds", "train_seconds", "eval_seconds", "train_seconds_without_eval", "client_updates"):
+        if all(key in p for p in parts):
+            sample[key] = sum(p[key] for p in parts)
+    sample["updates_per_second"] = sample["client_updates"] / sample["process_seconds"]
+    sample["peak_rss_bytes"] = {"floor": max(p["peak_rss_bytes"]["floor"] for p in parts)}
+    return sample
+
+
+class RunningRay:
+    """A Ray head started once (``ray start --head --block`` in a session of its own, on 127.0.0.1)
+    for the warm workloads, and stopped with every process it started."""
+
+    def __init__(self, workdir: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._log = open(workdir / "ray_head.log", "w")
+        ray_cli = Path(sys.executable).with_name("ray")
+        self.proc = subprocess.Popen(
+            [str(ray_cli), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",
+             f"--num-cpus={os.cpu_count()}", "--include-dashboard=false", "--disable-usage-stats"],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.sampler = TreeSampler(self.proc.pid, "ray_system")
+        self.sampler.start()
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        import socket
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start --head exited ({self.proc.returncode}); see {self._log.name}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    time.sleep(2.0)  # the GCS answers before the raylet has registered
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"ray start --head did not answer within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        self.sampler.stop()
+        self.sampler.kill_tree()
+        self._log.close()
+
+
 def run_floor(name: str, overrides: list[str] | None = None, timeout: float = 1200, workdir: Path | None = None) -> dict:
     """The floor of workload ``name`` in a subprocess (benchmarks/floor.py)."""
+    from .workloads import base_and_mode
+
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"dpfl-floor-{name}-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.floor", name, "--json"]
+    cmd = [sys.executable, "-m", "benchmarks.floor", base_and_mode(name)[0], "--json"]
     for o in overrides or []:
         cmd += ["--set", o]
     rc, t_start, t_end, sampler, stdout = _run_tree(cmd, timeout, "floor", workdir / "floor.log")
@@ -296,6 +400,8 @@ def run_floor(name: str, overrides: list[str] | None = None, timeout: float = 12
         return sample
     out = json.loads(stdout.strip().splitlines()[-1])
     steps, updates = out["sgd_steps"], out["client_updates"]
+    if "eval_seconds" in out:  # the floor evaluates after the rounds dpfl evaluates
+        sample.update(eval_seconds=out["eval_seconds"], train_seconds_without_eval=out["train_seconds_without_eval"])
     sample.update(train_seconds=out["train_seconds"], setup_seconds=out["setup_seconds"], sgd_steps=steps,
                   client_updates=updates, updates_per_second=updates / out["train_seconds"],
                   peak_rss_bytes={"floor": max(out["peak_rss_bytes"], sampler.peak_rss().get("floor", 0))},
@@ -317,22 +423,36 @@ def measure(names: list[str], repeat: int = 1, overrides: list[str] | None = Non
     if workdir is not None and Path(workdir).exists() and any(Path(workdir).iterdir()):
         # its runs' folders would refuse their `--out`, and report.json would be overwritten
         raise DPFLError(f"{workdir} already holds files; choose an empty or new folder", field="--keep")
+    from .workloads import base_and_mode
+
     base = Path(workdir or tempfile.mkdtemp(prefix="dpfl-bench-"))
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "repeat": repeat,
                     "overrides": overrides or [], "workloads": {}}
-    for n in names:
-        runs: dict[str, list[dict]] = {"dpfl": [], "floor": []}
-        for r in range(repeat):
-            kinds = [("dpfl", run_dpfl)] + ([("floor", run_floor)] if floor else [])
-            for kind, fn in kinds:
-                s = fn(n, overrides, timeout, base / f"{n}-{kind}-{r}")
-                runs[kind].append(s)
-                if on_sample:
-                    on_sample(kind, s)
-        entry = {k: {"samples": v, "stats": summarize([s for s in v if s.get("rc") == 0])} for k, v in runs.items() if v}
-        if floor:
-            entry["ratio"] = ratios(entry["dpfl"]["stats"], entry["floor"]["stats"])
-        report["workloads"][n] = entry
+    head = RunningRay(base / "ray-head") if any(base_and_mode(n)[1] == "warm" for n in names) else None
+    try:
+        for n in names:
+            mode = base_and_mode(n)[1]
+            if mode == "warm":
+                dpfl_fn = lambda *a: run_dpfl(*a, address=head.address)  # noqa: E731
+            else:
+                dpfl_fn = run_dpfl_sweep if mode == "sweep" else run_dpfl
+            floor_fn = run_floor_sweep if mode == "sweep" else run_floor
+            runs: dict[str, list[dict]] = {"dpfl": [], "floor": []}
+            for r in range(repeat):
+                kinds = [("dpfl", dpfl_fn)] + ([("floor", floor_fn)] if floor else [])
+                for kind, fn in kinds:
+                    s = fn(n, overrides, timeout, base / f"{n}-{kind}-{r}")
+                    runs[kind].append(s)
+                    if on_sample:
+                        on_sample(kind, s)
+            entry = {k: {"samples": v, "stats": summarize([s for s in v if s.get("rc") == 0])}
+                     for k, v in runs.items() if v}
+            if floor:
+                entry["ratio"] = ratios(entry["dpfl"]["stats"], entry["floor"]["stats"])
+            report["workloads"][n] = entry
+    finally:
+        if head is not None:
+            head.stop()
     if workdir:
         (base / "report.json").write_text(json.dumps(report, indent=1))
     return report

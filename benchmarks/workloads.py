@@ -62,6 +62,26 @@ WORKLOADS: dict[str, dict] = {
 }
 
 
+# Workloads that run a base workload another way (issue #35):
+# - W1-warm, W2-warm: `dpfl run --address` against a Ray that was started once (`ray start --head`),
+#   the start a user pays once per session;
+# - S8: W1 x 8 seeds as one `dpfl sweep` (Ray Tune trials side by side in one private Ray), against
+#   8 floor processes run one after another.
+VARIANTS: dict[str, tuple[str, str, str]] = {
+    "W1-warm": ("W1", "warm", "W1 through `dpfl run --address` against a running Ray (`ray start --head` once)"),
+    "W2-warm": ("W2", "warm", "W2 through `dpfl run --address` against a running Ray (`ray start --head` once)"),
+    "S8": ("W1", "sweep", "W1 x 8 seeds as one `dpfl sweep` (Ray Tune), against 8 floor processes in a row"),
+}
+SWEEP_SEEDS = 8
+
+
+def base_and_mode(name: str) -> tuple[str, str]:
+    """A workload's base workload and how it runs: 'cold' (its own `dpfl run`), 'warm' or 'sweep'."""
+    if name in VARIANTS:
+        return VARIANTS[name][0], VARIANTS[name][1]
+    return name, "cold"
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in extra.items():
@@ -74,9 +94,11 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def workload(name: str) -> dict:
     """The scenario dict of workload ``name`` (a fresh copy; the caller may change it)."""
-    if name not in WORKLOADS:
-        raise DPFLError(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})", field="workload")
-    return _merge({**_BASE, "name": f"bench-{name}"}, WORKLOADS[name])
+    base, _ = base_and_mode(name)
+    if base not in WORKLOADS:
+        raise DPFLError(f"unknown workload {name!r} (choose from {', '.join([*WORKLOADS, *VARIANTS])})",
+                        field="workload")
+    return _merge({**_BASE, "name": f"bench-{base}"}, WORKLOADS[base])
 
 
 def scenario(name: str, overrides: list[str] | None = None):

@@ -135,11 +135,13 @@ def _fmt(stat: dict | None, scale: float = 1.0, digits: int = 2) -> str:
 @app.command("workloads")
 def list_workloads() -> None:
     """List the fixed workloads of ``dpfl bench run``."""
-    from benchmarks.workloads import WORKLOADS
+    from benchmarks.workloads import VARIANTS, WORKLOADS
 
     table = Table("workload", "what")
     for name, w in WORKLOADS.items():
         table.add_row(name, w["description"])
+    for name, (_, _, what) in VARIANTS.items():
+        table.add_row(name, what)
     console.print(table)
 
 

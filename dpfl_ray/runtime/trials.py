@@ -96,7 +96,7 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
                 report({k: ev.get(k) for k in ROUND_METRICS if ev.get(k) is not None})
 
         summary = run_scenario(sc, fed, record, on_event=on_event, shutdown=stop, startup=startup, theta0=theta0,
-                               started_at=t0, keep_workers=False, workers=int(config["workers"]))
+                               started_at=t0, keep_workers=True, workers=int(config["workers"]))
     except DPFLError as err:
         return f"failed: {err}"
     except Exception as err:  # noqa: BLE001 - one line in sweep.csv; the run's files say the rest
@@ -159,7 +159,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     tuner = tune.Tuner(
         tune.with_resources(trial, lambda config: tune.PlacementGroupFactory(config["bundles"])),
         tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n), num_samples=len(configs),
-                                    reuse_actors=False, trial_name_creator=_trial_name,
+                                    reuse_actors=True, trial_name_creator=_trial_name,
                                     trial_dirname_creator=_trial_name),
         run_config=tune.RunConfig(name=time.strftime("%Y%m%d-%H%M%S"), storage_path=str(sweep_dir / "tune"),
                                   verbose=0, callbacks=[watch], stop=grace,

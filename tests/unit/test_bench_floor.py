@@ -34,6 +34,12 @@ def test_every_workload_is_a_valid_scenario():
     assert math.ceil(w4.data.examples_per_client / w4.training.batch_size) * w4.training.local_epochs == 1
     with pytest.raises(DPFLError, match="unknown workload"):
         scenario("W9")
+    # the warm and sweep variants run their base workload's scenario, another way
+    from benchmarks.workloads import base_and_mode
+
+    assert [base_and_mode(n) for n in ("W1", "W1-warm", "W2-warm", "S8")] == \
+        [("W1", "cold"), ("W1", "warm"), ("W2", "warm"), ("W1", "sweep")]
+    assert scenario("S8") == scenario("W1") and scenario("W2-warm") == w2
 
 
 def test_floor_trains_and_counts_the_implied_steps():
@@ -44,6 +50,22 @@ def test_floor_trains_and_counts_the_implied_steps():
     assert out["client_updates"] == 60
     losses = out["round_mean_loss"]
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_floor_evaluates_after_the_rounds_dpfl_evaluates():
+    """Like for like (issue #35): the coordinator evaluates round t when (t + 1) % eval_every == 0
+    and after the last round; so does the floor, on the same test split."""
+    from dpfl_ray.training.models import build_model, evaluate
+
+    sc = scenario("W1", FAST + ["training.rounds=7", "output.eval_every=3"])
+    fed = build_federation(sc)
+    out = train_floor(sc, fed)
+    assert sorted(out["test_accuracy"]) == [3, 6, 7]
+    assert 0 < out["eval_seconds"] < out["train_seconds"]
+    assert out["train_seconds_without_eval"] == pytest.approx(out["train_seconds"] - out["eval_seconds"], abs=1e-3)
+    untrained = build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    chance, _ = evaluate(untrained, fed.dataset.x_test, fed.dataset.y_test)
+    assert out["test_accuracy"][7] > chance + 0.2  # the evaluated model is the trained one
 
 
 @pytest.mark.parametrize("name, overrides", [
