@@ -1,14 +1,20 @@
 """Sweeps on Ray Tune: every combination (x seed) is one Tune trial, and every trial is one
 federated run, in one Ray session (the sweep's private one, or the cluster it joined).
 
-A trial reserves a placement group (resources.trial_bundles): a head bundle where Tune places the
-trial's function -- the run's driver, which starts the coordinator -- and one bundle per ClientWorker.
+A trial reserves a placement group (resources.trial_bundles): one bundle per ClientWorker, and an
+empty head bundle for the trial's function -- the run's driver, which starts the coordinator --
+which reserves no CPU, as ``dpfl run`` and its coordinator reserve none.
 Tune creates the trial's actor with ``placement_group_capture_child_tasks``, so the coordinator and
 the workers (and any replacement the coordinator starts) land in the trial's bundles. The trial
 calls the same ``run_scenario`` as ``dpfl run`` and writes the same run directory (a test compares
 them byte for byte, timings aside), and reports every round to Tune (``tune.report``), so Tune's
 logger callbacks (TensorBoard event files under ``SWEEP/tune/``, or MLflow / W&B callbacks) see the
 curves.
+
+A trial's actor is reused by the next trial of the same shape (Tune's ``reuse_actors``), and with
+it the placement group and the workers the last run parked there (runtime/warm.py: a rebound worker
+trains exactly as a fresh one), so only a sweep's first trials pay for the processes' start and
+torch's import. ``DPFL_WARM_WORKERS=0`` turns both off.
 
 What Tune does not decide here:
 - which runs are left to do (``runs.sweep.set_aside``: finished run directories are never run again;
@@ -33,6 +39,7 @@ from ray import tune
 from ray.tune import Callback, Stopper
 from ray.tune.search import ConcurrencyLimiter, Searcher
 
+from . import warm
 from .resources import trial_bundles, trials_that_fit
 from .shutdown import Shutdown
 
@@ -159,7 +166,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     tuner = tune.Tuner(
         tune.with_resources(trial, lambda config: tune.PlacementGroupFactory(config["bundles"])),
         tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n), num_samples=len(configs),
-                                    reuse_actors=True, trial_name_creator=_trial_name,
+                                    reuse_actors=warm.enabled(), trial_name_creator=_trial_name,
                                     trial_dirname_creator=_trial_name),
         run_config=tune.RunConfig(name=time.strftime("%Y%m%d-%H%M%S"), storage_path=str(sweep_dir / "tune"),
                                   verbose=0, callbacks=[watch], stop=grace,
