@@ -87,7 +87,9 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         from dpfl_ray.runtime import trials
 
-        configs = trials.run_configs(sweep_dir, todo, scenario, timeout)
+        import ray
+
+        configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
         with _progress() as progress:
             task = progress.add_task("runs", total=len(configs), status="starting")
             live: dict[str, str] = {}

@@ -52,12 +52,20 @@ def plan_pool(resources_cfg, cluster: dict, num_clients: int) -> PoolPlan:
 TRIAL_HEAD_CPU = 0.01
 
 
-def trial_bundles(resources_cfg, num_clients: int) -> list[dict[str, float]]:
-    """The placement group of one sweep trial (one federated run): an empty head bundle for the
-    trial's driver and coordinator, then one bundle per ClientWorker, sized from the scenario's
-    ``resources``. ``workers: auto`` is one worker: a sweep runs its trials side by side rather
-    than spreading one trial over the machine (a run's bits do not depend on its pool)."""
-    n = 1 if resources_cfg.workers == "auto" else min(int(resources_cfg.workers), num_clients)
+def trial_workers(resources_cfg, num_clients: int, cluster: dict, side_by_side: int) -> int:
+    """A sweep trial's pool size. ``workers: auto`` shares what ``dpfl run`` would fill (plan_pool)
+    among the ``side_by_side`` trials that can run at once: one run alone gets the whole pool, eight
+    runs on 2 CPUs get one worker each (a run's bits do not depend on its pool)."""
+    if resources_cfg.workers != "auto":
+        return min(int(resources_cfg.workers), num_clients)
+    return max(1, plan_pool(resources_cfg, cluster, num_clients).workers // max(1, side_by_side))
+
+
+def trial_bundles(resources_cfg, workers: int) -> list[dict[str, float]]:
+    """The placement group of one sweep trial (one federated run) of ``workers`` ClientWorkers: an
+    empty head bundle for the trial's driver and coordinator, then one bundle per worker, sized
+    from the scenario's ``resources``."""
+    n = workers
     worker = {k: float(v) for k, v in (("CPU", resources_cfg.num_cpus_per_worker),
                                        ("GPU", resources_cfg.num_gpus_per_worker)) if v > 0}
     return [{}] + [worker] * n if worker else [{"CPU": TRIAL_HEAD_CPU}]

@@ -40,7 +40,7 @@ from ray.tune import Callback, Stopper
 from ray.tune.search import ConcurrencyLimiter, Searcher
 
 from . import warm
-from .resources import trial_bundles, trials_that_fit
+from .resources import trial_bundles, trial_workers, trials_that_fit
 from .shutdown import Shutdown
 
 STOP_FLAG = ".stop"
@@ -121,19 +121,22 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     return "ok"
 
 
-def run_configs(sweep_dir: Path, runs: Sequence, scenario: Path | None, timeout_s: float) -> list[dict]:
-    """Each run's trial config: where it writes, what it runs, its placement group."""
+def run_configs(sweep_dir: Path, runs: Sequence, scenario: Path | None, timeout_s: float, cluster: dict,
+                max_concurrent: int | None = None) -> list[dict]:
+    """Each run's trial config: where it writes, what it runs, its pool and placement group. A
+    scenario's ``workers: auto`` shares the ``cluster`` among the runs that can run side by side
+    (resources.trial_workers)."""
     from ..scenario import load_scenario
 
+    side_by_side = min(len(runs), max_concurrent or len(runs))
     configs = []
     for run in runs:
         path = Path(run.scenario or scenario).resolve()
         sc = load_scenario(path, list(run.overrides))
-        bundles = trial_bundles(sc.resources, sc.data.num_clients)
-        workers = 1 if sc.resources.workers == "auto" else min(int(sc.resources.workers), sc.data.num_clients)
+        workers = trial_workers(sc.resources, sc.data.num_clients, cluster, side_by_side)
         configs.append({"name": run.name, "scenario": str(path), "overrides": list(run.overrides),
                         "sweep_dir": str(Path(sweep_dir).resolve()), "timeout_s": float(timeout_s),
-                        "bundles": bundles, "workers": workers})
+                        "bundles": trial_bundles(sc.resources, workers), "workers": workers})
     return configs
 
 

@@ -11,8 +11,8 @@ from dpfl_ray.training.local import local_update
 from dpfl_ray.training.model_inputs import check_model_input
 from dpfl_ray.training.models import (build_model, combine_shards, eval_shards, evaluate, get_flat, initial_theta, set_flat,
                              shard_sums)
-from dpfl_ray.runtime.resources import (TRIAL_HEAD_CPU, assign_clients, deal, plan_pool, trial_bundles, trials_that_fit,
-                                        undeal)
+from dpfl_ray.runtime.resources import (TRIAL_HEAD_CPU, assign_clients, deal, plan_pool, trial_bundles, trial_workers,
+                                        trials_that_fit, undeal)
 from dpfl_ray.privacy.client_sampling import sample_clients
 from dpfl_ray.scenario import DropoutConfig, ModelConfig, ResourcesConfig, SamplingConfig
 
@@ -137,17 +137,21 @@ def test_pool_plan():
 
 def test_a_sweep_trial_reserves_a_head_bundle_and_one_bundle_per_worker():
     head = {}  # the trial's driver and coordinator reserve nothing, as in `dpfl run`
-    assert trial_bundles(ResourcesConfig(workers="auto", num_cpus_per_worker=1), 100) == [head, {"CPU": 1.0}]
+    auto = ResourcesConfig(workers="auto", num_cpus_per_worker=1)
+    # auto shares what `dpfl run` would fill among the trials that run side by side
+    assert [trial_workers(auto, 100, {"CPU": 2}, k) for k in (1, 2, 8)] == [2, 1, 1]
+    assert [trial_workers(auto, 100, {"CPU": 16}, k) for k in (1, 3, 8)] == [16, 5, 2]
+    assert trial_workers(auto, 3, {"CPU": 16}, 1) == 3  # never more workers than clients
     gpu = ResourcesConfig(workers=3, num_cpus_per_worker=0.5, num_gpus_per_worker=0.25)
-    assert trial_bundles(gpu, 100) == [head] + [{"CPU": 0.5, "GPU": 0.25}] * 3
-    assert trial_bundles(gpu, 2) == [head] + [{"CPU": 0.5, "GPU": 0.25}] * 2  # never more workers than clients
-    assert trial_bundles(ResourcesConfig(workers=2, num_cpus_per_worker=0), 10) == [{"CPU": TRIAL_HEAD_CPU}]
+    assert [trial_workers(gpu, 100, {"CPU": 2}, k) for k in (1, 8)] == [3, 3] and trial_workers(gpu, 2, {}, 1) == 2
+    assert trial_bundles(auto, 1) == [head, {"CPU": 1.0}]
+    assert trial_bundles(gpu, 3) == [head] + [{"CPU": 0.5, "GPU": 0.25}] * 3
+    assert trial_bundles(ResourcesConfig(workers=2, num_cpus_per_worker=0), 2) == [{"CPU": TRIAL_HEAD_CPU}]
     # how many trials fit at once: the scarcest resource decides
-    assert trials_that_fit({"CPU": 2}, trial_bundles(ResourcesConfig(num_cpus_per_worker=1), 10)) == 2
-    assert trials_that_fit({"CPU": 2}, trial_bundles(ResourcesConfig(num_cpus_per_worker=0.5), 10)) == 4
-    assert trials_that_fit({"CPU": 16, "GPU": 1}, trial_bundles(gpu, 100)) == 1
-    assert trials_that_fit({"CPU": 0.5}, trial_bundles(ResourcesConfig(num_cpus_per_worker=1), 10)) == 1  # Ray says why
-
+    assert trials_that_fit({"CPU": 2}, trial_bundles(auto, 1)) == 2
+    assert trials_that_fit({"CPU": 2}, trial_bundles(ResourcesConfig(num_cpus_per_worker=0.5), 1)) == 4
+    assert trials_that_fit({"CPU": 16, "GPU": 1}, trial_bundles(gpu, 3)) == 1
+    assert trials_that_fit({"CPU": 0.5}, trial_bundles(auto, 1)) == 1  # Ray then says what is missing
 
 def test_assignment_covers_each_client_once_and_balances():
     sizes = np.array([100, 1, 1, 1, 50, 50, 2, 2])
