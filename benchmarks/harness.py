@@ -428,10 +428,13 @@ def measure(names: list[str], repeat: int = 1, overrides: list[str] | None = Non
     base = Path(workdir or tempfile.mkdtemp(prefix="dpfl-bench-"))
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "repeat": repeat,
                     "overrides": overrides or [], "workloads": {}}
-    head = RunningRay(base / "ray-head") if any(base_and_mode(n)[1] == "warm" for n in names) else None
+    head = None  # started for the first warm workload, stopped after the last one
+    warm = [i for i, n in enumerate(names) if base_and_mode(n)[1] == "warm"]
     try:
-        for n in names:
+        for i, n in enumerate(names):
             mode = base_and_mode(n)[1]
+            if mode == "warm" and head is None:
+                head = RunningRay(base / "ray-head")
             if mode == "warm":
                 dpfl_fn = lambda *a: run_dpfl(*a, address=head.address)  # noqa: E731
             else:
@@ -450,6 +453,9 @@ def measure(names: list[str], repeat: int = 1, overrides: list[str] | None = Non
             if floor:
                 entry["ratio"] = ratios(entry["dpfl"]["stats"], entry["floor"]["stats"])
             report["workloads"][n] = entry
+            if head is not None and i == warm[-1]:  # its daemons would load the machine under the rest
+                head.stop()
+                head = None
     finally:
         if head is not None:
             head.stop()
