@@ -22,12 +22,12 @@ $(STAMP): pyproject.toml
 
 # Once per new .venv, before its first test session: one small private run (secure aggregation, DP,
 # a private Ray) imports, and so compiles and caches, what every kind of process of the suite imports:
-# the driver, Ray's daemons and workers, dp_accounting, cryptography. Without it the three test
-# processes and the first Ray workers each compile torch and ray at the same time (about 11 s of CPU
-# each). A failed warm-up is not a failed suite: the tests say what is wrong.
+# the driver, Ray's daemons and workers, dp_accounting, cryptography; and Ray Tune, for the sweeps.
+# Without it the three test processes and the first Ray workers each compile torch and ray at the
+# same time (about 11 s of CPU each). A failed warm-up is not a failed suite: the tests say what is wrong.
 WARM := $(VENV)/.warm
 $(WARM): $(STAMP)
-	$(BIN)/python -c "import pytest, xdist, psutil, hypothesis" 2>/dev/null || true
+	$(BIN)/python -c "import pytest, xdist, psutil, hypothesis, ray.tune" 2>/dev/null || true
 	$(BIN)/python -m cli.main run scenarios/baek2021_ci_z1_drop30_calibrated.yaml --set training.rounds=1 \
 		--out $(VENV)/warm-up-run > /dev/null 2>&1 || echo "warm-up run failed (the tests will say why)"
 	rm -rf $(VENV)/warm-up-run
