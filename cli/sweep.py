@@ -77,18 +77,16 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
                 max_concurrent: int | None, shutdown) -> dict[str, str]:
     """The runs ``todo`` as Tune trials on the cluster ``address`` names (else a private Ray), with
     rich progress; returns {run name: status}. Shared by ``dpfl sweep`` and ``dpfl reproduce``."""
+    import ray
+
+    from dpfl_ray.runtime import trials
     from dpfl_ray.runtime.driver import ensure_ray, stop_ray
     from dpfl_ray.runtime.shutdown import keep_handlers
 
-    configs = None
     try:
         with keep_handlers():
             ensure_ray(address, pending_signal=lambda: shutdown.first)
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
-        from dpfl_ray.runtime import trials
-
-        import ray
-
         configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
         with _progress() as progress:
             task = progress.add_task("runs", total=len(configs), status="starting")

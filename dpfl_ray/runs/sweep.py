@@ -260,9 +260,9 @@ RUNNING = ".running"
 
 
 def hold_run(sweep_dir: Path, name: str) -> int:
-    """Taken by the process that runs ``name`` for as long as it lives (the descriptor returned):
-    while a run of an earlier sweep still stops (its sweep was killed), its directory is not
-    touched (``set_aside``). The kernel releases it with the process."""
+    """Taken by the process that runs ``name`` until the run's files are written (it closes the
+    descriptor returned) or the process dies (the kernel releases it): while a run of an earlier
+    sweep still stops (its sweep was killed), its directory is not touched (``set_aside``)."""
     path = Path(sweep_dir) / RUNNING / f"{name}.lock"
     path.parent.mkdir(exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

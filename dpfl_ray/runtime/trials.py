@@ -242,7 +242,10 @@ class _Watch(Callback):
             self.on_result(config, result)
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
-        status = (trial.last_result or {}).get("status") or "failed: the trial ended without a status"
+        status = (trial.last_result or {}).get("status")
+        if status is None:  # stopped by Tune: the grace after a stop ran out (or Tune ended it)
+            status = ("interrupted" if self.grace.stop_since is not None
+                      else "failed: the trial ended without a status")
         self._done(trial, status)
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
