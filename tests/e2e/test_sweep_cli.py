@@ -84,16 +84,17 @@ def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
     assert not out.exists()
 
 
-def _start(args):
+def _start(args, output=subprocess.PIPE):
     return subprocess.Popen([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT,
-                            env=dict(os.environ, COLUMNS="200"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            env=dict(os.environ, COLUMNS="200"), stdout=output, stderr=output, text=True)
 
 
-def _wait_for(paths, proc, seconds=120):
+def _wait_for(paths, proc, seconds=180):
     end = time.monotonic() + seconds
     while not all(p.exists() and p.stat().st_size for p in paths):
-        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            raise AssertionError(f"the sweep ended or took over {seconds} s: {proc.communicate(timeout=30)}")
         time.sleep(0.1)
 
 
@@ -139,7 +140,7 @@ def test_a_live_sweep_directory_is_refused_and_a_killed_sweeps_runs_are_set_asid
     out = tmp_path / "sweep"
     args = ["sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "600",
             "--address", ray_address]
-    sweep = _start(args)
+    sweep = _start(args, subprocess.DEVNULL)  # killed below: no pipe for a leftover child to hold open
     rows = out / "training.lr=0.1" / "rounds.jsonl"
     _wait_for([rows], sweep)
     second = dpfl(*args)
@@ -149,7 +150,7 @@ def test_a_live_sweep_directory_is_refused_and_a_killed_sweeps_runs_are_set_asid
     assert rows.exists() and not (out / ".incomplete").exists()  # the live run was left alone
 
     sweep.kill()  # SIGKILL: no handler runs in the sweep; Ray ends the trials of its dead driver
-    sweep.communicate(timeout=30)
+    sweep.wait(timeout=30)
     held = out / sw.RUNNING / "training.lr=0.1.lock"
     end = time.monotonic() + 60
     while sw._held(held) and time.monotonic() < end:
