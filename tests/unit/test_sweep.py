@@ -258,3 +258,42 @@ def test_a_run_still_stopping_is_not_set_aside_until_its_process_lets_go(scenari
     todo, done = sw.set_aside(out, runs)
     assert [r.name for r in todo] == [r.name for r in runs] and done == {}
     assert sorted(p.name for p in (out / ".incomplete").iterdir()) == [f"{runs[0].name}.1"]
+
+
+def test_the_trial_queue_and_the_stop_file(tmp_path):
+    """The sweep's side of a stop (runtime/trials.py): the queue hands out no trial once a signal
+    came, the next controller step writes the stop file the trials poll, and Tune ends what is left
+    only after the grace; a trial reads the file (or its deadline) as a stop."""
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from dpfl_ray.runtime import trials
+    from dpfl_ray.runtime.shutdown import Shutdown
+
+    shutdown = Shutdown()
+    configs = [{"name": "a"}, {"name": "b"}, {"name": "c"}]
+    queue = trials._Queue(configs, shutdown)
+    assert queue.suggest("t1") == {"name": "a"}
+    grace, statuses, done = trials._Grace(), {}, []
+    watch = trials._Watch(shutdown, tmp_path / trials.STOP_FLAG, {c["name"]: c for c in configs}, statuses,
+                          None, lambda c, s: done.append((c["name"], s)), grace)
+    watch.on_step_begin(0, [])
+    assert not (tmp_path / trials.STOP_FLAG).exists() and not grace.stop_all()
+    shutdown.received.append(signal.SIGINT)  # as the handler records a Ctrl-C
+    assert queue.suggest("t2") == queue.FINISHED
+    watch.on_step_begin(1, [])
+    assert (tmp_path / trials.STOP_FLAG).exists() and not grace.stop_all()
+    grace.stop_since -= trials.STOP_GRACE_SECONDS + 1  # as if the stop was asked that long ago
+    assert grace.stop_all()
+    # a trial's last report names its status; one Tune ended after the grace has none: interrupted
+    watch.on_trial_complete(2, [], SimpleNamespace(config={"name": "a"}, last_result={"status": "ok"}))
+    watch.on_trial_complete(2, [], SimpleNamespace(config={"name": "b"}, last_result={"round": 3}))
+    watch.on_trial_complete(3, [], SimpleNamespace(config={"name": "a"}, last_result={"status": "failed: x"}))
+    assert statuses == {"a": "ok", "b": "interrupted"} and done == [("a", "ok"), ("b", "interrupted")]
+    # the trial's side
+    stop = trials.TrialStop(tmp_path / "no-such-flag", time.monotonic() + 60)
+    assert not stop.requested
+    assert trials.TrialStop(tmp_path / trials.STOP_FLAG, time.monotonic() + 60).requested
+    late = trials.TrialStop(tmp_path / "no-such-flag", time.monotonic() - 1)
+    assert late.requested and late.timed_out
