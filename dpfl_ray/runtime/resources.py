@@ -55,10 +55,12 @@ TRIAL_HEAD_CPU = 0.01
 def trial_workers(resources_cfg, num_clients: int, cluster: dict, side_by_side: int) -> int:
     """A sweep trial's pool size. ``workers: auto`` shares what ``dpfl run`` would fill (plan_pool)
     among the ``side_by_side`` trials that can run at once: one run alone gets the whole pool, eight
-    runs on 2 CPUs get one worker each (a run's bits do not depend on its pool)."""
+    runs on 2 CPUs get one worker each (a run's bits do not depend on its pool). A pool that does not
+    fit the cluster is one line (plan_pool), as in ``dpfl run``: Tune would wait for it forever."""
+    plan = plan_pool(resources_cfg, cluster, num_clients)
     if resources_cfg.workers != "auto":
-        return min(int(resources_cfg.workers), num_clients)
-    return max(1, plan_pool(resources_cfg, cluster, num_clients).workers // max(1, side_by_side))
+        return plan.workers
+    return max(1, plan.workers // max(1, side_by_side))
 
 
 def trial_bundles(resources_cfg, workers: int) -> list[dict[str, float]]:

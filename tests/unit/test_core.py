@@ -143,7 +143,10 @@ def test_a_sweep_trial_reserves_a_head_bundle_and_one_bundle_per_worker():
     assert [trial_workers(auto, 100, {"CPU": 16}, k) for k in (1, 3, 8)] == [16, 5, 2]
     assert trial_workers(auto, 3, {"CPU": 16}, 1) == 3  # never more workers than clients
     gpu = ResourcesConfig(workers=3, num_cpus_per_worker=0.5, num_gpus_per_worker=0.25)
-    assert [trial_workers(gpu, 100, {"CPU": 2}, k) for k in (1, 8)] == [3, 3] and trial_workers(gpu, 2, {}, 1) == 2
+    assert [trial_workers(gpu, 100, {"CPU": 2, "GPU": 1}, k) for k in (1, 8)] == [3, 3]
+    assert trial_workers(gpu, 2, {"CPU": 2, "GPU": 1}, 1) == 2
+    with pytest.raises(DPFLError, match="resources.workers"):  # Tune would wait for the bundles forever
+        trial_workers(ResourcesConfig(workers=4, num_cpus_per_worker=1), 100, {"CPU": 2}, 1)
     assert trial_bundles(auto, 1) == [head, {"CPU": 1.0}]
     assert trial_bundles(gpu, 3) == [head] + [{"CPU": 0.5, "GPU": 0.25}] * 3
     assert trial_bundles(ResourcesConfig(workers=2, num_cpus_per_worker=0), 2) == [{"CPU": TRIAL_HEAD_CPU}]
