@@ -95,8 +95,9 @@ def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False)
                     p.copy_(w)
             accuracy[t + 1] = evaluate(model, fed.dataset.x_test, fed.dataset.y_test)[0]
             eval_seconds += time.perf_counter() - t_eval
-    return {"train_seconds": time.perf_counter() - t0, "eval_seconds": eval_seconds,
-            "train_seconds_without_eval": time.perf_counter() - t0 - eval_seconds, "sgd_steps": steps,
+    elapsed = time.perf_counter() - t0
+    return {"train_seconds": elapsed, "eval_seconds": eval_seconds,
+            "train_seconds_without_eval": elapsed - eval_seconds, "sgd_steps": steps,
             "client_updates": updates, "rounds": tr.rounds, "round_mean_loss": round_losses,
             "test_accuracy": accuracy}
 
