@@ -177,6 +177,9 @@ class AdapDPFL(Algorithm):
         self.validation_losses.append(float(loss))
         self.sigma = decayed_noise_multiplier(self.sigma, self.validation_losses, self.settings.beta)
 
+    def reads_evaluation(self) -> bool:
+        return self.settings.beta is not None
+
     def reads_validation_every_round(self) -> bool:
         return self.settings.beta is not None
 

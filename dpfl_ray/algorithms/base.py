@@ -334,6 +334,12 @@ class Algorithm(ABC):
         """The round's evaluation once the model is updated: test_loss, test_accuracy and, when the
         scenario holds out a validation split, validation_loss (Fu et al.'s noise decay reads it)."""
 
+    def reads_evaluation(self) -> bool:
+        """Whether :meth:`observe` uses the metrics it is given. If not, the runtime may evaluate
+        round t's model inside round t+1's training calls (its figures are round t's all the same)
+        and call :meth:`observe` with none."""
+        return False
+
     def reads_validation_every_round(self) -> bool:
         """Whether :meth:`observe` needs validation_loss after every round. Otherwise the runtime
         evaluates the validation split with the test split (every ``output.eval_every`` rounds),

@@ -37,6 +37,12 @@ def write_checkpoint(run_dir: Path, state: dict) -> Path:
     return final
 
 
+def rows_covered(state: dict) -> int:
+    """The rounds.jsonl rows a checkpoint covers: its rounds, less the last one if that round still
+    awaited its evaluation (Coordinator._settle; ``pending`` holds its record without the figures)."""
+    return int(state["round"]) - (1 if state.get("pending") else 0)
+
+
 def read_checkpoint(run_dir: Path) -> dict:
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
@@ -122,7 +128,7 @@ def open_for_resume(run_dir: Path):
     if finished(run_dir) is not None:
         return None
     checkpoint = read_checkpoint(run_dir)
-    RunRecord.committed_rows(run_dir, checkpoint["round"])
+    RunRecord.committed_rows(run_dir, rows_covered(checkpoint))
     scenario = load_scenario(run_dir / "scenario.yaml")
     check_same_scenario(checkpoint, scenario, run_dir / "scenario.yaml")
     return checkpoint, scenario

@@ -4,6 +4,9 @@ sample -> plan faults -> begin_round -> broadcast (one ray.put) -> local updates
 worker; SecAgg rounds: advertise keys -> share keys -> masked input -> after_upload -> unmask) ->
 finish -> account -> evaluate -> commit. The algorithm plugs into these phases through its
 interface; the driver only starts the coordinator and reads its events and committed state.
+In a round without SecAgg, the evaluation of round t's model is carried by round t+1's training
+calls (``_settle``): round t commits at once, and its event follows when the figures arrive.
+
 """
 from __future__ import annotations
 
@@ -84,11 +87,21 @@ class Coordinator:
                                         sizes=alg_sizes)
         if self.privacy:
             self.privacy.bind(self.algorithm)
+        # Evaluate round t's model while round t+1 trains: in a round without SecAgg, each worker
+        # evaluates the broadcast model on its share of the test ranges before training (no call
+        # of its own, no second round trip). Not when the algorithm reads the figures before the
+        # next round, or a validation split must be evaluated with them.
+        self.overlap_eval = not (self.sc.secagg.enabled or self.has_validation or self.algorithm.reads_evaluation())
         self._events: list[dict] = []
         # Guards what the driver may read while a round runs: a round's ledger entry, the model it
         # produced and its event are committed together, so a reader never sees one without the others.
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # A committed round whose test evaluation rides on the next round's training calls, and the
+        # model to evaluate: (its record, theta). Its event is emitted once it is evaluated
+        # (_settle). Lock order: _settle_lock, then _lock.
+        self._pending: tuple[dict, np.ndarray] | None = None
+        self._settle_lock = threading.Lock()
         self.rounds_done = 0
         self.replacements = 0
         self._nodes: dict = {}
@@ -108,7 +121,8 @@ class Coordinator:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def checkpoint(self) -> dict:
-        """The committed state, read in one piece: enough to continue the run exactly."""
+        """The committed state, read in one piece: enough to continue the run exactly. A round still
+        awaiting its evaluation is in it as ``pending``, its record without the figures."""
         with self._lock:
             return self._checkpoint()
 
@@ -121,6 +135,7 @@ class Coordinator:
 
     def _checkpoint(self) -> dict:
         state = {"round": self.rounds_done, "last_eval": list(self.last_eval),
+                 "pending": None if self._pending is None else dict(self._pending[0]),
                  "algorithm": self._algorithm_state, "arrays": {"theta": self.theta},
                  **scenario_fingerprint(self.sc)}  # dpfl run --resume refuses an edited scenario.yaml
         if self.privacy:
@@ -137,6 +152,8 @@ class Coordinator:
         self.theta = np.asarray(state["arrays"]["theta"], dtype=np.float32)
         self.rounds_done = int(state["round"])
         self.last_eval = tuple(state["last_eval"])
+        if state.get("pending"):  # its evaluation comes with the first round run from here
+            self._pending = (dict(state["pending"]), self.theta)
         self.algorithm.load_state_dict(state["algorithm"])
         if self.privacy:
             arrays = {k.removeprefix("privacy."): v for k, v in state["arrays"].items() if k.startswith("privacy.")}
@@ -189,8 +206,9 @@ class Coordinator:
 
     def committed(self) -> dict:
         """The state after the last committed round, read in one piece: the model, the ledger and
-        how many rounds they cover."""
-        with self._lock:
+        how many rounds they cover, every one of them with its event: a round awaiting its
+        evaluation is evaluated first, here if the run is still busy with the pool."""
+        with self._settle_lock, self._lock_after_settling():
             out = {"rounds": self.rounds_done, "theta": self.theta,
                    "summary": {**self._algorithm_summary, "placement": self.pool, **self.final_eval}}
             if self.sc.output.checkpoint_every:
@@ -202,6 +220,33 @@ class Coordinator:
             if self.privacy:
                 out["ledger"] = self.privacy.to_dict()
             return out
+
+    def _lock_after_settling(self) -> threading.Lock:
+        """With _settle_lock held: evaluate the round awaiting it, then hand back _lock to hold."""
+        self._settle_now(here=True)
+        return self._lock
+
+    def _settle(self, sums: list | None = None, seconds: float = 0.0) -> None:
+        """Emit the round awaiting its evaluation, if any: with ``sums``, the workers' (correct,
+        summed loss) per test range, in range order, else evaluated here and now."""
+        with self._settle_lock:
+            self._settle_now(sums, seconds)
+
+    def _settle_now(self, sums: list | None = None, seconds: float = 0.0, here: bool = False) -> None:
+        if self._pending is None:
+            return
+        record, theta = self._pending
+        if sums is None:
+            t0 = time.perf_counter()
+            acc, loss = self._evaluate(theta, here=here)
+            seconds = time.perf_counter() - t0
+        else:
+            acc, loss = combine_shards(sums, len(self.y_test))
+        record.update(test_accuracy=acc, test_loss=loss, eval_seconds=seconds)
+        with self._lock:
+            self._events.append(record)
+            self.last_eval = (acc, loss)
+            self._pending = None
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -217,7 +262,8 @@ class Coordinator:
             if self.privacy and not self.privacy.next_round_fits(t):
                 stop_reason = "privacy_budget_exhausted"
                 break
-            self._round(t, self.last_eval)
+            self._round(t)
+        self._settle()
         if stop_reason == "privacy_budget_exhausted":
             self._evaluate_final_model()
         self._record_stack_padding()
@@ -242,7 +288,7 @@ class Coordinator:
         with self._lock:
             self.pool = {**self.pool, "stack_padding": dict(sorted(padding.items(), key=lambda kv: int(kv[0])))}
 
-    def _round(self, t: int, last_eval) -> dict:
+    def _round(self, t: int) -> dict:
         t0 = time.perf_counter()
         sc, alg = self.sc, self.algorithm
         sampled = sample_clients(self.sampling, len(self.sizes), sc.seed, t, self.sample_randomness)
@@ -283,8 +329,10 @@ class Coordinator:
                 dropped = {c: p for c, p in dropped.items() if not p.endswith("@calibration")}
         else:
             theta_ref = ray.put(self.theta)
-            survivors, total, updates, rejected, reports, worker_s = self._plain_round(t, theta_ref, active, faults,
-                                                                                       dropped, spec, canaries)
+            survivors, total, updates, rejected, reports, worker_s, evals = self._plain_round(
+                t, theta_ref, active, faults, dropped, spec, canaries, evaluate=self._pending is not None)
+            if evals is not None:
+                self._settle(*evals)
             if worker_s is not None:  # the slowest worker's own compute: the rest of the round is overhead
                 extra["worker_seconds"] = worker_s
             plan = self._after_upload(survivors)
@@ -297,11 +345,14 @@ class Coordinator:
         else:  # nothing was released: the model stays
             agg = Aggregate(np.zeros_like(self.theta), 0.0)
         theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
-        acc, loss = last_eval
+        self._settle()  # the last round's evaluation, if this round's calls did not carry it
+        acc, loss = self.last_eval
         metrics = {}
         t_eval = time.perf_counter()
         scheduled = (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds
-        if scheduled:
+        # evaluated in the next round's training calls: not the last round, nor one the algorithm reads
+        deferred = scheduled and self.overlap_eval and t + 1 < sc.training.rounds
+        if scheduled and not deferred:
             acc, loss = self._evaluate(theta)
             metrics = {"test_accuracy": acc, "test_loss": loss}
         if self.has_validation and (scheduled or alg.reads_validation_every_round()):
@@ -318,7 +369,7 @@ class Coordinator:
         if rejected:
             tallied["rejected"] = {str(c): why for c, why in sorted(rejected.items())}
         why = extra.get("round_aborted") or extra.get("secagg_aborted") or "nothing released"
-        with self._lock:  # commit: ledger, model and event together
+        with self._settle_lock, self._lock:  # commit: ledger, model and event together
             if self.privacy:
                 t_account = time.perf_counter()
                 extra.update(self.privacy.account(t, outcome, why, tallied["dropped"]))
@@ -333,9 +384,12 @@ class Coordinator:
                                      **({} if views is None else {"views": views[0], "view_cov": views[1]}))
             self.theta = theta
             self.rounds_done = t + 1
-            self.last_eval = (acc, loss)
             self._snapshot_algorithm()
-            self._events.append(record)
+            if deferred:  # its event waits for its evaluation (_settle)
+                self._pending = (record, theta)
+            else:
+                self.last_eval = (acc, loss)
+                self._events.append(record)
         return record
 
     def _after_upload(self, survivors: list[int]):
@@ -366,25 +420,34 @@ class Coordinator:
             self._nodes = {w: info["node"] for w, info in zip(self.workers, self.worker_info()) if info}
         return strike(self.workers, self._nodes, faults, phase, {ray.get_runtime_context().get_node_id()})
 
-    def _plain_round(self, t, theta_ref, active, faults, dropped, spec, canaries=None):
+    def _plain_round(self, t, theta_ref, active, faults, dropped, spec, canaries=None, evaluate=False):
         """Local training without SecAgg, one message per worker: the survivors, and the sum of
         w_i * upload_i over them (the workers' partial sums, added in group order) -- or each
         upload, when the algorithm needs them -- the refused updates with their reasons, the
-        clients' reports, and the longest time a worker spent on its clients (None: no reply)."""
+        clients' reports, and the longest time a worker spent on its clients (None: no reply).
+        ``evaluate``: the workers also evaluate the broadcast model (the last round's) on the test
+        ranges, dealt among them; the last item is then (the per-range sums, the slowest worker's
+        seconds), or None if any worker's share did not come back."""
         calls = {}
         assignment = assign_groups(active, self.sizes, self.groups, len(self.workers))
+        shares = deal(eval_shards(len(self.y_test)), len(self.workers)) if evaluate else []
+        shares += [None] * (len(self.workers) - len(shares))
         chaos = self._chaos(faults, [[c for ids in groups.values() for c in ids] for groups in assignment])
         # {worker: (cause, phase)}: a planned strike is recorded in the phase it was planned for
         struck = {w: (cause, "training") for w, cause in self._strike(faults, "training").items()}
-        for w, groups in zip(self.workers, assignment):
+        evaluating = {}  # worker -> its test ranges' ref, for a worker without clients this round
+        for w, groups, share in zip(self.workers, assignment, shares):
             if groups:
                 lost = [c for ids in groups.values() for c in ids if not faults.delivers(c)]
-                calls[w.run_clients.remote(t, theta_ref, groups, lost, spec, chaos[w], canaries)] = (w, groups)
+                calls[w.run_clients.remote(t, theta_ref, groups, lost, spec, chaos[w], canaries,
+                                           share)] = (w, groups)
+            elif share:
+                evaluating[w] = w.evaluate_shards.remote(theta_ref, "test", share)
         struck.update({w: (cause, "upload") for w, cause in self._strike(faults, "upload").items()})
         ready, late = ray.wait(list(calls), num_returns=len(calls),
                                timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])
         survivors, sums, updates, rejected, reports = [], {}, {} if spec.per_client else None, {}, {}
-        worker_s, dead = None, []
+        worker_s, dead, evals, eval_s = None, [], {}, 0.0
         for ref in ready:
             w, groups = calls[ref]
             try:
@@ -399,6 +462,8 @@ class Coordinator:
                 continue
             survivors += reply.client_ids
             worker_s = max(worker_s or 0.0, reply.seconds)
+            if reply.evals is not None:
+                evals[w], eval_s = reply.evals, max(eval_s, reply.eval_seconds)
             sums.update(reply.sums)
             rejected.update(reply.rejected)
             reports.update(reply.reports)
@@ -409,17 +474,27 @@ class Coordinator:
             dropped.update({c: f"{STRAGGLER}@upload" for ids in groups.values() for c in ids})
             ray.kill(w, no_restart=True)
             dead.append(w)
+        t_eval = time.perf_counter()
+        for w, ref in evaluating.items():
+            try:
+                evals[w] = ray.get(ref, timeout=CALL_TIMEOUT_SECONDS)
+            except (RayActorError, GetTimeoutError):
+                pass  # the round's own record of this worker comes with its next call
+        eval_s = max(eval_s, time.perf_counter() - t_eval) if evaluating else eval_s
+        parts = [evals.get(w) for w, share in zip(self.workers, shares) if share]
         self._replace(dead)  # all at once: the fresh workers start side by side, not one after another
         total = sum(sums[g] for g in sorted(sums)) if sums else None
-        return sorted(survivors), total, updates, rejected, reports, worker_s
+        evaluated = (undeal(parts), eval_s) if evaluate and all(p is not None for p in parts) else None
+        return sorted(survivors), total, updates, rejected, reports, worker_s, evaluated
 
-    def _evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
+    def _evaluate(self, theta: np.ndarray, split: str = "test", here: bool = False) -> tuple[float, float]:
         """On the workers, idle at this point of the round, each taking its share of the split's
-        fixed row ranges (the coordinator reserves no CPU); the test split here only if the pool
-        does not answer. Either way the same ranges are added in the same order."""
+        fixed row ranges (the coordinator reserves no CPU); the test split here if the pool does
+        not answer, or ``here`` (the pool may be busy with a round). Either way the same ranges are
+        added in the same order."""
         n = len(self.y_test) if split == "test" else int(self._data["num_validation"])
         shards = eval_shards(n)
-        share = deal(shards, len(self.workers))
+        share = [] if here and split == "test" else deal(shards, len(self.workers))
         try:
             if not share:
                 raise IndexError("no worker")

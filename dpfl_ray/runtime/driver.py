@@ -17,7 +17,7 @@ from ..runs.record import RunRecord, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import make_coordinator, start_workers
-from .checkpoint import write_checkpoint
+from .checkpoint import rows_covered, write_checkpoint
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
 
 
@@ -167,11 +167,12 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     # the state is then the driver's last checkpoint, or the initial one if no round was seen.
     state = _committed(coord, scenario, fed, seen, record) if coord is not None and answered and not lost else None
     if state is None and last_checkpoint is not None:
-        from .recovery import committed_from_checkpoint
+        from .recovery import add_pending_row, committed_from_checkpoint
 
         state = committed_from_checkpoint(scenario, fed, last_checkpoint)
         record.close()
-        record = RunRecord.reopen(record.path, state["rounds"])
+        record = RunRecord.reopen(record.path, rows_covered(last_checkpoint))
+        add_pending_row(scenario, fed, record, last_checkpoint)
     elif state is None and not record.rounds:
         state = _initial_state(scenario)
     wall = time.time() - (t0 if started_at is None else started_at)

@@ -40,6 +40,10 @@ class LocalReply:
     sums: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)  # client id -> why its update was refused
     reports: dict = field(default_factory=dict)  # client id -> ClientReport of its local procedure
+    # when the call carried test ranges (Coordinator._settle): the last round's model evaluated on
+    # them, (correct, summed loss) per range, and the seconds that took
+    evals: list | None = None
+    eval_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,28 @@ import socket
 import numpy as np
 
 
+def add_pending_row(scenario, fed, record, state: dict) -> None:
+    """The row of a checkpoint's last round when it still awaited its evaluation (``pending``):
+    evaluated here, on the checkpoint's model, in the test ranges the pool uses (one thread), so
+    its figures are the ones the run would have written."""
+    if not state.get("pending") or len(record.rounds) >= int(state["round"]):
+        return
+    import torch
+
+    from ..training.models import build_model, evaluate, set_flat
+
+    ds = fed.dataset
+    model = build_model(scenario.model, ds.input_shape, ds.num_classes, scenario.seed)
+    set_flat(model, np.asarray(state["arrays"]["theta"], dtype=np.float32))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        acc, loss = evaluate(model, ds.x_test, ds.y_test)
+    finally:
+        torch.set_num_threads(threads)
+    record.add_round({**state["pending"], "test_accuracy": acc, "test_loss": loss})
+
+
 def committed_from_checkpoint(scenario, fed, state: dict) -> dict:
     """What ``Coordinator.committed`` returns, rebuilt from a checkpoint (runtime/checkpoint.py)
     as the coordinator builds and restores its bookkeeping: the model, the ledger and the

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from .recovery import committed_from_checkpoint, head_unreachable
+from .recovery import add_pending_row, committed_from_checkpoint, head_unreachable
 
 DONE = b"done\n"
 
@@ -103,7 +103,7 @@ def rescue(run_dir: Path, head: str | None, started_at: float) -> str:
     from ..data import build_federation
     from ..runs.record import RunRecord
     from ..scenario import load_scenario
-    from .checkpoint import CHECKPOINT, read_checkpoint
+    from .checkpoint import CHECKPOINT, read_checkpoint, rows_covered
     from .driver import finish, write_unstarted
 
     what = (f"the Ray head at {head} is unreachable" if head_unreachable(head)
@@ -118,7 +118,8 @@ def rescue(run_dir: Path, head: str | None, started_at: float) -> str:
         write_unstarted(sc, fed, RunRecord.reopen(run_dir, 0), wall, stop_reason="error", error=what)
         return f"{what}, before the first round; {run_dir} holds a run of 0 rounds"
     state = read_checkpoint(run_dir)
-    record = RunRecord.reopen(run_dir, int(state["round"]))
+    record = RunRecord.reopen(run_dir, rows_covered(state))
+    add_pending_row(sc, fed, record, state)
     summary = finish(sc, fed, record, committed_from_checkpoint(sc, fed, state), "error", what, wall)
     return (f"{what}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json and "
             f"summary.json are for that round; resume with: dpfl run --resume {run_dir}")

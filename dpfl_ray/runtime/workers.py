@@ -192,12 +192,18 @@ class ClientWorker:
 
     def run_clients(self, round_idx: int, theta: np.ndarray, groups: dict[int, list[int]],
                     undelivered: list[int], spec: ClientSpec, chaos: WorkerChaos = WorkerChaos(),
-                    canaries: Canaries | None = None) -> LocalReply:
+                    canaries: Canaries | None = None, evaluate: list[tuple[int, int]] | None = None) -> LocalReply:
         """The uploads of the clients in ``groups`` (summation group -> client ids in id order):
         their local updates from ``theta``, prepared as ``spec`` says, summed per group as
         w_i * upload_i unless the algorithm needs each one. Clients in ``undelivered`` train but
         their upload never arrives (the fault plan), so nothing of theirs returns; refused
-        updates come back as reasons."""
+        updates come back as reasons. ``evaluate``: test row ranges on which ``theta`` itself (the
+        last round's model) is evaluated first, so that its evaluation needs no call of its own."""
+        evals, eval_s = None, 0.0
+        if evaluate:
+            t_eval = time.perf_counter()
+            evals = self.evaluate_shards(theta, "test", evaluate)
+            eval_s = time.perf_counter() - t_eval
         t0 = time.perf_counter()
         self._canaries = canaries
         lost = set(undelivered)
@@ -230,7 +236,7 @@ class ClientWorker:
         if chaos.delay:  # the slowest on-time client of this worker holds the reply back, for real
             time.sleep(chaos.delay)
         return LocalReply(ids, time.perf_counter() - t0, updates=stacked, sums=sums, rejected=rejected,
-                          reports={c: reports[c] for c in ids if c in reports})
+                          reports={c: reports[c] for c in ids if c in reports}, evals=evals, eval_seconds=eval_s)
 
     def evaluate(self, theta: np.ndarray, split: str = "test") -> tuple[float, float]:
         """Accuracy and loss of ``theta`` on the test split (or the held-out validation split)."""

@@ -57,6 +57,19 @@ def test_three_round_run_writes_every_file(one_worker_run):
     assert all(0 < r["worker_seconds"] < r["seconds"] - r["eval_seconds"] for r in rounds)
 
 
+def test_a_round_evaluated_inside_the_next_rounds_calls_has_its_own_models_figures(one_worker_run, tmp_path):
+    """Round t's model is evaluated by the workers at the start of round t+1's training calls (no
+    call of its own); its row must hold what evaluating round t's model gives. A 2-round run
+    evaluates its round 2 at once (a last round has no next one): the 3-round run's round 2 agrees
+    to the bit, and every row reaches rounds.jsonl in order, with its evaluation time."""
+    _, rounds_3, _, _ = one_worker_run
+    _, rounds_2, _ = _run(tiny_scenario(training={"rounds": 2}), tmp_path, "two")
+    assert [r["round"] for r in rounds_3] == [1, 2, 3]
+    for key in ("test_accuracy", "test_loss"):
+        assert rounds_3[1][key] == rounds_2[1][key] and rounds_3[0][key] == rounds_2[0][key]
+    assert all(r["eval_seconds"] > 0 for r in rounds_3)
+
+
 def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):
     sc = tiny_scenario(faults={"dropout": {"model": "tail", "rate": 0.3, "phase": "upload"}})
     _, rounds, _ = _run(sc, tmp_path, "drop")
