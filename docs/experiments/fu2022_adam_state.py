@@ -36,6 +36,9 @@ Measured 2026-11-26 (Intel Xeon, 2 cores, the two modes side by side, one thread
   2,600: sigma 0 0.770 / 0.806 / 0.814 / 0.828 / 0.842; sigma 0.5 0.630 / 0.685 / 0.695 / 0.705 / 0.719;
   sigma 1 0.549 / 0.643 / 0.665 / 0.683 / 0.694 (sigma 0 alone with the test suite beside it; 0.5 and 1
   side by side). The runtime's constant sigma 2 run: 0.643 at 2,567.
+- fresh, constant sigma 0.6325 (= 2 / sqrt(10): sigma 2 added once for the ten clients), 2,567 rounds, at
+  rounds 500 / 1,000 / 1,500 / 2,000 / 2,500 / 2,567: 0.602 / 0.672 / 0.683 / 0.698 / 0.705 / 0.707
+  (alone on one core beside a test suite, 1,630 s).
 See docs/reproductions.md (Fu et al. 2022).
 """
 import json
