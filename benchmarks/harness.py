@@ -366,12 +366,27 @@ class RunningRay:
                 raise RuntimeError(f"ray start --head exited ({self.proc.returncode}); see {self._log.name}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    time.sleep(2.0)  # the GCS answers before the raylet has registered
-                    return
+                    pass
             except OSError:
                 time.sleep(0.2)
+                continue
+            if self._node_alive():  # the GCS answers before the raylet has registered
+                return
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"ray start --head did not answer within {timeout:.0f} s")
+
+    def _node_alive(self) -> bool:
+        """Whether the head's raylet has registered with its GCS: before that, a driver joining it
+        finds no node on this machine."""
+        from dpfl_ray.errors import DPFLError
+        from dpfl_ray.runtime.cluster import Target, find_auth_token
+        from dpfl_ray.runtime.connect import probe_gcs
+
+        try:
+            return bool(probe_gcs(Target("gcs", "127.0.0.1", self.port), find_auth_token(), timeout_s=2.0)[1])
+        except DPFLError:
+            return False
 
     def stop(self) -> None:
         try:
@@ -382,6 +397,15 @@ class RunningRay:
         self.sampler.stop()
         self.sampler.kill_tree()
         self._log.close()
+        # `ray start` wrote this head's address down for `ray.init()` and `--address auto`; a
+        # killed head leaves it behind (unlike `ray stop`), and a later plain `ray.init()` then
+        # tries to join the dead head
+        from dpfl_ray.runtime.cluster import recorded_address
+
+        recorded = recorded_address()
+        if recorded and recorded.rsplit(":", 1)[-1] == str(self.port):
+            base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+            Path(base, "ray", "ray_current_cluster").unlink(missing_ok=True)
 
 
 def run_floor(name: str, overrides: list[str] | None = None, timeout: float = 1200, workdir: Path | None = None) -> dict:
