@@ -86,7 +86,8 @@ def stop(job_id: str = typer.Argument(...), address: Optional[str] = Address) ->
 def fetch(job_id: str = typer.Argument(...),
           to: Optional[Path] = typer.Option(None, "--to", help="where to put it (default: runs/SCENARIO/JOB_ID)"),
           address: Optional[str] = Address) -> None:
-    """Bring a finished job's run directory back: summary, rounds, ledger, model, plots."""
+    """Bring a finished job's run directory back (summary, rounds, ledger, model, plots), or a sweep
+    job's sweep directory (sweep.csv, plots, every run's directory)."""
     from dpfl_ray.runs.bundle import find_bundle, unpack
     from dpfl_ray.runtime.jobs import TERMINAL
 
@@ -105,15 +106,22 @@ def fetch(job_id: str = typer.Argument(...),
     if summary.is_file():
         s = json.loads(summary.read_text())
         line += f": {s.get('stop_reason')}, {s.get('rounds_completed')} rounds"
+    elif (dest / "sweep.csv").is_file():  # a sweep job
+        import csv
+
+        with open(dest / "sweep.csv", newline="") as fh:
+            statuses = [row.get("status") for row in csv.DictReader(fh)]
+        line += f": a sweep of {len(statuses)} runs, {statuses.count('ok')} ok"
     console.print(line, highlight=False, soft_wrap=True)
 
 
 @app.command("entrypoint", hidden=True)
 def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
-    """Inside a Ray Job: `dpfl run` the scenario `dpfl submit` shipped, then pack the run directory
-    into the log (dpfl_ray/runs/bundle.py) -- also after a failure or a stop, whatever was written."""
+    """Inside a Ray Job: `dpfl run` the scenario `dpfl submit` shipped (or, for a sweep job, `dpfl
+    sweep` it with the shipped options), then pack the run (or sweep) directory into the log
+    (dpfl_ray/runs/bundle.py) -- also after a failure or a stop, whatever was written."""
     from dpfl_ray.runs.bundle import bundle_lines
-    from dpfl_ray.runtime.jobs import SCENARIO_ENV
+    from dpfl_ray.runtime.jobs import SCENARIO_ENV, SWEEP_ENV
 
     try:  # recent Typer vendors its own copy of click
         from typer._click.exceptions import Abort
@@ -121,12 +129,15 @@ def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
         from click.exceptions import Abort
 
     from .run import run as run_command
+    from .sweep import sweep as sweep_command
 
-    # `dpfl run` exactly as the command line parses it, without importing cli.main (which
-    # assembles this module): a one-command app with a callback keeps `run` a subcommand.
+    # `dpfl run` / `dpfl sweep` exactly as the command line parses them, without importing cli.main
+    # (which assembles this module): an app with a callback keeps them subcommands.
     dpfl = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
     dpfl.callback()(lambda: None)
     dpfl.command("run")(run_command)
+    dpfl.command("sweep")(sweep_command)
+    sweep_args = json.loads(os.environ[SWEEP_ENV]) if os.environ.get(SWEEP_ENV) else None
 
     text = os.environ.get(SCENARIO_ENV)
     if not text:
@@ -138,8 +149,11 @@ def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
         # `ray job stop` sends SIGTERM: stop the run between rounds, like Ctrl-C, and still pack it
         signal.signal(signal.SIGTERM, _interrupt)
     code = 0
-    try:  # exactly `dpfl run`, parsed as the command line would be
-        rv = dpfl(["run", str(path), "--out", str(out)], standalone_mode=False)
+    command = ["run", str(path), "--out", str(out)]
+    if sweep_args is not None:
+        command = ["sweep", str(path), "--out", str(out), *sweep_args]
+    try:  # exactly `dpfl run` (or `dpfl sweep`), parsed as the command line would be
+        rv = dpfl(command, standalone_mode=False)
         code = rv if isinstance(rv, int) else 0
     except (KeyboardInterrupt, Abort):
         code = 130
@@ -148,7 +162,7 @@ def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
         code = 1
     finally:
         if out.is_dir() and any(out.iterdir()):
-            name = _scenario_name(path)
+            name = _scenario_name(path) + ("-sweep" if sweep_args is not None else "")
             sys.stdout.flush()
             print("\n".join(bundle_lines(out, name)), flush=True)
     raise typer.Exit(code)

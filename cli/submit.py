@@ -6,14 +6,20 @@ from typing import Optional
 
 import typer
 
-from .common import ADDRESS_HELP, err_console, follow_job, user_errors
+from dpfl_ray.errors import DPFLError
 
+from .common import ADDRESS_HELP, err_console, follow_job, user_errors
 
 
 @user_errors
 def submit(
     scenario: Path = typer.Argument(..., help="scenario YAML file"),
     set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
+    grid: list[str] = typer.Option([], "--grid", help="a sweep job: an axis, as `dpfl sweep --grid` (repeatable)"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="a sweep job: seeds, as `dpfl sweep --seeds`"),
+    max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
+                                                 help="a sweep job: runs at once (default: as many as fit)"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="a sweep job: seconds one run may take"),
     address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
     follow: bool = typer.Option(False, "--follow", help="stream the job's log; exit 0 if it SUCCEEDED, 1 otherwise"),
     name: Optional[str] = typer.Option(None, "--name", help="the job's id (default: SCENARIO-TIMESTAMP-xxxx)"),
@@ -22,21 +28,46 @@ def submit(
 ) -> None:
     """Submit SCENARIO as a Ray Job; prints its id. The job ships this project and the resolved
     scenario, runs `dpfl run` on the cluster, and packs the run directory into its log for
-    `dpfl jobs fetch`."""
+    `dpfl jobs fetch`. With --grid or --seeds the job is a whole sweep: `dpfl sweep` on the
+    cluster, its trials on every node, and the sweep directory comes back."""
     from dpfl_ray.runtime.jobs import (Jobs, dashboard_address, entrypoint_command, job_runtime_env, project_root,
                                        submission_id)
     from dpfl_ray.scenario import load_scenario
 
-
     sc = load_scenario(scenario, set_)  # a bad scenario is one line here, not a failed job
+    sweep_args = None
+    if grid or seeds:
+        sweep_args = _sweep_args(scenario, set_, grid, seeds, max_concurrent, timeout)
+    elif max_concurrent is not None or timeout is not None:
+        raise DPFLError("--max-concurrent and --timeout are for a sweep job: give --grid or --seeds",
+                        field="--max-concurrent" if max_concurrent is not None else "--timeout")
     url = dashboard_address(address)
     jobs = Jobs(url)
     job_id = submission_id(name, sc.name)
-    out = f"runs/{sc.name}/{job_id}"
-    jobs.submit(entrypoint_command(out), job_runtime_env(sc.to_yaml(), project_root(), install), job_id,
+    out = f"runs/{sc.name}{'-sweep' if sweep_args is not None else ''}/{job_id}"
+    jobs.submit(entrypoint_command(out), job_runtime_env(sc.to_yaml(), project_root(), install, sweep_args), job_id,
                 {"dpfl_scenario": sc.name, "dpfl_run_dir": out})
     typer.echo(job_id)  # alone on stdout, so `JOB=$(dpfl submit ...)` works
     err_console.print(f"submitted to {url}: `dpfl jobs logs {job_id} --follow`, then `dpfl jobs fetch {job_id}` "
                       f"(with --address {url})", highlight=False, soft_wrap=True)
     if follow:
         raise typer.Exit(follow_job(jobs, job_id))
+
+
+def _sweep_args(scenario: Path, set_: list[str], grid: list[str], seeds: str | None, max_concurrent: int | None,
+                timeout: float | None) -> list[str]:
+    """The `dpfl sweep` options the job runs with, every combination checked here first (a bad grid
+    is one line before anything is submitted). The shipped scenario already holds the --set
+    overrides."""
+    from dpfl_ray.runs import sweep as sw
+
+    runs = sw.expand(sw.parse_grid(grid), sw.parse_seeds(seeds), set_)
+    sw.validate(scenario, runs)
+    args = [a for axis in grid for a in ("--grid", axis)]
+    if seeds:
+        args += ["--seeds", seeds]
+    if max_concurrent is not None:
+        args += ["--max-concurrent", str(max_concurrent)]
+    if timeout is not None:
+        args += ["--timeout", str(timeout)]
+    return args

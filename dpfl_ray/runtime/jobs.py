@@ -22,6 +22,8 @@ from .cluster import Token, find_auth_token, missing_token_message, rejected_tok
 HTTP_TIMEOUT_S = (5.0, 60.0)
 # The job's entrypoint reads the resolved scenario from here (runtime_env env_vars).
 SCENARIO_ENV = "DPFL_SCENARIO_YAML"
+# A sweep job's `dpfl sweep` options (JSON list: --grid, --seeds, ...); absent for a single run.
+SWEEP_ENV = "DPFL_SWEEP_ARGS"
 # Never shipped with a job: the local virtualenv, past runs, history, caches.
 EXCLUDES = [".venv", "venv", "runs", ".git", "**/__pycache__", "*.pyc", ".pytest_cache", ".hypothesis",
             ".mypy_cache", ".ruff_cache", "*.egg-info", "build", "dist", "tmp"]
@@ -77,16 +79,21 @@ def install_requirements(root: Path | None = None) -> list[str]:
     return [f"torch=={torch}" if re.match(r"^torch\b", r) else r for r in reqs]
 
 
-def job_runtime_env(scenario_yaml: str, root: Path | None, install: bool = False) -> dict:
+def job_runtime_env(scenario_yaml: str, root: Path | None, install: bool = False,
+                    sweep_args: list[str] | None = None) -> dict:
     """The job's runtime_env: the checkout ``root`` as working_dir (it lands first on the job's
     PYTHONPATH, so the job runs exactly this code; without a checkout, the two installed packages),
-    the resolved scenario as an environment variable, and with ``install`` the dependencies through
-    pip for nodes that lack them."""
+    the resolved scenario as an environment variable (with ``sweep_args``, the `dpfl sweep` options
+    of a sweep job too), and with ``install`` the dependencies through pip for nodes that lack them."""
     import importlib.util
 
     import dpfl_ray
 
     env: dict = {"env_vars": {SCENARIO_ENV: scenario_yaml}, "excludes": list(EXCLUDES)}
+    if sweep_args is not None:
+        import json
+
+        env["env_vars"][SWEEP_ENV] = json.dumps(sweep_args)
     if root is not None:
         env["working_dir"] = str(root)
     else:  # an installed dpfl: ship its two packages (cli found, not imported: the runtime sits below it)

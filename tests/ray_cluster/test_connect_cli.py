@@ -57,6 +57,17 @@ def test_a_dashboard_url_points_to_dpfl_submit(tmp_path):
     _one_error_line(r, "--address", "dpfl submit")
 
 
+@pytest.mark.parametrize("args, needles", [
+    (["--grid", "training.nosuch=1,2"], ["training.nosuch"]),
+    (["--grid", "faults.dropout.rate=0,1.5"], ["faults.dropout.rate"]),
+    (["--timeout", "60"], ["--timeout", "--grid or --seeds"]),
+], ids=["unknown_key", "impossible_value", "sweep_option_without_a_sweep"])
+def test_a_bad_sweep_job_is_one_line_before_anything_is_submitted(args, needles):
+    # nothing listens at port 9: the job would fail to submit, but the grid is refused first
+    r = dpfl("submit", SCENARIO, *args, "--address", "http://127.0.0.1:9", env=client_env(), timeout=60)
+    _one_error_line(r, *needles)
+
+
 class SilentListener:
     """Accepts TCP connections and never says a word: ray.init would wait on it for minutes."""
 

@@ -1,6 +1,7 @@
 """Against a real local head with Ray's default (token) authentication, as a user would:
 `dpfl submit --follow`, `dpfl jobs fetch/list/status/stop`, plain `ray job submit -- dpfl run`,
 `dpfl run --address HOST:PORT`, and one-line errors for a missing or wrong token."""
+import csv
 import json
 import subprocess
 import time
@@ -55,6 +56,26 @@ def test_submit_follow_then_fetch_the_run_directory(ray_head, tmp_path):
     assert f"{job_id} SUCCEEDED" in _ok(dpfl("jobs", "status", job_id, "--address", url, env=env, timeout=60)).stdout
     again = dpfl("jobs", "fetch", job_id, "--to", back, "--address", url, env=env, timeout=60)
     assert again.returncode == 2 and "already holds files" in again.stderr
+
+
+def test_a_sweep_job_runs_every_combination_on_the_cluster_and_its_directory_comes_back(ray_head, tmp_path):
+    env, url = ray_head.env(), ray_head.dashboard
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    r = _ok(_timed("dpfl submit --grid --follow", lambda: dpfl(
+        "submit", scenario, "--grid", "faults.dropout.rate=0,0.5", "--set", "faults.dropout.model=tail",
+        "--max-concurrent", "1", "--follow", "--address", url, env=env, timeout=480)))
+    job_id = r.stdout.splitlines()[0]
+    assert f"job {job_id} SUCCEEDED" in r.stderr
+    back = tmp_path / "back"
+    fetched = _ok(dpfl("jobs", "fetch", job_id, "--to", back, "--address", url, env=env, timeout=120))
+    assert "a sweep of 2 runs, 2 ok" in fetched.stdout
+    with open(back / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(x["faults.dropout.rate"], x["status"], x["rounds"]) for x in rows] == [("0", "ok", "2"), ("0.5", "ok", "2")]
+    survived = [[json.loads(line)["survived"] for line in (back / x["run"] / "rounds.jsonl").read_text().splitlines()]
+                for x in rows]
+    assert survived == [[6, 6], [3, 3]]  # the grid and the --set reached the runs on the cluster
 
 
 def test_plain_ray_job_submit_runs_dpfl_as_its_entrypoint(ray_head):
