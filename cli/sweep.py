@@ -63,6 +63,7 @@ def sweep(
     _table(rows, list(axes))
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True, markup=False)
+    _selection_line(sweep_dir)
     if shutdown.requested:
         again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
         console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True, markup=False)
@@ -71,6 +72,25 @@ def sweep(
     if failed:
         console.print(f"{len(failed)} of {len(runs)} runs did not finish; run the same command to retry them")
         raise typer.Exit(1)
+
+
+def _selection_line(sweep_dir: Path) -> None:
+    """What choosing among the runs costs (runs/sweep.selection_privacy), in one line."""
+    import json
+
+    from dpfl_ray.runs.sweep import SELECTION
+
+    path = sweep_dir / SELECTION
+    if not path.is_file():
+        return
+    sel = json.loads(path.read_text())
+    if sel.get("epsilon_all_runs") is None:
+        line = f"choosing among these {sel['runs']} private runs is not accounted here: {sel.get('why')}"
+    else:
+        line = (f"each row's epsilon covers its run alone; choosing among these {sel['runs']} private runs "
+                f"(say, the most accurate) is covered by epsilon {sel['epsilon_all_runs']:.4g} at delta "
+                f"{sel['delta']:g}, their ledgers composed ({SELECTION})")
+    console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: float, address: str | None,

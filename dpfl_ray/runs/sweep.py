@@ -329,12 +329,54 @@ def write_csv(rows: list[dict], grid_keys: Sequence[str], path: Path) -> Path:
 
 def write_outputs(sweep_dir: Path, grid: dict[str, list[str]], runs: Sequence[SweepRun],
                   statuses: dict[str, str] | None = None) -> tuple[list[dict], list[Path]]:
-    """``sweep.csv`` and the per-axis plots; returns the rows and the files written."""
+    """``sweep.csv``, the per-axis plots and, for private runs, ``selection.json``
+    (:func:`selection_privacy`); returns the rows and the files written."""
     rows = collect(sweep_dir, runs, statuses)
     written = [write_csv(rows, list(grid), sweep_dir / "sweep.csv")]
     for axis in grid:
         written += plot_axis(rows, grid, axis, sweep_dir)
+    selection = selection_privacy(sweep_dir, rows)
+    if selection is not None:
+        path = sweep_dir / SELECTION
+        path.write_text(json.dumps(selection, indent=2) + "\n")
+        written.append(path)
     return rows, written
+
+
+SELECTION = "selection.json"
+SELECTION_NOTE = ("each run's epsilon covers that run alone. Choosing among the runs on anything their "
+                  "training data decides (for example the most accurate) releases what all of them "
+                  "learned: epsilon_all_runs is what dp_accounting gives for every finished private run's "
+                  "ledger composed, a bound for any such choice. Papernot & Steinke 2022 (Hyperparameter "
+                  "tuning with Renyi DP) bound a tuning run over a random number of runs more tightly; "
+                  "that bound is not applied here.")
+
+
+def selection_privacy(sweep_dir: Path, rows: list[dict]) -> dict | None:
+    """What choosing among a sweep's finished private runs costs: their run-level ledgers composed in
+    one ledger of their accountant (dp_accounting), epsilon at their delta. None if no finished run is
+    private; ``epsilon_all_runs`` None, with ``why``, where the ledgers cannot be composed here."""
+    ledgers = []
+    for row in rows:
+        path = Path(sweep_dir) / row["run"] / "ledger.json"
+        if row.get("status") == "ok" and path.is_file():
+            ledgers.append(json.loads(path.read_text()))
+    if not ledgers:
+        return None
+    out = {"runs": len(ledgers), "epsilon_max_single_run": max((lg.get("epsilon") or 0.0) for lg in ledgers),
+           "note": SELECTION_NOTE}
+    if any("rounds" not in lg for lg in ledgers):
+        return {**out, "epsilon_all_runs": None,
+                "why": "record-level runs keep one ledger per client; composing them across runs is not built"}
+    kinds = {(lg.get("accountant"), lg.get("delta")) for lg in ledgers}
+    if len(kinds) > 1:
+        return {**out, "epsilon_all_runs": None, "why": "the runs use different accountants or deltas"}
+    from ..privacy.ledger import PrivacyLedger
+
+    accountant, delta = kinds.pop()
+    rounds = [{**r, "round": i + 1} for i, r in enumerate(r for lg in ledgers for r in lg["rounds"])]
+    composed = PrivacyLedger.from_dict({"accountant": accountant, "delta": delta, "rounds": rounds})
+    return {**out, "accountant": accountant, "delta": delta, "epsilon_all_runs": composed.epsilon()}
 
 
 # --- plots --------------------------------------------------------------------------------------

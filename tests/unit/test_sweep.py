@@ -297,3 +297,44 @@ def test_the_trial_queue_and_the_stop_file(tmp_path):
     assert trials.TrialStop(tmp_path / trials.STOP_FLAG, time.monotonic() + 60).requested
     late = trials.TrialStop(tmp_path / "no-such-flag", time.monotonic() - 1)
     assert late.requested and late.timed_out
+
+
+def _gaussian_rounds(count, z=1.0, q=0.1):
+    event = {"type": "PoissonSampledDpEvent", "sampling_probability": q,
+             "event": {"type": "GaussianDpEvent", "noise_multiplier": z}}
+    return [{"round": t + 1, "reason": "test", "covered": True, "released": True,
+             "sampling": {"kind": "poisson", "rate": q, "neighboring_relation": "add_or_remove_one"},
+             "noise_multipliers": [z], "claimed_noise_multipliers": [z], "event": event, "accounted_event": event,
+             "claimed_event": event, "public": [], "paper_epsilon": None, "claim_note": "", "dropped": {}}
+            for t in range(count)]
+
+
+def _ledger(rounds, accountant="rdp", delta=1e-5):
+    from dpfl_ray.privacy.ledger import PrivacyLedger
+
+    ledger = PrivacyLedger.from_dict({"accountant": accountant, "delta": delta, "rounds": rounds})
+    return {**ledger.to_dict(), "accountant": accountant, "delta": delta}
+
+
+def test_choosing_among_private_runs_is_booked_as_all_of_them_composed(tmp_path):
+    """Picking the best of a sweep's runs releases what all of them learned: selection.json gives
+    their ledgers composed by dp_accounting (3 + 2 rounds = one ledger of 5), above each run's own."""
+    import dp_accounting
+
+    for name, count in (("a", 3), ("b", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ledger.json").write_text(json.dumps(_ledger(_gaussian_rounds(count))))
+    rows = [{"run": "a", "status": "ok"}, {"run": "b", "status": "ok"}, {"run": "c", "status": "not run"}]
+    sel = sw.selection_privacy(tmp_path, rows)
+    accountant = dp_accounting.rdp.RdpAccountant(list(range(2, 257)) + [1.5, 1.75, 2.5, 3.5])
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.0)), 5)
+    assert sel["runs"] == 2 and sel["accountant"] == "rdp" and sel["delta"] == 1e-5
+    assert sel["epsilon_all_runs"] == _ledger(_gaussian_rounds(5))["epsilon"]
+    assert sel["epsilon_all_runs"] == pytest.approx(accountant.get_epsilon(1e-5), rel=0.05)
+    assert sel["epsilon_all_runs"] > sel["epsilon_max_single_run"] == _ledger(_gaussian_rounds(3))["epsilon"]
+    assert "Papernot & Steinke" in sel["note"]
+
+    (tmp_path / "b" / "ledger.json").write_text(json.dumps(_ledger(_gaussian_rounds(2), delta=1e-6)))
+    sel = sw.selection_privacy(tmp_path, rows)
+    assert sel["epsilon_all_runs"] is None and "different accountants or deltas" in sel["why"]
+    assert sw.selection_privacy(tmp_path, [{"run": "c", "status": "ok"}]) is None  # nothing private
