@@ -1,12 +1,16 @@
 """Across nodes, on one three-node ray.cluster_utils.Cluster (declared GPUs, all on this machine):
 
 1. a tiny scenario's workers land on every node, each holding the GPU fraction it asked for;
-2. then a node is lost mid-run (faults.node_failure): the runtime kills one node's raylet in round
+2. `dpfl sweep --address` of three runs whose one worker wants a whole node: the Tune trials
+   spread over the cluster, one on each node, and every run directory lands in the one `--out`
+   (one machine: the nodes share its file system, as a cluster's nodes must share `--out`);
+3. then a node is lost mid-run (faults.node_failure): the runtime kills one node's raylet in round
    2, the round records that node's clients as node_lost, and the run completes on the two nodes
    that are left.
 
 Both runs share the cluster: starting one costs more CPU than either run. The cluster and the
 driver live in a child process (this pytest process never calls ray.init)."""
+import csv
 import json
 import subprocess
 import sys
@@ -15,8 +19,10 @@ import textwrap
 from .conftest import ROOT, client_env
 
 SCRIPT = textwrap.dedent('''
-    import json, sys
+    import json, subprocess, sys
     from pathlib import Path
+
+    import yaml
 
     import ray
     from ray.cluster_utils import Cluster
@@ -65,6 +71,15 @@ SCRIPT = textwrap.dedent('''
                                       "gpu_free": seen["gpu_free"],
                                       "placement": placement_summary(seen["pool"], 0.5, 0.5)}), flush=True)
 
+        # a sweep as one command on the cluster: each run's worker takes a whole node (2 CPUs)
+        spec = out / "whole_node.yaml"
+        spec.write_text(yaml.safe_dump(tiny("whole_node", resources={"workers": 1, "num_cpus_per_worker": 2})
+                                       .model_dump(mode="json")))
+        sweep = subprocess.run([sys.executable, "-m", "cli.main", "sweep", str(spec), "--seeds", "0,1,2",
+                                "--out", str(out / "sweep"), "--timeout", "240", "--address", cluster.address],
+                               capture_output=True, text=True, timeout=400)
+        print("SWEEP " + json.dumps({"rc": sweep.returncode, "tail": (sweep.stdout + sweep.stderr)[-3000:]}), flush=True)
+
         seen = {"gpu_free": []}
         sc = tiny("node_loss", faults={"node_failure": {"at_round": 2, "phase": "training"}},
                   resources={"workers": 3, "num_cpus_per_worker": 0.5})
@@ -107,7 +122,18 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
     during = [snap for snap in out["gpu_free"] if set(snap) == set(out["nodes"])]
     assert any(all(free == 1.5 for free in snap.values()) for snap in during), out["gpu_free"]
 
-    # 2. node loss: the lost node held a worker, its clients are node_lost in round 2, the run completes
+    # 2. a sweep on the cluster: one trial on each node, every run directory in --out
+    out = _result(r.stdout, "SWEEP")
+    assert out["rc"] == 0, out["tail"]
+    with open(tmp_path / "sweep" / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(x["seed"], x["status"], x["rounds"]) for x in rows] == [("0", "ok", "3"), ("1", "ok", "3"), ("2", "ok", "3")]
+    placed = [json.loads((tmp_path / "sweep" / x["run"] / "summary.json").read_text())["placement"]["nodes"]
+              for x in rows]
+    assert all(len(nodes) == 1 for nodes in placed)
+    assert len({node for nodes in placed for node in nodes}) == 3, placed  # every node ran one
+
+    # 3. node loss: the lost node held a worker, its clients are node_lost in round 2, the run completes
     out = _result(r.stdout, "LOSS")
     rows = [json.loads(line) for line in (tmp_path / "node_loss" / "rounds.jsonl").read_text().splitlines()]
     assert out["summary"]["stop_reason"] == "completed" and out["summary"]["rounds_completed"] == 3
