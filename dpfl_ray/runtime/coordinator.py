@@ -6,7 +6,6 @@ finish -> account -> evaluate -> commit. The algorithm plugs into these phases t
 interface; the driver only starts the coordinator and reads its events and committed state.
 In a round without SecAgg, the evaluation of round t's model is carried by round t+1's training
 calls (``_settle``): round t commits at once, and its event follows when the figures arrive.
-
 """
 from __future__ import annotations
 
@@ -87,10 +86,10 @@ class Coordinator:
                                         sizes=alg_sizes)
         if self.privacy:
             self.privacy.bind(self.algorithm)
-        # Evaluate round t's model while round t+1 trains: in a round without SecAgg, each worker
-        # evaluates the broadcast model on its share of the test ranges before training (no call
-        # of its own, no second round trip). Not when the algorithm reads the figures before the
-        # next round, or a validation split must be evaluated with them.
+        # Evaluate round t's model inside round t+1's training calls: in a round without SecAgg,
+        # each worker evaluates the broadcast model on its share of the test ranges before it
+        # trains (no call of its own, no second round trip). Not when the algorithm reads the
+        # figures before the next round, or a validation split must be evaluated with them.
         self.overlap_eval = not (self.sc.secagg.enabled or self.has_validation or self.algorithm.reads_evaluation())
         self._events: list[dict] = []
         # Guards what the driver may read while a round runs: a round's ledger entry, the model it
@@ -479,7 +478,7 @@ class Coordinator:
             try:
                 evals[w] = ray.get(ref, timeout=CALL_TIMEOUT_SECONDS)
             except (RayActorError, GetTimeoutError):
-                pass  # the round's own record of this worker comes with its next call
+                pass  # its share is missing: _settle evaluates the whole split on the pool instead
         eval_s = max(eval_s, time.perf_counter() - t_eval) if evaluating else eval_s
         parts = [evals.get(w) for w, share in zip(self.workers, shares) if share]
         self._replace(dead)  # all at once: the fresh workers start side by side, not one after another
