@@ -312,7 +312,8 @@ def evaluate_check(check, results: dict[str, dict | None]) -> tuple[str, str]:
     absent = [n for n in dict.fromkeys(check.run_names()) if results.get(n) is None]
     if absent:
         why = ", ".join(f"{n} {'did not finish' if n in results else 'was not run'}" for n in absent)
-        return "SKIP", why
+        broken = _broken_order(check, results, absent)
+        return ("FAIL", f"{broken}; {why}") if broken else ("SKIP", why)
     m = check.metric
     try:
         get = {n: metric(results[n], m, n) for n in check.run_names()}
@@ -346,6 +347,26 @@ def evaluate_check(check, results: dict[str, dict | None]) -> tuple[str, str]:
     ok = all(a > b for a, b in zip(gaps, gaps[1:]))
     return _verdict(ok), f"{m}: gap to {check.baseline} {_fmt(get[check.baseline])}: " + \
         ", ".join(f"{n} {_fmt(g)}" for n, g in zip(check.runs, gaps)) + (" (shrinks)" if ok else " (does not shrink)")
+
+
+def _broken_order(check, results: dict[str, dict | None], absent: list[str]) -> str | None:
+    """For an order (or monotone) check some of whose runs are missing: two finished runs already
+    out of order, which no missing run can mend (an order holds between any two of its runs); None
+    if the finished ones agree with it, or a metric is missing."""
+    if check.kind not in ("order", "monotone"):
+        return None
+    try:
+        done = [(n, metric(results[n], check.metric, n)) for n in check.runs if n not in absent]
+    except MetricMissing:
+        return None
+    down = check.direction in ("descending", "decreasing")
+    strict = check.kind == "order"
+    for i, (a, va) in enumerate(done):
+        for b, vb in done[i + 1:]:
+            if not ((va > vb if strict else va >= vb) if down else (va < vb if strict else va <= vb)):
+                sym = (">" if strict else ">=") if down else ("<" if strict else "<=")
+                return f"{check.metric}: {a} {_fmt(va)} {sym} {b} {_fmt(vb)} (not so)"
+    return None
 
 
 def _verdict(ok: bool) -> str:

@@ -154,6 +154,12 @@ def test_a_missing_metric_fails_and_an_absent_run_is_skipped():
     partial = {"a": RESULTS["a"], "b": None}  # b did not finish, c was never run
     assert pp.evaluate_check(check(kind="order", runs=["a", "b", "c"], direction="descending"), partial) == \
         ("SKIP", "b did not finish, c was not run")
+    # two finished runs already out of order: no missing run can mend it (Fu: sigma 3 above sigma 2)
+    assert pp.evaluate_check(check(kind="order", runs=["b", "a", "c"], direction="descending"),
+                             {"a": RESULTS["a"], "b": RESULTS["b"], "c": None}) == \
+        ("FAIL", "final_accuracy: b 0.75 > a 0.8 (not so); c did not finish")
+    assert pp.evaluate_check(check(kind="order", runs=["a", "c", "b"], direction="descending"),
+                             {"a": RESULTS["a"], "b": RESULTS["b"], "c": None})[0] == "SKIP"  # a > b holds
 
 
 def test_run_metrics_fill_in_from_the_rounds_and_the_audit():
