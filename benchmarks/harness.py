@@ -400,12 +400,11 @@ class RunningRay:
         # `ray start` wrote this head's address down for `ray.init()` and `--address auto`; a
         # killed head leaves it behind (unlike `ray stop`), and a later plain `ray.init()` then
         # tries to join the dead head
-        from dpfl_ray.runtime.cluster import recorded_address
+        from dpfl_ray.runtime.cluster import recorded_address, recorded_address_file
 
         recorded = recorded_address()
         if recorded and recorded.rsplit(":", 1)[-1] == str(self.port):
-            base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
-            Path(base, "ray", "ray_current_cluster").unlink(missing_ok=True)
+            recorded_address_file().unlink(missing_ok=True)
 
 
 def run_floor(name: str, overrides: list[str] | None = None, timeout: float = 1200, workdir: Path | None = None) -> dict:

@@ -168,12 +168,17 @@ def rejected_token_message(where: str, token: Token) -> str:
     return f"the Ray cluster at {where} rejected the token from {token.where}: {TOKEN_FIX}"
 
 
-def recorded_address(environ: Mapping[str, str] | None = None) -> str | None:
-    """The GCS address the last ``ray start`` on this machine wrote down (what Ray's ``auto``
-    finds), read the way ray/_common/utils.py locates it, without importing Ray."""
+def recorded_address_file(environ: Mapping[str, str] | None = None) -> Path:
+    """Where ``ray start`` writes down its GCS address on this machine (what Ray's ``auto`` reads),
+    located the way ray/_common/utils.py does, without importing Ray."""
     environ = os.environ if environ is None else environ
     base = environ.get("RAY_TMPDIR") or (environ.get("TMPDIR") if sys.platform.startswith("linux") else None) or "/tmp"
-    return _first_line(Path(base) / "ray" / "ray_current_cluster") or None
+    return Path(base) / "ray" / "ray_current_cluster"
+
+
+def recorded_address(environ: Mapping[str, str] | None = None) -> str | None:
+    """The GCS address the last ``ray start`` on this machine wrote down (:func:`recorded_address_file`)."""
+    return _first_line(recorded_address_file(environ)) or None
 
 
 def placement_summary(pool: list[dict | None], num_cpus_per_worker: float, num_gpus_per_worker: float) -> dict:
