@@ -331,11 +331,8 @@ def evaluate_check(check, results: dict[str, dict | None]) -> tuple[str, str]:
         return _verdict(ok), f"{m}: {check.run} {_fmt(here)} {op} {_fmt(check.value)}"
     if kind in ("order", "monotone"):
         vals = [get[n] for n in check.runs]
-        down = check.direction in ("descending", "decreasing")
-        strict = kind == "order"  # order: strictly; monotone: ties allowed
-        pairs = list(zip(vals, vals[1:]))
-        ok = all((a > b if strict else a >= b) if down else (a < b if strict else a <= b) for a, b in pairs)
-        sym = (">" if strict else ">=") if down else ("<" if strict else "<=")
+        ok = all(_in_order(check, a, b) for a, b in zip(vals, vals[1:]))
+        sym = _order_symbol(check)
         return _verdict(ok), f"{m}: " + f" {sym} ".join(f"{n} {_fmt(v)}" for n, v in zip(check.runs, vals)) + \
             ("" if ok else " (not so)")
     if kind == "gap_at_most":
@@ -359,14 +356,26 @@ def _broken_order(check, results: dict[str, dict | None], absent: list[str]) -> 
         done = [(n, metric(results[n], check.metric, n)) for n in check.runs if n not in absent]
     except MetricMissing:
         return None
-    down = check.direction in ("descending", "decreasing")
-    strict = check.kind == "order"
     for i, (a, va) in enumerate(done):
         for b, vb in done[i + 1:]:
-            if not ((va > vb if strict else va >= vb) if down else (va < vb if strict else va <= vb)):
-                sym = (">" if strict else ">=") if down else ("<" if strict else "<=")
-                return f"{check.metric}: {a} {_fmt(va)} {sym} {b} {_fmt(vb)} (not so)"
+            if not _in_order(check, va, vb):
+                return f"{check.metric}: {a} {_fmt(va)} {_order_symbol(check)} {b} {_fmt(vb)} (not so)"
     return None
+
+
+def _in_order(check, a: float, b: float) -> bool:
+    """Whether ``a`` may come before ``b`` in an order check (strictly) or a monotone one (ties allowed)."""
+    strict = check.kind == "order"
+    if check.direction in ("descending", "decreasing"):
+        return a > b if strict else a >= b
+    return a < b if strict else a <= b
+
+
+def _order_symbol(check) -> str:
+    strict = check.kind == "order"
+    if check.direction in ("descending", "decreasing"):
+        return ">" if strict else ">="
+    return "<" if strict else "<="
 
 
 def _verdict(ok: bool) -> str:
