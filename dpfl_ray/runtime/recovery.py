@@ -14,19 +14,13 @@ def add_pending_row(scenario, fed, record, state: dict) -> None:
     its figures are the ones the run would have written."""
     if not state.get("pending") or len(record.rounds) >= int(state["round"]):
         return
-    import torch
-
-    from ..training.models import build_model, evaluate, set_flat
+    from ..training.models import build_model, evaluate, one_thread, set_flat
 
     ds = fed.dataset
     model = build_model(scenario.model, ds.input_shape, ds.num_classes, scenario.seed)
     set_flat(model, np.asarray(state["arrays"]["theta"], dtype=np.float32))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         acc, loss = evaluate(model, ds.x_test, ds.y_test)
-    finally:
-        torch.set_num_threads(threads)
     record.add_round({**state["pending"], "test_accuracy": acc, "test_loss": loss})
 
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..training.local_batched import (
         batched_local_updates, batching_pays, clients_per_batch, reset_stack_usage, stack_padding, warm_up,
     )
-    from ..training.models import build_model, set_flat, shard_sums
+    from ..training.models import build_model, one_thread, set_flat, shard_sums
 
 
 def _load_training() -> None:
@@ -45,14 +45,14 @@ def _load_training() -> None:
     cost every run a second of CPU and 200 MB."""
     global torch, local_update, batched_local_updates, batching_pays, clients_per_batch, stack_padding  # noqa: PLW0603
     global warm_up, reset_stack_usage  # noqa: PLW0603
-    global build_model, set_flat, shard_sums  # noqa: PLW0603
+    global build_model, one_thread, set_flat, shard_sums  # noqa: PLW0603
     import torch
 
     from ..training.local import local_update
     from ..training.local_batched import (
         batched_local_updates, batching_pays, clients_per_batch, reset_stack_usage, stack_padding, warm_up,
     )
-    from ..training.models import build_model, set_flat, shard_sums
+    from ..training.models import build_model, one_thread, set_flat, shard_sums
 
 
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.
@@ -246,14 +246,10 @@ class ClientWorker:
     def evaluate_shards(self, theta: np.ndarray, split: str, shards: list[tuple[int, int]]) -> list[tuple[int, float]]:
         """(correct, summed loss) of ``theta`` on these row ranges of the test (or validation)
         split, with one thread so the figures never depend on the pool."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             set_flat(self.model, theta)
             x, y = (self.x_test, self.y_test) if split == "test" else (self.x_val, self.y_val)
             return shard_sums(self.model, x, y, shards)
-        finally:
-            torch.set_num_threads(threads)
 
     # -- secure aggregation: the client side of the four rounds, for all of this worker's clients --
     def secagg_start(self, round_idx: int, theta: np.ndarray, clients: dict, leave: dict, config,

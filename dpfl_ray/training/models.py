@@ -6,6 +6,7 @@ stride 1, then dense 32 and dense 10.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import weakref
@@ -151,6 +152,18 @@ def shard_sums(model: nn.Module, x: np.ndarray, y: np.ndarray,
             out.append((int((logits.argmax(1) == yb).sum().item()),
                         float(nn.functional.cross_entropy(logits, yb, reduction="sum").item())))
     return out
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the block, then as before: evaluation's figures must not depend on
+    how many threads the process that computes them runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
