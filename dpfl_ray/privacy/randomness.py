@@ -42,7 +42,7 @@ class ChaChaNormal:
     """Draws from the ChaCha20 keystream under ``key`` (a cryptographic PRG).
 
     Mirrors the part of ``numpy.random.Generator`` the DP code uses: ``standard_normal``,
-    ``random``, ``laplace`` and ``permutation``.
+    ``random``, ``integers``, ``laplace`` and ``permutation``.
     """
 
     def __init__(self, key: bytes):
@@ -60,6 +60,26 @@ class ChaChaNormal:
         n = 1 if size is None else int(np.prod(size))
         u = (self._words(n) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
         return float(u[0]) if size is None else u.reshape(size)
+
+    def integers(self, low, high=None, size=None):
+        """Integers uniform on [low, high) exactly (``high`` may be an array, every bound below 2^63):
+        each draw is a 64-bit word, drawn again while it falls in the top 2^64 mod (high - low) words."""
+        low, high = (0, low) if high is None else (low, high)
+        span = np.asarray(high, dtype=np.int64) - np.asarray(low, dtype=np.int64)
+        if np.any(span <= 0):
+            raise ValueError("integers needs high > low")
+        shape = np.broadcast(span, np.empty(() if size is None else size)).shape
+        span = np.broadcast_to(span, shape).astype(np.uint64).ravel()
+        limit = (np.uint64(2 ** 64 - 1) // span) * span  # words below it map uniformly onto [0, span)
+        out = np.empty(span.size, dtype=np.uint64)
+        todo = np.arange(span.size)
+        while todo.size:
+            words = self._words(todo.size)
+            ok = words < limit[todo]
+            out[todo[ok]] = words[ok] % span[todo[ok]]
+            todo = todo[~ok]
+        draws = out.astype(np.int64).reshape(shape) + np.asarray(low, dtype=np.int64)
+        return int(draws) if size is None and draws.ndim == 0 else draws
 
     def laplace(self, loc=0.0, scale=1.0, size=None):
         """Laplace(loc, scale) as the difference of two Exp(1) draws, -log of (0, 1] uniforms."""

@@ -1,0 +1,247 @@
+"""Integer noise for distributed DP inside secure aggregation, and what it costs in RDP (issue #36).
+
+Each client adds integer noise to its integer (scaled, rotated, rounded) update; SecAgg sums the
+shares mod 2^b. Two noises:
+
+* **discrete Gaussian** N_Z(0, s2), ``s2`` a positive integer variance: sampled exactly as Canonne,
+  Kamath & Steinke 2020 (CKS20, "The discrete Gaussian for differential privacy") give it: Alg. 1
+  (Bernoulli(exp(-gamma))), Alg. 2 (discrete Laplace), Alg. 3 (discrete Gaussian by rejection from
+  the discrete Laplace). Every random choice is an integer drawn uniformly below an integer bound and
+  compared with an integer, so the law of the output is N_Z(0, s2) exactly: no float is on the path.
+  The loops run over whole arrays at once (numpy), one element leaving a loop when it is done.
+* **symmetric Skellam** Sk(mu/2, mu/2), the difference of two Poisson(mu/2) draws (variance mu): its
+  sum over clients is again a Skellam, so the released noise is exactly Sk(n mu / 2, n mu / 2).
+  numpy's Poisson sampler, seeded from the run's DP randomness (:mod:`dpfl_ray.privacy.randomness`).
+
+What they cost, as RDP curves over integer orders (:data:`ORDERS`), before sampling:
+
+* :func:`skellam_rdp`: Agarwal, Kairouz & Liu 2021 ("The Skellam mechanism for differentially private
+  federated learning"), the multi-dimensional Skellam mechanism with l1 and l2 sensitivities, in the
+  integer domain: eps(a) = a D2^2 / (2 mu) + min(((2a - 1) D2^2 + 6 D1) / (4 mu^2), 3 D1 / (2 mu)),
+  mu the variance of the summed noise.
+* :func:`ddgauss_rdp`: Kairouz, Liu & Steinke 2021 ("The distributed discrete Gaussian mechanism for
+  federated learning with secure aggregation"), Prop. 14 with the divergence term tau of a sum of n
+  discrete Gaussians (Thm. 1: tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 s2 k / (k + 1))).
+* :func:`rounded_l2_bound`, :func:`rounded_l1_bound`: the sensitivities after (conditional) randomized
+  rounding to integers (Kairouz et al. 2021, Thm. 1 and Prop. 22).
+* :func:`poisson_subsampled_rdp`: the amplification by Poisson sampling of a mechanism given by its RDP
+  at integer orders, Zhu & Wang 2019 ("Poisson subsampled Renyi differential privacy", Thm. 5, the
+  upper bound), at most the mechanism's own.
+
+dp_accounting has no event for these mechanisms; its RDP-to-(epsilon, delta) conversion
+(:func:`epsilon`) turns the curves into epsilon. The Gaussian special cases are tested against its
+RdpAccountant (tests/unit/test_discrete_noise.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import special
+
+from ..errors import DPFLError
+
+# Integer orders only: the subsampling bound (Zhu & Wang 2019, Thm. 5) is stated for them.
+ORDERS = tuple(range(2, 129)) + (256,)
+# Above this variance the exact sampler's integer arithmetic (2 s2 t^2) would pass int64.
+MAX_DISCRETE_GAUSSIAN_VARIANCE = 2 ** 30
+
+
+# -- exact samplers (CKS20) ------------------------------------------------------------------------
+def _below(gen, bound) -> np.ndarray:
+    """Integers uniform on [0, bound), exactly, one per element of ``bound`` (an int64 array)."""
+    bound = np.asarray(bound, dtype=np.int64)
+    return np.asarray(gen.integers(0, bound, size=bound.shape), dtype=np.int64)
+
+
+def _bernoulli_exp_at_most_one(gen, num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """Bernoulli(exp(-num/den)) for 0 <= num <= den (CKS20 Alg. 1): K = 1; while Bernoulli(gamma / K),
+    K += 1; the answer is whether K is odd. Bernoulli(gamma / K) is Bernoulli(num / den) and
+    Bernoulli(1 / K), independent: no product of bounds is ever formed."""
+    k = np.ones(num.shape, dtype=np.int64)
+    active = np.flatnonzero(np.ones(num.shape, dtype=bool))
+    while active.size:
+        go_on = (_below(gen, den[active]) < num[active]) & (_below(gen, k[active]) == 0)
+        k[active[go_on]] += 1
+        active = active[go_on]
+    return k % 2 == 1
+
+
+def bernoulli_exp(gen, num, den) -> np.ndarray:
+    """Bernoulli(exp(-num/den)) elementwise, exactly, for integers num >= 0 and den >= 1."""
+    num = np.asarray(num, dtype=np.int64)
+    den = np.broadcast_to(np.asarray(den, dtype=np.int64), num.shape)
+    whole, frac = np.divmod(num, den)
+    return _bernoulli_exp_split(gen, whole, frac, den)
+
+
+def _bernoulli_exp_split(gen, whole: np.ndarray, frac: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """Bernoulli(exp(-(whole + frac/den))), 0 <= frac < den (CKS20 Alg. 1 extended to gamma > 1):
+    ``whole`` Bernoulli(exp(-1)) draws, all 1, then Bernoulli(exp(-frac/den))."""
+    out = np.ones(whole.shape, dtype=bool)
+    left = whole.copy()
+    todo = np.flatnonzero(left > 0)
+    while todo.size:
+        one = np.ones(todo.size, dtype=np.int64)
+        ok = _bernoulli_exp_at_most_one(gen, one, one)
+        out[todo[~ok]] = False
+        left[todo] -= 1
+        todo = todo[ok & (left[todo] > 0)]
+    alive = np.flatnonzero(out)
+    out[alive] = _bernoulli_exp_at_most_one(gen, frac[alive], den[alive])
+    return out
+
+
+def discrete_laplace(gen, t: int, size: int) -> np.ndarray:
+    """``size`` draws with P[Y = y] proportional to exp(-|y| / t), t a positive integer (CKS20 Alg. 2
+    with s = 1)."""
+    t = int(t)
+    if t < 1:
+        raise DPFLError(f"the discrete Laplace scale must be a positive integer, got {t}", field="t")
+    out = np.zeros(int(size), dtype=np.int64)
+    pending = np.arange(int(size))
+    while pending.size:
+        m = pending.size
+        u = _below(gen, np.full(m, t))
+        d = bernoulli_exp(gen, u, np.full(m, t))
+        v = np.zeros(m, dtype=np.int64)  # failures before the first 0 of Bernoulli(exp(-1))
+        alive = np.arange(m)
+        while alive.size:
+            one = np.ones(alive.size, dtype=np.int64)
+            more = _bernoulli_exp_at_most_one(gen, one, one)
+            v[alive[more]] += 1
+            alive = alive[more]
+        y = u + t * v
+        negative = _below(gen, np.full(m, 2)) == 1
+        ok = d & ~(negative & (y == 0))
+        out[pending[ok]] = np.where(negative, -y, y)[ok]
+        pending = pending[~ok]
+    return out
+
+
+def discrete_gaussian(gen, variance: int, size: int) -> np.ndarray:
+    """``size`` draws from the discrete Gaussian N_Z(0, variance) (P[x] proportional to
+    exp(-x^2 / (2 variance)), x integer), exactly: CKS20 Alg. 3 with t = floor(sigma) + 1, accepting
+    a discrete Laplace draw Y with probability exp(-(|Y| - variance/t)^2 / (2 variance)), whose
+    exponent is the integer fraction (|Y| t - variance)^2 / (2 variance t^2)."""
+    if isinstance(variance, bool) or int(variance) != variance or not 1 <= variance <= MAX_DISCRETE_GAUSSIAN_VARIANCE:
+        raise DPFLError(f"the discrete Gaussian's variance must be an integer in [1, 2^30], got {variance!r} "
+                        "(a coarser scale keeps it there)", field="variance")
+    s2 = int(variance)
+    t = math.isqrt(s2) + 1
+    den = 2 * s2 * t * t  # below 2^63 for s2 <= 2^30
+    out = np.zeros(int(size), dtype=np.int64)
+    pending = np.arange(int(size))
+    while pending.size:
+        y = discrete_laplace(gen, t, pending.size)
+        # the numerator in Python integers: (|Y| t - s2)^2 passes int64 in the tails
+        diff = np.abs(y).astype(object) * t - s2
+        num = diff * diff
+        whole = (num // den).astype(np.int64)
+        frac = (num % den).astype(np.int64)
+        keep = _bernoulli_exp_split(gen, whole, frac, np.full(whole.shape, den, dtype=np.int64))
+        out[pending[keep]] = y[keep]
+        pending = pending[~keep]
+    return out
+
+
+def skellam(gen, variance: float, size: int) -> np.ndarray:
+    """``size`` draws of the symmetric Skellam with this variance: Poisson(variance / 2) minus an
+    independent Poisson(variance / 2). ``gen``: a numpy Generator, or the run's ChaCha20 stream, which
+    then seeds numpy's sampler with 256 of its bits."""
+    if not (np.isfinite(variance) and variance > 0):
+        raise DPFLError(f"the Skellam variance must be a positive number, got {variance!r}", field="variance")
+    if not isinstance(gen, np.random.Generator):
+        gen = np.random.default_rng([int(w) for w in gen.integers(0, 2 ** 62, size=4)])
+    half = float(variance) / 2.0
+    return gen.poisson(half, int(size)).astype(np.int64) - gen.poisson(half, int(size)).astype(np.int64)
+
+
+# -- sensitivities after rounding ------------------------------------------------------------------
+def rounded_l2_bound(l2: float, dim: int, beta: float = 0.0) -> float:
+    """The l2 norm bound of a vector of norm <= ``l2`` (integer units) after randomized rounding to
+    integers: l2 + sqrt(dim) (each coordinate moves by less than 1); with conditional rounding at
+    ``beta`` in (0, 1) (a rounding whose norm passes the second bound is drawn again) also
+    sqrt(l2^2 + dim/4 + sqrt(2 ln(1/beta)) (l2 + sqrt(dim)/2)) (Kairouz et al. 2021, Thm. 1 / Prop. 22);
+    the smaller of the two."""
+    if not (l2 > 0 and int(dim) == dim and dim >= 1 and 0 <= beta < 1):
+        raise DPFLError(f"rounded_l2_bound needs l2 > 0, an integer dim >= 1 and 0 <= beta < 1, got {l2}, {dim}, "
+                        f"{beta}", field="beta")
+    plain = l2 + math.sqrt(dim)
+    if beta == 0:
+        return plain
+    squared = l2 ** 2 + 0.25 * dim + math.sqrt(2.0 * math.log(1.0 / beta)) * (l2 + 0.5 * math.sqrt(dim))
+    return min(plain, math.sqrt(squared))
+
+
+def rounded_l1_bound(l2: float, dim: int) -> float:
+    """The l1 bound of an integer vector of l2 norm <= ``l2``: l1 <= sqrt(dim) l2, and l1 <= l2^2 for
+    integer coordinates."""
+    return l2 * min(math.sqrt(dim), l2)
+
+
+# -- RDP -------------------------------------------------------------------------------------------
+def skellam_rdp(order: int, l1: float, l2: float, variance: float) -> float:
+    """RDP at ``order`` of releasing a sum plus symmetric Skellam noise of total ``variance`` (integer
+    units) when one client moves the sum by at most ``l1`` / ``l2`` (Agarwal, Kairouz & Liu 2021)."""
+    a, mu = float(order), float(variance)
+    if not (a > 1 and mu > 0):
+        raise DPFLError(f"skellam_rdp needs order > 1 and variance > 0, got {order}, {variance}", field="variance")
+    return a * l2 ** 2 / (2.0 * mu) + min(((2.0 * a - 1.0) * l2 ** 2 + 6.0 * l1) / (4.0 * mu ** 2),
+                                          3.0 * l1 / (2.0 * mu))
+
+
+def ddgauss_tau(local_variance: float, shares: int) -> float:
+    """The divergence term of a sum of ``shares`` discrete Gaussians of variance ``local_variance``
+    each from one discrete Gaussian of the total variance (Kairouz et al. 2021, Thm. 1)."""
+    return 10.0 * sum(math.exp(-2.0 * math.pi ** 2 * local_variance * k / (k + 1)) for k in range(1, int(shares)))
+
+
+def ddgauss_rdp(order: int, l1: float, l2: float, local_variance: float, shares: int, dim: int) -> float:
+    """RDP at ``order`` of releasing a sum plus ``shares`` independent N_Z(0, local_variance) draws per
+    coordinate (integer units), sensitivities ``l1`` / ``l2`` (Kairouz et al. 2021, Prop. 14)."""
+    a = float(order)
+    if not (a > 1 and local_variance > 0 and shares >= 1):
+        raise DPFLError(f"ddgauss_rdp needs order > 1, local_variance > 0 and shares >= 1, got {order}, "
+                        f"{local_variance}, {shares}", field="local_variance")
+    total_std = math.sqrt(shares * local_variance)
+    s1, s2, tau = l1 / total_std, l2 / total_std, ddgauss_tau(local_variance, shares)
+    return min(a / 2.0 * s2 ** 2 + tau * dim,
+               a / 2.0 * (s2 ** 2 + 2.0 * s1 * tau + tau ** 2 * dim),
+               a / 2.0 * (s2 + math.sqrt(dim) * tau) ** 2)
+
+
+def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
+    """RDP at integer ``order`` >= 2 of a mechanism run on a Poisson sample at ``rate``, the mechanism's
+    RDP given as the function ``rdp(order)``: Zhu & Wang 2019, Thm. 5 (an upper bound), and never above
+    the mechanism's own RDP."""
+    alpha = int(order)
+    if alpha != order or alpha < 2:
+        raise DPFLError(f"the subsampling bound needs an integer order >= 2, got {order}", field="order")
+    if not 0 < rate <= 1:
+        raise DPFLError(f"the sampling rate must be in (0, 1], got {rate}", field="rate")
+    own = rdp(alpha)
+    if rate == 1:
+        return own
+    g = float(rate)
+    terms = [0.0, rdp(2)]
+    weights = [(1 - g) ** (alpha - 1) * (alpha * g - g + 1), special.comb(alpha, 2) * g ** 2 * (1 - g) ** (alpha - 2)]
+    for ell in range(3, alpha + 1):
+        log_binom = special.gammaln(alpha + 1) - special.gammaln(ell + 1) - special.gammaln(alpha - ell + 1)
+        terms.append((ell - 1) * rdp(ell) + log_binom + (alpha - ell) * math.log1p(-g) + ell * math.log(g))
+        weights.append(3.0)
+    return min(float(special.logsumexp(terms, b=weights)) / (alpha - 1), own)
+
+
+def rdp_curve(rdp, rate: float = 1.0, orders=ORDERS) -> np.ndarray:
+    """One round's RDP at every order of ``orders``, amplified by Poisson sampling at ``rate``."""
+    return np.array([poisson_subsampled_rdp(a, rate, rdp) if rate < 1 else rdp(a) for a in orders])
+
+
+def epsilon(curve, delta: float, orders=ORDERS) -> float:
+    """epsilon at ``delta`` of an RDP curve (several rounds: the sum of theirs), by dp_accounting's
+    conversion."""
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+    eps, _ = compute_epsilon(list(orders), list(np.asarray(curve, dtype=float)), delta)
+    return float(eps)

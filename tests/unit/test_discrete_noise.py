@@ -1,0 +1,204 @@
+"""Integer noise for distributed DP (issue #36): the exact samplers against their pmfs, the RDP
+functions against closed forms and dp_accounting, and the ring pipeline's exactness."""
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting.rdp import RdpAccountant
+from scipy import stats
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy import discrete
+from dpfl_ray.privacy.randomness import ChaChaNormal
+from dpfl_ray.secagg import ring
+from dpfl_ray.secagg.errors import EncodingError
+
+
+def _chi_square_p(draws: np.ndarray, pmf, lo: int, hi: int) -> float:
+    """p-value of a chi-square test of ``draws`` against ``pmf``: one cell per value of lo..hi whose
+    expected count is at least 5, every other value (the tails included) pooled in one more cell."""
+    n = len(draws)
+    support = np.arange(lo, hi + 1)
+    expected = np.array([pmf(k) for k in support]) * n
+    observed = np.array([np.sum(draws == k) for k in support], dtype=float)
+    keep = expected >= 5
+    expected, observed = expected[keep], observed[keep]
+    rest_expected, rest_observed = n - expected.sum(), n - observed.sum()
+    if rest_expected >= 5:
+        expected, observed = np.append(expected, rest_expected), np.append(observed, rest_observed)
+    else:
+        expected = expected * observed.sum() / expected.sum()
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+def _discrete_gaussian_pmf(variance: int):
+    support = np.arange(-60 * math.isqrt(variance) - 60, 60 * math.isqrt(variance) + 61)
+    weights = np.exp(-support.astype(float) ** 2 / (2.0 * variance))
+    norm = weights.sum()
+    return lambda k: math.exp(-k * k / (2.0 * variance)) / norm
+
+
+@pytest.mark.parametrize("variance", [1, 2, 7, 50])
+@pytest.mark.parametrize("source", ["numpy", "chacha"])
+def test_the_discrete_gaussian_follows_its_exact_pmf(variance, source):
+    gen = np.random.default_rng(variance) if source == "numpy" else ChaChaNormal(bytes([variance]) * 32)
+    draws = discrete.discrete_gaussian(gen, variance, 40_000)
+    sigma = math.sqrt(variance)
+    p = _chi_square_p(draws, _discrete_gaussian_pmf(variance), -int(4 * sigma) - 1, int(4 * sigma) + 1)
+    assert p > 1e-4, p
+    assert abs(draws.mean()) < 5 * sigma / math.sqrt(len(draws))
+    # the discrete Gaussian's variance is a little below sigma^2 for small sigma, never above
+    assert draws.var() < variance * (1 + 5 * math.sqrt(2 / len(draws)))
+
+
+def test_bernoulli_exp_is_exact_in_frequency_on_both_sides_of_one():
+    gen = np.random.default_rng(5)
+    for num, den in ((1, 3), (3, 3), (7, 2), (0, 4)):
+        hits = discrete.bernoulli_exp(gen, np.full(100_000, num), den)
+        p = math.exp(-num / den)
+        assert abs(hits.mean() - p) < 5 * math.sqrt(p * (1 - p) / 100_000) + 1e-12, (num, den, hits.mean(), p)
+
+
+def test_the_discrete_laplace_follows_its_pmf():
+    t = 3
+    draws = discrete.discrete_laplace(np.random.default_rng(2), t, 40_000)
+    norm = (1 - math.exp(-1 / t)) / (1 + math.exp(-1 / t))
+    assert _chi_square_p(draws, lambda k: norm * math.exp(-abs(k) / t), -15, 15) > 1e-4
+
+
+@pytest.mark.parametrize("variance", [3.0, 40.0])
+def test_the_skellam_follows_its_pmf(variance):
+    draws = discrete.skellam(ChaChaNormal(b"s" * 32), variance, 40_000)
+    sd = math.sqrt(variance)
+    p = _chi_square_p(draws, lambda k: stats.skellam.pmf(k, variance / 2, variance / 2), -int(4 * sd), int(4 * sd))
+    assert p > 1e-4, p
+
+
+def test_impossible_noise_parameters_are_one_line_errors():
+    with pytest.raises(DPFLError, match="integer in"):
+        discrete.discrete_gaussian(np.random.default_rng(0), 2.5, 3)
+    with pytest.raises(DPFLError, match="integer in"):
+        discrete.discrete_gaussian(np.random.default_rng(0), 2 ** 31, 3)
+    with pytest.raises(DPFLError, match="positive"):
+        discrete.skellam(np.random.default_rng(0), 0.0, 3)
+
+
+# -- RDP ---------------------------------------------------------------------------------------------
+def test_one_discrete_gaussian_has_the_gaussian_rdp():
+    # a single share: tau = 0, and Prop. 14's first term is the Gaussian's a D^2 / (2 s2)
+    for order in (2, 7, 64):
+        assert discrete.ddgauss_rdp(order, l1=30.0, l2=5.0, local_variance=100.0, shares=1, dim=1000) == \
+            pytest.approx(order * 25.0 / 200.0)
+
+
+def test_the_sum_of_discrete_gaussians_costs_a_little_more_than_one_of_the_total_variance():
+    # 10 shares of variance 4: tau = 10 sum exp(-8 pi^2 k/(k+1)) is tiny but positive
+    tau = discrete.ddgauss_tau(4.0, 10)
+    assert 0 < tau < 1e-15
+    assert discrete.ddgauss_rdp(5, 10.0, 4.0, 4.0, 10, 100) >= 5 * 16.0 / (2 * 40.0)
+    # with variance 0.05 per share the sum is far from a discrete Gaussian: the bound grows
+    assert discrete.ddgauss_rdp(5, 10.0, 4.0, 0.05, 10, 100) > 10 * 5 * 16.0 / (2 * 0.5)
+
+
+def test_skellam_rdp_tends_to_the_gaussian_one_as_the_variance_grows():
+    for mu in (1e2, 1e4, 1e6):
+        gauss = 8 * 10.0 ** 2 / (2 * mu)
+        rdp = discrete.skellam_rdp(8, l1=300.0, l2=10.0, variance=mu)
+        assert rdp > gauss
+        if mu >= 1e4:
+            assert rdp / gauss < 1.01
+
+
+def test_poisson_subsampling_bound_covers_dp_accountings_sampled_gaussian_and_stays_near_it():
+    q, z = 0.01, 1.0
+    acc = RdpAccountant(orders=list(discrete.ORDERS))
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+    exact = np.array(acc._rdp)  # noqa: SLF001 - the accountant's own curve, per order
+    bound = discrete.rdp_curve(lambda a: a / (2 * z * z), rate=q)
+    assert np.all(bound >= exact * (1 - 1e-9))
+    # and it is an amplification: far below the unsampled Gaussian at the orders that matter
+    assert bound[discrete.ORDERS.index(8)] < 0.05 * 8 / 2
+    # over 1,000 rounds: at least dp_accounting's epsilon, and within 30% of it
+    many = RdpAccountant(orders=list(discrete.ORDERS))
+    many.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 1000))
+    eps_bound, eps_exact = discrete.epsilon(bound * 1000, 1e-5), many.get_epsilon(1e-5)
+    assert eps_exact * (1 - 1e-9) <= eps_bound < 1.3 * eps_exact, (eps_bound, eps_exact)
+
+
+def test_epsilon_is_dp_accountings_conversion():
+    z = 2.0
+    acc = RdpAccountant(orders=list(discrete.ORDERS))
+    acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), 50))
+    curve = 50 * discrete.rdp_curve(lambda a: a / (2 * z * z))
+    assert discrete.epsilon(curve, 1e-6) == pytest.approx(acc.get_epsilon(1e-6), rel=1e-12)
+
+
+def test_rounding_inflates_the_sensitivity_by_at_most_sqrt_dim():
+    assert discrete.rounded_l2_bound(100.0, 400) == pytest.approx(120.0)
+    conditional = discrete.rounded_l2_bound(100.0, 400, beta=math.exp(-0.5))
+    assert 100.0 < conditional < 120.0
+    assert discrete.rounded_l1_bound(3.0, 100) == 9.0 and discrete.rounded_l1_bound(30.0, 100) == 300.0
+
+
+# -- the ring pipeline -------------------------------------------------------------------------------
+def test_the_rotation_is_orthonormal_and_undone():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=300)
+    signs = ring.rotation_signs(b"round-7", 300)
+    y = ring.rotate(x, signs)
+    assert y.shape == (512,) and np.linalg.norm(y) == pytest.approx(np.linalg.norm(x))
+    np.testing.assert_allclose(ring.unrotate(y, signs, 300), x, atol=1e-12)
+    # a spike is spread evenly: every coordinate 1/sqrt(512) of it
+    spike = ring.rotate(np.eye(300)[4] * 512.0, signs)
+    np.testing.assert_allclose(np.abs(spike), np.full(512, 512.0 / math.sqrt(512)))
+
+
+def test_conditional_rounding_is_unbiased_and_respects_its_bound():
+    rng = np.random.default_rng(1)
+    x = np.full(1000, 0.3)
+    mean = np.mean([ring.conditional_round(x, rng).mean() for _ in range(200)])
+    assert mean == pytest.approx(0.3, abs=0.01)
+    bound = discrete.rounded_l2_bound(float(np.linalg.norm(x)), 1000, beta=math.exp(-0.5))
+    assert all(np.linalg.norm(ring.conditional_round(x, rng, bound)) <= bound for _ in range(20))
+    with pytest.raises(EncodingError, match="no rounding within"):
+        ring.conditional_round(x, rng, bound=1.0, max_tries=5)
+
+
+@pytest.mark.parametrize("bits", [12, 16, 20])
+def test_the_ring_sum_decodes_to_the_integer_sum_when_nothing_wraps(bits):
+    rng = np.random.default_rng(bits)
+    dim, clients = 200, 8
+    signs = ring.rotation_signs(b"seed", dim)
+    updates = [rng.normal(size=dim) * 0.05 for _ in range(clients)]
+    scale = 2.0 ** (bits - 8)
+    shares = [ring.conditional_round(ring.rotate(u * scale, signs), rng)
+              + discrete.discrete_gaussian(rng, 4, signs.size) for u in updates]
+    total = ring.from_ring(ring.ring_sum([ring.to_ring(s, bits) for s in shares], bits), bits)
+    np.testing.assert_array_equal(total, np.sum(shares, axis=0))  # exact: no wrap at these sizes
+    decoded = ring.unrotate(total.astype(float), signs, dim) / scale
+    noise_bound = 6 * math.sqrt(clients * (4 + 0.25)) / scale
+    assert np.max(np.abs(decoded - np.sum(updates, axis=0))) < noise_bound
+
+
+def test_a_sum_past_the_ring_wraps_and_the_bound_says_so():
+    bits = 8
+    shares = [np.full(4, 100, dtype=np.int64)] * 2  # 200 > 127: every coordinate wraps
+    total = ring.from_ring(ring.ring_sum([ring.to_ring(s, bits) for s in shares], bits), bits)
+    np.testing.assert_array_equal(total, np.full(4, 200 - 256))
+    assert ring.wrap_probability(bits, 4, signal_l2=400.0, shares=2) == 1.0
+    # 20 bits, 100 shares of variance 100^2 and a signal of norm 1e5 over 2^15 coordinates: negligible
+    small = ring.wrap_probability(20, 2 ** 15, signal_l2=1e5, shares=100, dg_variance=1e4)
+    assert small < 1e-6
+    assert ring.wrap_probability(20, 2 ** 15, signal_l2=1e5, shares=100, skellam_variance=1e4) < 1e-6
+    # a wider noise makes a wrap more likely, never less
+    assert ring.wrap_probability(14, 2 ** 15, 1e4, 100, dg_variance=100.0) <= \
+        ring.wrap_probability(14, 2 ** 15, 1e4, 100, dg_variance=400.0)
+
+
+def test_bad_ring_parameters_are_one_line_errors():
+    with pytest.raises(EncodingError, match="bits must be"):
+        ring.to_ring(np.zeros(3, dtype=np.int64), 64)
+    with pytest.raises(EncodingError, match="power-of-two"):
+        ring.hadamard(np.zeros(3))
