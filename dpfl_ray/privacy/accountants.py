@@ -94,6 +94,27 @@ def _rdp_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: Neighbor
     return curve
 
 
+def _discrete_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: NeighboringRelation) -> np.ndarray | None:
+    """The RDP curve of an integer-noise sum (privacy/discrete.py), alone or Poisson-sampled; None for
+    every other event. Cached as :func:`_rdp_curve` caches dp_accounting's."""
+    from dpfl_ray.privacy.discrete import DiscreteNoiseSumDpEvent
+
+    inner = event.event if isinstance(event, dpe.PoissonSampledDpEvent) else event
+    if not isinstance(inner, DiscreteNoiseSumDpEvent):
+        return None
+    key = (repr(event), orders, relation)
+    curve = _CURVES.get(key)
+    if curve is None:
+        from dpfl_ray.privacy.discrete import event_rdp_curve
+
+        curve = event_rdp_curve(event, orders, relation)
+        curve.setflags(write=False)
+        if len(_CURVES) >= _MAX_CURVES:
+            _CURVES.clear()
+        _CURVES[key] = curve
+    return curve
+
+
 class _MemoRdpAccountant(dp_accounting.rdp.RdpAccountant):
     """dp_accounting's RdpAccountant, computing each distinct event's RDP curve once per process.
 
@@ -104,6 +125,11 @@ class _MemoRdpAccountant(dp_accounting.rdp.RdpAccountant):
     """
 
     def _maybe_compose(self, event, count, do_compose):
+        curve = _discrete_curve(event, tuple(float(o) for o in self._orders), self._neighboring_relation)
+        if curve is not None:  # integer noise inside SecAgg (privacy/discrete.py): not a dp_accounting event
+            if do_compose:
+                self._rdp += count * curve
+            return None
         if not (do_compose and isinstance(event, _LEAF_EVENTS)):
             return super()._maybe_compose(event, count, do_compose)
         error = super()._maybe_compose(event, count, False)  # the stock checks (relation, sub-event)
@@ -139,12 +165,12 @@ class _ClassicRdpAccountant(_MemoRdpAccountant):
 
 
 def _reference_accountant(name: str, relation: NeighboringRelation) -> dp_accounting.PrivacyAccountant:
-    """The stock dp_accounting accountant whose ``supports()`` decides what ``name`` can account."""
+    """The accountant whose ``supports()`` decides what ``name`` can account."""
     if name == "pld":
         return pld_privacy_accountant.PLDAccountant(relation, PLD_VALUE_DISCRETIZATION_INTERVAL)
-    if name == "rdp":
-        return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
-    return dp_accounting.rdp.RdpAccountant(orders=CLASSIC_RDP_ORDERS, neighboring_relation=relation)
+    if name == "rdp":  # the memoised accountants support what the stock one does, and the integer-noise sums
+        return _MemoRdpAccountant(neighboring_relation=relation)
+    return _ClassicRdpAccountant(relation)
 
 
 def _fresh_accountant(name: str, relation: NeighboringRelation, budget: float = 1.0) -> dp_accounting.PrivacyAccountant:

@@ -39,8 +39,11 @@ _CONVERSIONS = ("dp_accounting", "classic")
 
 def event_from_dict(data: dict) -> dpe.DpEvent:
     """Inverse of :func:`dpfl_ray.privacy.sampling.event_to_dict`."""
+    from dpfl_ray.privacy.discrete import DiscreteNoiseSumDpEvent
+
     fields = dict(data)
-    cls = getattr(dpe, fields.pop("type"), None)
+    name = fields.pop("type")
+    cls = DiscreteNoiseSumDpEvent if name == DiscreteNoiseSumDpEvent.__name__ else getattr(dpe, name, None)
     if not (isinstance(cls, type) and issubclass(cls, dpe.DpEvent)):
         raise DPFLError(f"unknown dp_accounting event {data.get('type')!r}", field="events")
 

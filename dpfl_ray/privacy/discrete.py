@@ -28,15 +28,20 @@ What they cost, as RDP curves over integer orders (:data:`ORDERS`), before sampl
   at integer orders, Zhu & Wang 2019 ("Poisson subsampled Renyi differential privacy", Thm. 5, the
   upper bound), at most the mechanism's own.
 
-dp_accounting has no event for these mechanisms; its RDP-to-(epsilon, delta) conversion
-(:func:`epsilon`) turns the curves into epsilon. The Gaussian special cases are tested against its
-RdpAccountant (tests/unit/test_discrete_noise.py).
+dp_accounting has no event for these mechanisms: :class:`DiscreteNoiseSumDpEvent` is one, alone or
+inside dp_accounting's ``PoissonSampledDpEvent``, and the project's RDP accountants
+(:mod:`dpfl_ray.privacy.accountants`) compose its curve (:func:`event_rdp_curve`) with every other
+event and convert the sum with dp_accounting's own conversion. The Gaussian special cases are tested
+against dp_accounting's RdpAccountant (tests/unit/test_discrete_noise.py).
 """
 from __future__ import annotations
 
 import math
 
+import attr
 import numpy as np
+from dp_accounting import NeighboringRelation
+from dp_accounting import dp_event as dpe
 from scipy import special
 
 from ..errors import DPFLError
@@ -245,3 +250,50 @@ def epsilon(curve, delta: float, orders=ORDERS) -> float:
 
     eps, _ = compute_epsilon(list(orders), list(np.asarray(curve, dtype=float)), delta)
     return float(eps)
+
+
+# -- the ledger's event ------------------------------------------------------------------------------
+MECHANISMS = ("skellam", "discrete_gaussian")
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class DiscreteNoiseSumDpEvent(dpe.DpEvent):
+    """One release of a secure sum of integer vectors carrying the clients' integer noise shares.
+
+    ``mechanism``: 'skellam' or 'discrete_gaussian'. ``l1``, ``l2``: how far one client can move the
+    integer sum (its rounded, scaled contribution's bounds). ``variance``: for Skellam the variance of
+    the summed noise (its shares add up to one Skellam), for the discrete Gaussian each share's.
+    ``shares``: the number of noise shares in the sum. ``dim``: the vector's length (after padding)."""
+
+    mechanism: str
+    l1: float
+    l2: float
+    variance: float
+    shares: int
+    dim: int
+
+    def rdp(self, order: float) -> float:
+        if self.mechanism == "skellam":
+            return skellam_rdp(order, self.l1, self.l2, self.variance)
+        if self.mechanism == "discrete_gaussian":
+            return ddgauss_rdp(order, self.l1, self.l2, self.variance, self.shares, self.dim)
+        raise DPFLError(f"unknown discrete mechanism {self.mechanism!r}; choose one of {', '.join(MECHANISMS)}",
+                        field="mechanism")
+
+
+def event_rdp_curve(event, orders, relation: NeighboringRelation) -> np.ndarray | None:
+    """The RDP curve over ``orders`` of a :class:`DiscreteNoiseSumDpEvent`, or of one inside
+    dp_accounting's ``PoissonSampledDpEvent`` (Zhu & Wang's bound, add/remove-one only); None for any
+    other event. A fractional order gets the next integer order's value: Renyi divergence never
+    decreases with the order, so that bounds it."""
+    inner, rate = event, 1.0
+    if isinstance(event, dpe.PoissonSampledDpEvent) and isinstance(event.event, DiscreteNoiseSumDpEvent):
+        if relation != NeighboringRelation.ADD_OR_REMOVE_ONE:
+            raise DPFLError("a Poisson-sampled discrete noise sum is accounted under the add/remove-one relation "
+                            f"only, not {relation.name}", field="accountant")
+        inner, rate = event.event, float(event.sampling_probability)
+    if not isinstance(inner, DiscreteNoiseSumDpEvent):
+        return None
+    if rate >= 1.0:
+        return np.array([inner.rdp(float(a)) for a in orders])
+    return np.array([poisson_subsampled_rdp(max(2, math.ceil(float(a))), rate, inner.rdp) for a in orders])

@@ -85,6 +85,9 @@ class RoundRecord:
     (``NonPrivateDpEvent`` when ``covered`` is False; for 'pld', several Gaussians under one
     sampling become their single equivalent Gaussian). ``claimed_event`` /
     ``claimed_accounted_event``: the same with the claimed multipliers, ignoring ``covered``.
+    ``mechanism``: what the round released under its sampling when that is not Gaussian noise (a
+    :class:`dpfl_ray.privacy.discrete.DiscreteNoiseSumDpEvent`: integer noise inside SecAgg); the
+    multipliers are then the continuous Gaussian's the scenario asked for, which the claim books.
     """
 
     round: int
@@ -101,6 +104,7 @@ class RoundRecord:
     paper_epsilon: float | None = None
     claim_note: str = ""
     dropouts: Mapping[str, Mapping[str, int]] | None = None
+    mechanism: dpe.DpEvent | None = None
 
     @property
     def released(self) -> bool:
@@ -123,6 +127,7 @@ class RoundRecord:
             "paper_epsilon": self.paper_epsilon,
             "claim_note": self.claim_note,
             "dropped": None if self.dropouts is None else {c: dict(p) for c, p in self.dropouts.items()},
+            **({} if self.mechanism is None else {"mechanism": event_to_dict(self.mechanism)}),
         }
 
 
@@ -196,6 +201,7 @@ class PrivacyLedger:
         paper_epsilon: float | None = None,
         claim_note: str = "",
         dropouts: Mapping[str, Mapping[str, int]] | None = None,
+        mechanism: dpe.DpEvent | None = None,
     ) -> RoundRecord:
         """Record one round with the parameters that actually applied.
 
@@ -216,6 +222,10 @@ class PrivacyLedger:
         bound); ``claim_note`` says where that claim stands outside its own validity range.
         ``dropouts``: who was missing from the round, {cause: {phase: count}} (dpfl_ray.faults.plan), for
         the reader: what was booked already reflects them.
+        ``mechanism``: the event the round released under its sampling, when it is not the Gaussians
+        of ``noise_multiplier`` (integer noise inside SecAgg, privacy/discrete.py); the effective
+        multipliers are then ignored and the claimed ones (default: ``noise_multiplier``) book the
+        claim.
         """
         if not isinstance(reason, str):
             raise DPFLError(f"must be a string, got {reason!r}", field="reason")
@@ -231,8 +241,13 @@ class PrivacyLedger:
             round = self._records[-1].round + 1 if self._records else 1
         round = _check_int(round, "round", 0)
 
-        event = _round_event(zs, samp)
         claimed_event = _round_event(claimed if claimed is not None else zs, samp)
+        if mechanism is None:
+            event = _round_event(zs, samp)
+        elif not isinstance(mechanism, dpe.DpEvent):
+            raise DPFLError(f"must be a dp_accounting DpEvent, got {type(mechanism).__name__}", field="mechanism")
+        else:
+            event = dp_accounting.NoOpDpEvent() if samp is None else samp.wrap(mechanism)
         if isinstance(event, dpe.NoOpDpEvent):
             covered = True  # a round that released nothing cannot break the guarantee
         relation = self._relation
@@ -260,7 +275,7 @@ class PrivacyLedger:
                              accounted_event=accounted, claimed_event=claimed_event,
                              claimed_accounted_event=claimed_accounted, public=tuple(str(x) for x in public),
                              paper_epsilon=None if paper_epsilon is None else float(paper_epsilon),
-                             claim_note=str(claim_note), dropouts=dropouts)
+                             claim_note=str(claim_note), dropouts=dropouts, mechanism=mechanism)
         self._records.append(record)
         return record
 
@@ -403,6 +418,8 @@ class PrivacyLedger:
     @classmethod
     def from_dict(cls, data: dict) -> "PrivacyLedger":
         """Rebuild a ledger from :meth:`to_dict` output (re-recording every round)."""
+        from dpfl_ray.privacy.client_ledgers import event_from_dict
+
         ledger = cls(accountant=data.get("accountant", DEFAULT_ACCOUNTANT), delta=data.get("delta", 1e-5))
         for r in data.get("rounds", []):
             ledger.record_round(r.get("noise_multipliers"),
@@ -411,5 +428,6 @@ class PrivacyLedger:
                                 claimed_noise_multiplier=r.get("claimed_noise_multipliers"),
                                 covered=r.get("covered", True), round=r.get("round"),
                                 public=r.get("public", ()), paper_epsilon=r.get("paper_epsilon"),
-                                claim_note=r.get("claim_note", ""), dropouts=r.get("dropped"))
+                                claim_note=r.get("claim_note", ""), dropouts=r.get("dropped"),
+                                mechanism=None if r.get("mechanism") is None else event_from_dict(r["mechanism"]))
         return ledger
