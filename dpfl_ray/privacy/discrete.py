@@ -297,3 +297,64 @@ def event_rdp_curve(event, orders, relation: NeighboringRelation) -> np.ndarray 
     if rate >= 1.0:
         return np.array([inner.rdp(float(a)) for a in orders])
     return np.array([poisson_subsampled_rdp(max(2, math.ceil(float(a))), rate, inner.rdp) for a in orders])
+
+
+# -- one round's ring plan ---------------------------------------------------------------------------
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class RingPlan:
+    """How one round carries the clients' vectors through Z_(2^bits) (secagg/ring.py) and what it
+    releases. ``scale``: integer steps per model unit (1/gamma). ``local_variance``: each client's
+    noise share in integer units (an integer for the discrete Gaussian). ``event``: what the ledger
+    books for the round, before sampling. ``wrap_probability``: the bound on a modular wrap."""
+
+    bits: int
+    scale: float
+    local_variance: float
+    event: DiscreteNoiseSumDpEvent
+    wrap_probability: float
+
+
+def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float, noise_std: float,
+              sensitivity: float, max_wrap_probability: float = 1e-4, beta: float = math.exp(-0.5)) -> RingPlan:
+    """The finest scale at which ``shares`` clients' vectors of norm <= ``clip_norm`` (in sum at most
+    shares * clip_norm), rounded and carrying noise whose sum has std ``noise_std`` (model units),
+    wrap in Z_(2^bits) with probability at most ``max_wrap_probability``; and the event the round
+    releases, with the rounded sensitivity of one client (``sensitivity`` in model units,
+    conditional rounding at ``beta``). The discrete Gaussian's share variance is rounded up to an
+    integer, so its sum carries at least the asked noise. A ring too small for any scale is a
+    one-line error naming bits."""
+    from ..secagg.ring import padded_dim, wrap_probability
+
+    if mechanism not in MECHANISMS:
+        raise DPFLError(f"unknown discrete mechanism {mechanism!r}; choose one of {', '.join(MECHANISMS)}",
+                        field="distributed_noise")
+    d = padded_dim(dim)
+
+    def at(scale: float) -> RingPlan:
+        total = (scale * noise_std) ** 2
+        if mechanism == "discrete_gaussian":
+            local = float(max(1, math.ceil(total / shares)))
+            wrap = wrap_probability(bits, d, shares * clip_norm * scale, shares, dg_variance=local)
+            variance = local
+        else:
+            local = total / shares
+            wrap = wrap_probability(bits, d, shares * clip_norm * scale, shares, skellam_variance=local)
+            variance = total
+        l2 = rounded_l2_bound(sensitivity * scale, d, beta)
+        event = DiscreteNoiseSumDpEvent(mechanism, rounded_l1_bound(l2, d), l2, variance, int(shares), d)
+        return RingPlan(int(bits), scale, local, event, wrap)
+
+    low, high = 1e-6, 2.0 ** bits / (noise_std + clip_norm)
+    if at(low).wrap_probability > max_wrap_probability:
+        raise DPFLError(f"a {bits}-bit ring cannot hold the sum of {shares} clients' vectors of {dim} values with "
+                        f"a wrap probability below {max_wrap_probability:g}; use more bits", field="bits")
+    for _ in range(60):  # bisection on log(scale)
+        mid = math.sqrt(low * high)
+        if at(mid).wrap_probability <= max_wrap_probability:
+            low = mid
+        else:
+            high = mid
+    plan = at(low)
+    if mechanism == "discrete_gaussian" and plan.local_variance > MAX_DISCRETE_GAUSSIAN_VARIANCE:
+        return at(math.sqrt(MAX_DISCRETE_GAUSSIAN_VARIANCE * shares) / noise_std)
+    return plan

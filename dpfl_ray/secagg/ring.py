@@ -126,11 +126,12 @@ def wrap_probability(bits: int, dim: int, signal_l2: float, shares: int, *, dg_v
     edge = float(2 ** (b - 1))
 
     def log_mgf(lam: float) -> float:
-        return lam * lam * proxy / 2.0 + mu * (math.cosh(lam) - 1.0)
+        return lam * lam * proxy / 2.0 + (mu * (math.cosh(lam) - 1.0) if mu else 0.0)
 
     def slope(lam: float) -> float:
-        return lam * proxy + mu * math.sinh(lam) - edge
+        return lam * proxy + (mu * math.sinh(lam) if mu else 0.0) - edge
 
     top = min(edge / proxy if proxy > 0 else math.inf, math.asinh(edge / mu) if mu > 0 else math.inf)
-    lam = optimize.brentq(slope, 0.0, top) if slope(top) > 0 else top
-    return min(1.0, 2.0 * d * math.exp(log_mgf(lam) - lam * edge))
+    # the exponent's minimiser: edge / proxy for a sub-Gaussian sum, else the root of its slope
+    lam = edge / proxy if not mu else optimize.brentq(slope, 0.0, top)
+    return min(1.0, 2.0 * d * math.exp(min(0.0, log_mgf(lam) - lam * edge)))

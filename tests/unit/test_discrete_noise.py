@@ -241,3 +241,27 @@ def test_pld_refuses_a_discrete_sum_in_one_line():
     event = discrete.DiscreteNoiseSumDpEvent("discrete_gaussian", 100.0, 10.0, 400.0, 10, 64)
     with pytest.raises(DPFLError, match="use accountant 'rdp' or 'rdp-classic'"):
         PrivacyLedger(accountant="pld").record_round(1.0, PoissonSampling(0.1), reason="x", mechanism=event)
+
+
+# -- a round's ring plan, at Baek's CI setting (z = 1, C = 1, 50 shares, q = 0.01, 100 rounds) ------------
+def _baek_epsilon(plan) -> float:
+    return discrete.epsilon(100 * discrete.rdp_curve(plan.event.rdp, rate=0.01), 1e-5)
+
+
+@pytest.mark.parametrize("mechanism", discrete.MECHANISMS)
+def test_the_ring_plan_keeps_wraps_rare_and_costs_what_its_bits_allow(mechanism):
+    plans = {b: discrete.plan_ring(mechanism, b, 50, 26010, 1.0, 2.0, 2.0) for b in (12, 16, 20)}
+    assert all(p.wrap_probability <= 1e-4 for p in plans.values())
+    assert plans[12].scale < plans[16].scale < plans[20].scale  # more bits, finer steps
+    if mechanism == "discrete_gaussian":
+        assert all(p.local_variance == int(p.local_variance) for p in plans.values())
+    # at 20 bits the rounding is negligible: the round costs what Zhu & Wang's amplification of the
+    # continuous Gaussian (z = 1) costs; at 12 bits the rounding inflates the sensitivity by 4%
+    generic = discrete.epsilon(100 * discrete.rdp_curve(lambda a: a / 2.0, rate=0.01), 1e-5)
+    assert _baek_epsilon(plans[20]) == pytest.approx(generic, rel=1e-3)
+    assert _baek_epsilon(plans[12]) > 1.05 * generic
+
+
+def test_a_ring_too_small_for_the_cohort_is_one_line_naming_bits():
+    with pytest.raises(DPFLError, match="^bits: a 4-bit ring cannot hold"):
+        discrete.plan_ring("skellam", 4, 500, 26010, 1.0, 2.0, 2.0)
