@@ -265,3 +265,22 @@ def test_the_ring_plan_keeps_wraps_rare_and_costs_what_its_bits_allow(mechanism)
 def test_a_ring_too_small_for_the_cohort_is_one_line_naming_bits():
     with pytest.raises(DPFLError, match="^bits: a 4-bit ring cannot hold"):
         discrete.plan_ring("skellam", 4, 500, 26010, 1.0, 2.0, 2.0)
+
+
+def test_docs_distributed_dp_shows_what_its_script_prints(capsys):
+    """Every line docs/experiments/distributed_dp_bits.py prints stands in docs/distributed_dp.md."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bits", root / "docs" / "experiments" / "distributed_dp_bits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    doc = (root / "docs" / "distributed_dp.md").read_text()
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 16  # two references, the header, its rule, 12 rows
+    for line in printed[:2]:  # the two continuous references, as the page words them
+        assert f"epsilon {line.split('epsilon ')[1]}" in doc.replace("**", ""), line
+    for line in printed[2:]:
+        assert line in doc, line
