@@ -284,3 +284,33 @@ def test_docs_distributed_dp_shows_what_its_script_prints(capsys):
         assert f"epsilon {line.split('epsilon ')[1]}" in doc.replace("**", ""), line
     for line in printed[2:]:
         assert line in doc, line
+
+
+def test_neighbouring_cohorts_through_the_whole_ring_pipeline_separate_no_more_than_booked():
+    """Ten clients against the same ten less one (add/remove), each release the real pipeline:
+    scale, rotate, round conditionally, a Skellam share each, mod 2^16, the sum, decode, rotate back.
+    Along the removed client's update the two releases are Gaussian-like with separation
+    C / (2Cz) = 0.5; the booked event allows l2 / sqrt(variance) = 1 / z (Baek's 2C). A pipeline
+    that lost noise, or mis-scaled it, would separate them further (after tests/unit/test_distinguishing.py)."""
+    from tests.unit.test_distinguishing import SEEDS, SLACK, separation
+
+    dim, bits, z, clip = 200, 16, 1.0, 1.0
+    g = np.random.default_rng(11)
+    updates = [u / np.linalg.norm(u) * clip for u in g.normal(size=(10, dim))]
+    plan = discrete.plan_ring("skellam", bits, 10, dim, clip, 2 * clip * z, 2 * clip)
+    allowed = plan.event.l2 / math.sqrt(plan.event.variance)
+
+    def release(clients, seed: int) -> float:
+        rng = np.random.default_rng(seed)
+        signs = ring.rotation_signs(seed.to_bytes(8, "big"), dim)
+        bound = discrete.rounded_l2_bound(clip * plan.scale, signs.size, math.exp(-0.5))
+        words = [ring.to_ring(ring.conditional_round(ring.rotate(u * plan.scale, signs), rng, bound)
+                              + discrete.skellam(rng, plan.local_variance, signs.size), bits) for u in clients]
+        total = ring.from_ring(ring.ring_sum(words, bits), bits).astype(float)
+        return float(ring.unrotate(total, signs, dim) @ updates[0]) / plan.scale
+
+    with_it = [release(updates, s) for s in range(SEEDS)]
+    without = [release(updates[1:], s) for s in range(SEEDS, 2 * SEEDS)]
+    mu_hat = separation(with_it, without)
+    assert allowed == pytest.approx(1 / z, rel=1e-3)
+    assert 0.25 < mu_hat <= allowed + SLACK, (mu_hat, allowed)  # 0.57 here (C / 2Cz = 0.5)
