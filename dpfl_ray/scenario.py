@@ -235,6 +235,10 @@ class PrivacyConfig(_Section):
     randomness: Literal["reproducible", "os"] = Field(
         "reproducible", description="DP noise and layer seeds from the scenario seed (repeatable), or from "
                                     "os.urandom expanded by ChaCha20 (not repeatable)")
+    distributed_noise: Literal["gaussian", "skellam", "discrete_gaussian"] = Field(
+        "gaussian", description="baek: the clients' noise shares; skellam / discrete_gaussian: integers added "
+                                "inside SecAgg's ring of secagg.bits bits, booked by their own RDP "
+                                "(docs/distributed_dp.md)")
 
 
 class SecAggConfig(_Section):
@@ -242,7 +246,11 @@ class SecAggConfig(_Section):
 
     enabled: bool = False
     protocol: Literal["secagg", "secagg+"] = "secagg"
-    bits: Literal[32, 64] = 64
+    bits: int = Field(64, description="the ring Z_2^bits: 32 or 64 for fixed-point encoding; 8-32 for the "
+                                       "integer noise of privacy.distributed_noise")
+    max_wrap_probability: float = Field(
+        1e-4, gt=0, lt=1, description="integer noise: the scale is the finest whose bound on a modular wrap of "
+                                      "the round's sum stays below this")
     scale: float | None = Field(
         None, gt=0, description="fixed-point scale; default 2^40 for 64-bit words, 2^16 for 32-bit")
     overflow: Literal["error", "clip"] = "error"
@@ -260,8 +268,21 @@ class SecAggConfig(_Section):
         # resolution, so SecAgg reproduces the plain model bit for bit in practice.
         return self.scale if self.scale is not None else (2.0 ** 40 if self.bits == 64 else 2.0 ** 16)
 
+    @property
+    def transport_bits(self) -> int:
+        """The width of SecAgg's own words: a ring of fewer than 32 bits travels in 32-bit words
+        (2^bits divides 2^32, so the masks cancel mod 2^bits as well)."""
+        return self.bits if self.bits in (32, 64) else 32
+
     phase_timeout_seconds: float | None = Field(
         None, gt=0, description="a worker that misses a phase's deadline drops its clients in that phase")
+
+    @field_validator("bits")
+    @classmethod
+    def _bits(cls, b):
+        if not (b in (32, 64) or 8 <= b <= 31):
+            raise ValueError(f"must be 32 or 64 (fixed-point encoding) or 8-31 (integer noise), got {b}")
+        return b
 
     @field_validator("threshold", mode="before")
     @classmethod

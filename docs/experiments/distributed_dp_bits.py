@@ -8,7 +8,7 @@ clients a round (5,000 users, q = 0.01), 100 rounds, delta = 1e-5, and the CNN's
 import dp_accounting
 from dp_accounting.rdp import RdpAccountant
 
-from dpfl_ray.privacy import discrete
+from dpfl_ray.privacy import discrete_rdp as discrete
 
 Q, Z, C, ROUNDS, SHARES, DIM, DELTA = 0.01, 1.0, 1.0, 100, 50, 26010, 1e-5
 

@@ -95,9 +95,9 @@ def _rdp_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: Neighbor
 
 
 def _discrete_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: NeighboringRelation) -> np.ndarray | None:
-    """The RDP curve of an integer-noise sum (privacy/discrete.py), alone or Poisson-sampled; None for
+    """The RDP curve of an integer-noise sum (privacy/discrete_rdp.py), alone or Poisson-sampled; None for
     every other event. Cached as :func:`_rdp_curve` caches dp_accounting's."""
-    from dpfl_ray.privacy.discrete import DiscreteNoiseSumDpEvent
+    from dpfl_ray.privacy.discrete_rdp import DiscreteNoiseSumDpEvent
 
     inner = event.event if isinstance(event, dpe.PoissonSampledDpEvent) else event
     if not isinstance(inner, DiscreteNoiseSumDpEvent):
@@ -105,7 +105,7 @@ def _discrete_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: Nei
     key = (repr(event), orders, relation)
     curve = _CURVES.get(key)
     if curve is None:
-        from dpfl_ray.privacy.discrete import event_rdp_curve
+        from dpfl_ray.privacy.discrete_rdp import event_rdp_curve
 
         curve = event_rdp_curve(event, orders, relation)
         curve.setflags(write=False)
@@ -126,7 +126,7 @@ class _MemoRdpAccountant(dp_accounting.rdp.RdpAccountant):
 
     def _maybe_compose(self, event, count, do_compose):
         curve = _discrete_curve(event, tuple(float(o) for o in self._orders), self._neighboring_relation)
-        if curve is not None:  # integer noise inside SecAgg (privacy/discrete.py): not a dp_accounting event
+        if curve is not None:  # integer noise inside SecAgg (privacy/discrete_rdp.py): not a dp_accounting event
             if do_compose:
                 self._rdp += count * curve
             return None

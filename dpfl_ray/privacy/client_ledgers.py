@@ -39,7 +39,7 @@ _CONVERSIONS = ("dp_accounting", "classic")
 
 def event_from_dict(data: dict) -> dpe.DpEvent:
     """Inverse of :func:`dpfl_ray.privacy.sampling.event_to_dict`."""
-    from dpfl_ray.privacy.discrete import DiscreteNoiseSumDpEvent
+    from dpfl_ray.privacy.discrete_rdp import DiscreteNoiseSumDpEvent
 
     fields = dict(data)
     name = fields.pop("type")

@@ -1,4 +1,4 @@
-"""Integer noise for distributed DP inside secure aggregation, and what it costs in RDP (issue #36).
+"""Integer noise for distributed DP inside secure aggregation: the samplers (issue #36).
 
 Each client adds integer noise to its integer (scaled, rotated, rounded) update; SecAgg sums the
 shares mod 2^b. Two noises:
@@ -13,41 +13,17 @@ shares mod 2^b. Two noises:
   sum over clients is again a Skellam, so the released noise is exactly Sk(n mu / 2, n mu / 2).
   numpy's Poisson sampler, seeded from the run's DP randomness (:mod:`dpfl_ray.privacy.randomness`).
 
-What they cost, as RDP curves over integer orders (:data:`ORDERS`), before sampling:
-
-* :func:`skellam_rdp`: Agarwal, Kairouz & Liu 2021 ("The Skellam mechanism for differentially private
-  federated learning"), the multi-dimensional Skellam mechanism with l1 and l2 sensitivities, in the
-  integer domain: eps(a) = a D2^2 / (2 mu) + min(((2a - 1) D2^2 + 6 D1) / (4 mu^2), 3 D1 / (2 mu)),
-  mu the variance of the summed noise.
-* :func:`ddgauss_rdp`: Kairouz, Liu & Steinke 2021 ("The distributed discrete Gaussian mechanism for
-  federated learning with secure aggregation"), Prop. 14 with the divergence term tau of a sum of n
-  discrete Gaussians (Thm. 1: tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 s2 k / (k + 1))).
-* :func:`rounded_l2_bound`, :func:`rounded_l1_bound`: the sensitivities after (conditional) randomized
-  rounding to integers (Kairouz et al. 2021, Thm. 1 and Prop. 22).
-* :func:`poisson_subsampled_rdp`: the amplification by Poisson sampling of a mechanism given by its RDP
-  at integer orders, Zhu & Wang 2019 ("Poisson subsampled Renyi differential privacy", Thm. 5, the
-  upper bound), at most the mechanism's own.
-
-dp_accounting has no event for these mechanisms: :class:`DiscreteNoiseSumDpEvent` is one, alone or
-inside dp_accounting's ``PoissonSampledDpEvent``, and the project's RDP accountants
-(:mod:`dpfl_ray.privacy.accountants`) compose its curve (:func:`event_rdp_curve`) with every other
-event and convert the sum with dp_accounting's own conversion. The Gaussian special cases are tested
-against dp_accounting's RdpAccountant (tests/unit/test_discrete_noise.py).
+Their accounting is :mod:`dpfl_ray.privacy.discrete_rdp`; this module needs numpy only, so the
+workers that draw the noise load neither dp_accounting nor scipy.
 """
 from __future__ import annotations
 
 import math
 
-import attr
 import numpy as np
-from dp_accounting import NeighboringRelation
-from dp_accounting import dp_event as dpe
-from scipy import special
 
 from ..errors import DPFLError
 
-# Integer orders only: the subsampling bound (Zhu & Wang 2019, Thm. 5) is stated for them.
-ORDERS = tuple(range(2, 129)) + (256,)
 # Above this variance the exact sampler's integer arithmetic (2 s2 t^2) would pass int64.
 MAX_DISCRETE_GAUSSIAN_VARIANCE = 2 ** 30
 
@@ -160,201 +136,3 @@ def skellam(gen, variance: float, size: int) -> np.ndarray:
         gen = np.random.default_rng([int(w) for w in gen.integers(0, 2 ** 62, size=4)])
     half = float(variance) / 2.0
     return gen.poisson(half, int(size)).astype(np.int64) - gen.poisson(half, int(size)).astype(np.int64)
-
-
-# -- sensitivities after rounding ------------------------------------------------------------------
-def rounded_l2_bound(l2: float, dim: int, beta: float = 0.0) -> float:
-    """The l2 norm bound of a vector of norm <= ``l2`` (integer units) after randomized rounding to
-    integers: l2 + sqrt(dim) (each coordinate moves by less than 1); with conditional rounding at
-    ``beta`` in (0, 1) (a rounding whose norm passes the second bound is drawn again) also
-    sqrt(l2^2 + dim/4 + sqrt(2 ln(1/beta)) (l2 + sqrt(dim)/2)) (Kairouz et al. 2021, Thm. 1 / Prop. 22);
-    the smaller of the two."""
-    if not (l2 > 0 and int(dim) == dim and dim >= 1 and 0 <= beta < 1):
-        raise DPFLError(f"rounded_l2_bound needs l2 > 0, an integer dim >= 1 and 0 <= beta < 1, got {l2}, {dim}, "
-                        f"{beta}", field="beta")
-    plain = l2 + math.sqrt(dim)
-    if beta == 0:
-        return plain
-    squared = l2 ** 2 + 0.25 * dim + math.sqrt(2.0 * math.log(1.0 / beta)) * (l2 + 0.5 * math.sqrt(dim))
-    return min(plain, math.sqrt(squared))
-
-
-def rounded_l1_bound(l2: float, dim: int) -> float:
-    """The l1 bound of an integer vector of l2 norm <= ``l2``: l1 <= sqrt(dim) l2, and l1 <= l2^2 for
-    integer coordinates."""
-    return l2 * min(math.sqrt(dim), l2)
-
-
-# -- RDP -------------------------------------------------------------------------------------------
-def skellam_rdp(order: int, l1: float, l2: float, variance: float) -> float:
-    """RDP at ``order`` of releasing a sum plus symmetric Skellam noise of total ``variance`` (integer
-    units) when one client moves the sum by at most ``l1`` / ``l2`` (Agarwal, Kairouz & Liu 2021)."""
-    a, mu = float(order), float(variance)
-    if not (a > 1 and mu > 0):
-        raise DPFLError(f"skellam_rdp needs order > 1 and variance > 0, got {order}, {variance}", field="variance")
-    return a * l2 ** 2 / (2.0 * mu) + min(((2.0 * a - 1.0) * l2 ** 2 + 6.0 * l1) / (4.0 * mu ** 2),
-                                          3.0 * l1 / (2.0 * mu))
-
-
-def ddgauss_tau(local_variance: float, shares: int) -> float:
-    """The divergence term of a sum of ``shares`` discrete Gaussians of variance ``local_variance``
-    each from one discrete Gaussian of the total variance (Kairouz et al. 2021, Thm. 1)."""
-    return 10.0 * sum(math.exp(-2.0 * math.pi ** 2 * local_variance * k / (k + 1)) for k in range(1, int(shares)))
-
-
-def ddgauss_rdp(order: int, l1: float, l2: float, local_variance: float, shares: int, dim: int) -> float:
-    """RDP at ``order`` of releasing a sum plus ``shares`` independent N_Z(0, local_variance) draws per
-    coordinate (integer units), sensitivities ``l1`` / ``l2`` (Kairouz et al. 2021, Prop. 14)."""
-    a = float(order)
-    if not (a > 1 and local_variance > 0 and shares >= 1):
-        raise DPFLError(f"ddgauss_rdp needs order > 1, local_variance > 0 and shares >= 1, got {order}, "
-                        f"{local_variance}, {shares}", field="local_variance")
-    total_std = math.sqrt(shares * local_variance)
-    s1, s2, tau = l1 / total_std, l2 / total_std, ddgauss_tau(local_variance, shares)
-    return min(a / 2.0 * s2 ** 2 + tau * dim,
-               a / 2.0 * (s2 ** 2 + 2.0 * s1 * tau + tau ** 2 * dim),
-               a / 2.0 * (s2 + math.sqrt(dim) * tau) ** 2)
-
-
-def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
-    """RDP at integer ``order`` >= 2 of a mechanism run on a Poisson sample at ``rate``, the mechanism's
-    RDP given as the function ``rdp(order)``: Zhu & Wang 2019, Thm. 5 (an upper bound), and never above
-    the mechanism's own RDP."""
-    alpha = int(order)
-    if alpha != order or alpha < 2:
-        raise DPFLError(f"the subsampling bound needs an integer order >= 2, got {order}", field="order")
-    if not 0 < rate <= 1:
-        raise DPFLError(f"the sampling rate must be in (0, 1], got {rate}", field="rate")
-    own = rdp(alpha)
-    if rate == 1:
-        return own
-    g = float(rate)
-    terms = [0.0, rdp(2)]
-    weights = [(1 - g) ** (alpha - 1) * (alpha * g - g + 1), special.comb(alpha, 2) * g ** 2 * (1 - g) ** (alpha - 2)]
-    for ell in range(3, alpha + 1):
-        log_binom = special.gammaln(alpha + 1) - special.gammaln(ell + 1) - special.gammaln(alpha - ell + 1)
-        terms.append((ell - 1) * rdp(ell) + log_binom + (alpha - ell) * math.log1p(-g) + ell * math.log(g))
-        weights.append(3.0)
-    return min(float(special.logsumexp(terms, b=weights)) / (alpha - 1), own)
-
-
-def rdp_curve(rdp, rate: float = 1.0, orders=ORDERS) -> np.ndarray:
-    """One round's RDP at every order of ``orders``, amplified by Poisson sampling at ``rate``."""
-    return np.array([poisson_subsampled_rdp(a, rate, rdp) if rate < 1 else rdp(a) for a in orders])
-
-
-def epsilon(curve, delta: float, orders=ORDERS) -> float:
-    """epsilon at ``delta`` of an RDP curve (several rounds: the sum of theirs), by dp_accounting's
-    conversion."""
-    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
-
-    eps, _ = compute_epsilon(list(orders), list(np.asarray(curve, dtype=float)), delta)
-    return float(eps)
-
-
-# -- the ledger's event ------------------------------------------------------------------------------
-MECHANISMS = ("skellam", "discrete_gaussian")
-
-
-@attr.s(frozen=True, slots=True, auto_attribs=True)
-class DiscreteNoiseSumDpEvent(dpe.DpEvent):
-    """One release of a secure sum of integer vectors carrying the clients' integer noise shares.
-
-    ``mechanism``: 'skellam' or 'discrete_gaussian'. ``l1``, ``l2``: how far one client can move the
-    integer sum (its rounded, scaled contribution's bounds). ``variance``: for Skellam the variance of
-    the summed noise (its shares add up to one Skellam), for the discrete Gaussian each share's.
-    ``shares``: the number of noise shares in the sum. ``dim``: the vector's length (after padding)."""
-
-    mechanism: str
-    l1: float
-    l2: float
-    variance: float
-    shares: int
-    dim: int
-
-    def rdp(self, order: float) -> float:
-        if self.mechanism == "skellam":
-            return skellam_rdp(order, self.l1, self.l2, self.variance)
-        if self.mechanism == "discrete_gaussian":
-            return ddgauss_rdp(order, self.l1, self.l2, self.variance, self.shares, self.dim)
-        raise DPFLError(f"unknown discrete mechanism {self.mechanism!r}; choose one of {', '.join(MECHANISMS)}",
-                        field="mechanism")
-
-
-def event_rdp_curve(event, orders, relation: NeighboringRelation) -> np.ndarray | None:
-    """The RDP curve over ``orders`` of a :class:`DiscreteNoiseSumDpEvent`, or of one inside
-    dp_accounting's ``PoissonSampledDpEvent`` (Zhu & Wang's bound, add/remove-one only); None for any
-    other event. A fractional order gets the next integer order's value: Renyi divergence never
-    decreases with the order, so that bounds it."""
-    inner, rate = event, 1.0
-    if isinstance(event, dpe.PoissonSampledDpEvent) and isinstance(event.event, DiscreteNoiseSumDpEvent):
-        if relation != NeighboringRelation.ADD_OR_REMOVE_ONE:
-            raise DPFLError("a Poisson-sampled discrete noise sum is accounted under the add/remove-one relation "
-                            f"only, not {relation.name}", field="accountant")
-        inner, rate = event.event, float(event.sampling_probability)
-    if not isinstance(inner, DiscreteNoiseSumDpEvent):
-        return None
-    if rate >= 1.0:
-        return np.array([inner.rdp(float(a)) for a in orders])
-    return np.array([poisson_subsampled_rdp(max(2, math.ceil(float(a))), rate, inner.rdp) for a in orders])
-
-
-# -- one round's ring plan ---------------------------------------------------------------------------
-@attr.s(frozen=True, slots=True, auto_attribs=True)
-class RingPlan:
-    """How one round carries the clients' vectors through Z_(2^bits) (secagg/ring.py) and what it
-    releases. ``scale``: integer steps per model unit (1/gamma). ``local_variance``: each client's
-    noise share in integer units (an integer for the discrete Gaussian). ``event``: what the ledger
-    books for the round, before sampling. ``wrap_probability``: the bound on a modular wrap."""
-
-    bits: int
-    scale: float
-    local_variance: float
-    event: DiscreteNoiseSumDpEvent
-    wrap_probability: float
-
-
-def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float, noise_std: float,
-              sensitivity: float, max_wrap_probability: float = 1e-4, beta: float = math.exp(-0.5)) -> RingPlan:
-    """The finest scale at which ``shares`` clients' vectors of norm <= ``clip_norm`` (in sum at most
-    shares * clip_norm), rounded and carrying noise whose sum has std ``noise_std`` (model units),
-    wrap in Z_(2^bits) with probability at most ``max_wrap_probability``; and the event the round
-    releases, with the rounded sensitivity of one client (``sensitivity`` in model units,
-    conditional rounding at ``beta``). The discrete Gaussian's share variance is rounded up to an
-    integer, so its sum carries at least the asked noise. A ring too small for any scale is a
-    one-line error naming bits."""
-    from ..secagg.ring import padded_dim, wrap_probability
-
-    if mechanism not in MECHANISMS:
-        raise DPFLError(f"unknown discrete mechanism {mechanism!r}; choose one of {', '.join(MECHANISMS)}",
-                        field="distributed_noise")
-    d = padded_dim(dim)
-
-    def at(scale: float) -> RingPlan:
-        total = (scale * noise_std) ** 2
-        if mechanism == "discrete_gaussian":
-            local = float(max(1, math.ceil(total / shares)))
-            wrap = wrap_probability(bits, d, shares * clip_norm * scale, shares, dg_variance=local)
-            variance = local
-        else:
-            local = total / shares
-            wrap = wrap_probability(bits, d, shares * clip_norm * scale, shares, skellam_variance=local)
-            variance = total
-        l2 = rounded_l2_bound(sensitivity * scale, d, beta)
-        event = DiscreteNoiseSumDpEvent(mechanism, rounded_l1_bound(l2, d), l2, variance, int(shares), d)
-        return RingPlan(int(bits), scale, local, event, wrap)
-
-    low, high = 1e-6, 2.0 ** bits / (noise_std + clip_norm)
-    if at(low).wrap_probability > max_wrap_probability:
-        raise DPFLError(f"a {bits}-bit ring cannot hold the sum of {shares} clients' vectors of {dim} values with "
-                        f"a wrap probability below {max_wrap_probability:g}; use more bits", field="bits")
-    for _ in range(60):  # bisection on log(scale)
-        mid = math.sqrt(low * high)
-        if at(mid).wrap_probability <= max_wrap_probability:
-            low = mid
-        else:
-            high = mid
-    plan = at(low)
-    if mechanism == "discrete_gaussian" and plan.local_variance > MAX_DISCRETE_GAUSSIAN_VARIANCE:
-        return at(math.sqrt(MAX_DISCRETE_GAUSSIAN_VARIANCE * shares) / noise_std)
-    return plan

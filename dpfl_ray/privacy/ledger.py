@@ -86,7 +86,7 @@ class RoundRecord:
     sampling become their single equivalent Gaussian). ``claimed_event`` /
     ``claimed_accounted_event``: the same with the claimed multipliers, ignoring ``covered``.
     ``mechanism``: what the round released under its sampling when that is not Gaussian noise (a
-    :class:`dpfl_ray.privacy.discrete.DiscreteNoiseSumDpEvent`: integer noise inside SecAgg); the
+    :class:`dpfl_ray.privacy.discrete_rdp.DiscreteNoiseSumDpEvent`: integer noise inside SecAgg); the
     multipliers are then the continuous Gaussian's the scenario asked for, which the claim books.
     """
 
@@ -223,7 +223,7 @@ class PrivacyLedger:
         ``dropouts``: who was missing from the round, {cause: {phase: count}} (dpfl_ray.faults.plan), for
         the reader: what was booked already reflects them.
         ``mechanism``: the event the round released under its sampling, when it is not the Gaussians
-        of ``noise_multiplier`` (integer noise inside SecAgg, privacy/discrete.py); the effective
+        of ``noise_multiplier`` (integer noise inside SecAgg, privacy/discrete_rdp.py); the effective
         multipliers are then ignored and the claimed ones (default: ``noise_multiplier``) book the
         claim.
         """

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import optimize
 
 from .errors import EncodingError
 
@@ -133,5 +132,10 @@ def wrap_probability(bits: int, dim: int, signal_l2: float, shares: int, *, dg_v
 
     top = min(edge / proxy if proxy > 0 else math.inf, math.asinh(edge / mu) if mu > 0 else math.inf)
     # the exponent's minimiser: edge / proxy for a sub-Gaussian sum, else the root of its slope
-    lam = edge / proxy if not mu else optimize.brentq(slope, 0.0, top)
+    if mu:
+        from scipy import optimize  # here: the workers, which rotate and round, never load scipy
+
+        lam = optimize.brentq(slope, 0.0, top)
+    else:
+        lam = edge / proxy
     return min(1.0, 2.0 * d * math.exp(min(0.0, log_mgf(lam) - lam * edge)))

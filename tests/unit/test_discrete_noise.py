@@ -10,6 +10,7 @@ from scipy import stats
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy import discrete
+from dpfl_ray.privacy import discrete_rdp as rdp
 from dpfl_ray.privacy.randomness import ChaChaNormal
 from dpfl_ray.secagg import ring
 from dpfl_ray.secagg.errors import EncodingError
@@ -88,58 +89,58 @@ def test_impossible_noise_parameters_are_one_line_errors():
 def test_one_discrete_gaussian_has_the_gaussian_rdp():
     # a single share: tau = 0, and Prop. 14's first term is the Gaussian's a D^2 / (2 s2)
     for order in (2, 7, 64):
-        assert discrete.ddgauss_rdp(order, l1=30.0, l2=5.0, local_variance=100.0, shares=1, dim=1000) == \
+        assert rdp.ddgauss_rdp(order, l1=30.0, l2=5.0, local_variance=100.0, shares=1, dim=1000) == \
             pytest.approx(order * 25.0 / 200.0)
 
 
 def test_the_sum_of_discrete_gaussians_costs_a_little_more_than_one_of_the_total_variance():
     # 10 shares of variance 4: tau = 10 sum exp(-8 pi^2 k/(k+1)) is tiny but positive
-    tau = discrete.ddgauss_tau(4.0, 10)
+    tau = rdp.ddgauss_tau(4.0, 10)
     assert 0 < tau < 1e-15
-    assert discrete.ddgauss_rdp(5, 10.0, 4.0, 4.0, 10, 100) >= 5 * 16.0 / (2 * 40.0)
+    assert rdp.ddgauss_rdp(5, 10.0, 4.0, 4.0, 10, 100) >= 5 * 16.0 / (2 * 40.0)
     # with variance 0.05 per share the sum is far from a discrete Gaussian: the bound grows
-    assert discrete.ddgauss_rdp(5, 10.0, 4.0, 0.05, 10, 100) > 10 * 5 * 16.0 / (2 * 0.5)
+    assert rdp.ddgauss_rdp(5, 10.0, 4.0, 0.05, 10, 100) > 10 * 5 * 16.0 / (2 * 0.5)
 
 
 def test_skellam_rdp_tends_to_the_gaussian_one_as_the_variance_grows():
     for mu in (1e2, 1e4, 1e6):
         gauss = 8 * 10.0 ** 2 / (2 * mu)
-        rdp = discrete.skellam_rdp(8, l1=300.0, l2=10.0, variance=mu)
-        assert rdp > gauss
+        cost = rdp.skellam_rdp(8, l1=300.0, l2=10.0, variance=mu)
+        assert cost > gauss
         if mu >= 1e4:
-            assert rdp / gauss < 1.01
+            assert cost / gauss < 1.01
 
 
 def test_poisson_subsampling_bound_covers_dp_accountings_sampled_gaussian_and_stays_near_it():
     q, z = 0.01, 1.0
-    acc = RdpAccountant(orders=list(discrete.ORDERS))
+    acc = RdpAccountant(orders=list(rdp.ORDERS))
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
     exact = np.array(acc._rdp)  # noqa: SLF001 - the accountant's own curve, per order
-    bound = discrete.rdp_curve(lambda a: a / (2 * z * z), rate=q)
+    bound = rdp.rdp_curve(lambda a: a / (2 * z * z), rate=q)
     assert np.all(bound >= exact * (1 - 1e-9))
     # and it is an amplification: far below the unsampled Gaussian at the orders that matter
-    assert bound[discrete.ORDERS.index(8)] < 0.05 * 8 / 2
+    assert bound[rdp.ORDERS.index(8)] < 0.05 * 8 / 2
     # over 1,000 rounds: at least dp_accounting's epsilon, and within 30% of it
-    many = RdpAccountant(orders=list(discrete.ORDERS))
+    many = RdpAccountant(orders=list(rdp.ORDERS))
     many.compose(dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 1000))
-    eps_bound, eps_exact = discrete.epsilon(bound * 1000, 1e-5), many.get_epsilon(1e-5)
+    eps_bound, eps_exact = rdp.epsilon(bound * 1000, 1e-5), many.get_epsilon(1e-5)
     assert eps_exact * (1 - 1e-9) <= eps_bound < 1.3 * eps_exact, (eps_bound, eps_exact)
 
 
 def test_epsilon_is_dp_accountings_conversion():
     z = 2.0
-    acc = RdpAccountant(orders=list(discrete.ORDERS))
+    acc = RdpAccountant(orders=list(rdp.ORDERS))
     acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), 50))
-    curve = 50 * discrete.rdp_curve(lambda a: a / (2 * z * z))
-    assert discrete.epsilon(curve, 1e-6) == pytest.approx(acc.get_epsilon(1e-6), rel=1e-12)
+    curve = 50 * rdp.rdp_curve(lambda a: a / (2 * z * z))
+    assert rdp.epsilon(curve, 1e-6) == pytest.approx(acc.get_epsilon(1e-6), rel=1e-12)
 
 
 def test_rounding_inflates_the_sensitivity_by_at_most_sqrt_dim():
-    assert discrete.rounded_l2_bound(100.0, 400) == pytest.approx(120.0)
-    conditional = discrete.rounded_l2_bound(100.0, 400, beta=math.exp(-0.5))
+    assert rdp.rounded_l2_bound(100.0, 400) == pytest.approx(120.0)
+    conditional = rdp.rounded_l2_bound(100.0, 400, beta=math.exp(-0.5))
     assert 100.0 < conditional < 120.0
-    assert discrete.rounded_l1_bound(3.0, 100) == 9.0 and discrete.rounded_l1_bound(30.0, 100) == 300.0
+    assert rdp.rounded_l1_bound(3.0, 100) == 9.0 and rdp.rounded_l1_bound(30.0, 100) == 300.0
 
 
 # -- the ring pipeline -------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def test_conditional_rounding_is_unbiased_and_respects_its_bound():
     x = np.full(1000, 0.3)
     mean = np.mean([ring.conditional_round(x, rng).mean() for _ in range(200)])
     assert mean == pytest.approx(0.3, abs=0.01)
-    bound = discrete.rounded_l2_bound(float(np.linalg.norm(x)), 1000, beta=math.exp(-0.5))
+    bound = rdp.rounded_l2_bound(float(np.linalg.norm(x)), 1000, beta=math.exp(-0.5))
     assert all(np.linalg.norm(ring.conditional_round(x, rng, bound)) <= bound for _ in range(20))
     with pytest.raises(EncodingError, match="no rounding within"):
         ring.conditional_round(x, rng, bound=1.0, max_tries=5)
@@ -210,7 +211,7 @@ def test_the_ledger_books_a_sampled_discrete_sum_and_reads_it_back(accountant):
     from dpfl_ray.privacy.ledger import PrivacyLedger
     from dpfl_ray.privacy.sampling import PoissonSampling
 
-    event = discrete.DiscreteNoiseSumDpEvent("skellam", l1=4000.0, l2=180.0, variance=1.6e5, shares=50, dim=2 ** 14)
+    event = rdp.DiscreteNoiseSumDpEvent("skellam", l1=4000.0, l2=180.0, variance=1.6e5, shares=50, dim=2 ** 14)
     ledger = PrivacyLedger(accountant=accountant, delta=1e-5)
     for t in range(1, 101):
         ledger.record_round(1.0, PoissonSampling(0.01), reason="baek", round=t, mechanism=event)
@@ -225,7 +226,7 @@ def test_the_ledger_books_a_sampled_discrete_sum_and_reads_it_back(accountant):
     for t in range(1, 101):
         gauss.record_round(z, PoissonSampling(0.01), reason="baek", round=t)
     assert eps > gauss.epsilon()
-    generic = discrete.epsilon(100 * discrete.rdp_curve(lambda a: a / (2 * z * z), rate=0.01), 1e-5)
+    generic = rdp.epsilon(100 * rdp.rdp_curve(lambda a: a / (2 * z * z), rate=0.01), 1e-5)
     if accountant == "rdp":
         assert eps == pytest.approx(generic, rel=1e-3), (eps, generic)
     # the claim books the continuous z = 1 the scenario named
@@ -238,33 +239,33 @@ def test_pld_refuses_a_discrete_sum_in_one_line():
     from dpfl_ray.privacy.ledger import PrivacyLedger
     from dpfl_ray.privacy.sampling import PoissonSampling
 
-    event = discrete.DiscreteNoiseSumDpEvent("discrete_gaussian", 100.0, 10.0, 400.0, 10, 64)
+    event = rdp.DiscreteNoiseSumDpEvent("discrete_gaussian", 100.0, 10.0, 400.0, 10, 64)
     with pytest.raises(DPFLError, match="use accountant 'rdp' or 'rdp-classic'"):
         PrivacyLedger(accountant="pld").record_round(1.0, PoissonSampling(0.1), reason="x", mechanism=event)
 
 
 # -- a round's ring plan, at Baek's CI setting (z = 1, C = 1, 50 shares, q = 0.01, 100 rounds) ------------
 def _baek_epsilon(plan) -> float:
-    return discrete.epsilon(100 * discrete.rdp_curve(plan.event.rdp, rate=0.01), 1e-5)
+    return rdp.epsilon(100 * rdp.rdp_curve(plan.event.rdp, rate=0.01), 1e-5)
 
 
-@pytest.mark.parametrize("mechanism", discrete.MECHANISMS)
+@pytest.mark.parametrize("mechanism", rdp.MECHANISMS)
 def test_the_ring_plan_keeps_wraps_rare_and_costs_what_its_bits_allow(mechanism):
-    plans = {b: discrete.plan_ring(mechanism, b, 50, 26010, 1.0, 2.0, 2.0) for b in (12, 16, 20)}
+    plans = {b: rdp.plan_ring(mechanism, b, 50, 26010, 1.0, 2.0, 2.0) for b in (12, 16, 20)}
     assert all(p.wrap_probability <= 1e-4 for p in plans.values())
     assert plans[12].scale < plans[16].scale < plans[20].scale  # more bits, finer steps
     if mechanism == "discrete_gaussian":
         assert all(p.local_variance == int(p.local_variance) for p in plans.values())
     # at 20 bits the rounding is negligible: the round costs what Zhu & Wang's amplification of the
     # continuous Gaussian (z = 1) costs; at 12 bits the rounding inflates the sensitivity by 4%
-    generic = discrete.epsilon(100 * discrete.rdp_curve(lambda a: a / 2.0, rate=0.01), 1e-5)
+    generic = rdp.epsilon(100 * rdp.rdp_curve(lambda a: a / 2.0, rate=0.01), 1e-5)
     assert _baek_epsilon(plans[20]) == pytest.approx(generic, rel=1e-3)
     assert _baek_epsilon(plans[12]) > 1.05 * generic
 
 
 def test_a_ring_too_small_for_the_cohort_is_one_line_naming_bits():
     with pytest.raises(DPFLError, match="^bits: a 4-bit ring cannot hold"):
-        discrete.plan_ring("skellam", 4, 500, 26010, 1.0, 2.0, 2.0)
+        rdp.plan_ring("skellam", 4, 500, 26010, 1.0, 2.0, 2.0)
 
 
 def test_docs_distributed_dp_shows_what_its_script_prints(capsys):
@@ -297,13 +298,13 @@ def test_neighbouring_cohorts_through_the_whole_ring_pipeline_separate_no_more_t
     dim, bits, z, clip = 200, 16, 1.0, 1.0
     g = np.random.default_rng(11)
     updates = [u / np.linalg.norm(u) * clip for u in g.normal(size=(10, dim))]
-    plan = discrete.plan_ring("skellam", bits, 10, dim, clip, 2 * clip * z, 2 * clip)
+    plan = rdp.plan_ring("skellam", bits, 10, dim, clip, 2 * clip * z, 2 * clip)
     allowed = plan.event.l2 / math.sqrt(plan.event.variance)
 
     def release(clients, seed: int) -> float:
         rng = np.random.default_rng(seed)
         signs = ring.rotation_signs(seed.to_bytes(8, "big"), dim)
-        bound = discrete.rounded_l2_bound(clip * plan.scale, signs.size, math.exp(-0.5))
+        bound = rdp.rounded_l2_bound(clip * plan.scale, signs.size, math.exp(-0.5))
         words = [ring.to_ring(ring.conditional_round(ring.rotate(u * plan.scale, signs), rng, bound)
                               + discrete.skellam(rng, plan.local_variance, signs.size), bits) for u in clients]
         total = ring.from_ring(ring.ring_sum(words, bits), bits).astype(float)
