@@ -481,6 +481,19 @@ class Scenario(_Section):
         return self
 
     @model_validator(mode="after")
+    def _ring_checks(self):
+        integer = self.privacy.distributed_noise != "gaussian"
+        if integer and not self.secagg.enabled:
+            raise ValueError(f"privacy.distributed_noise: {self.privacy.distributed_noise} noise is added inside "
+                             "secure aggregation; set secagg.enabled: true")
+        if not integer and self.secagg.bits not in (32, 64):
+            raise ValueError(f"secagg.bits: {self.secagg.bits} bits carry the integer noise of "
+                             "privacy.distributed_noise; fixed-point encoding takes 32 or 64")
+        if integer and self.secagg.bits == 64:
+            raise ValueError("secagg.bits: integer noise travels in 32-bit words; choose 8-32")
+        return self
+
+    @model_validator(mode="after")
     def _cross_checks(self):
         canaries = self.privacy.audit.canaries if self.privacy.audit else 0  # audit canaries join the population
         if self.sampling.mode == "fixed" and self.sampling.clients_per_round > self.data.num_clients + canaries:

@@ -235,6 +235,8 @@ class Algorithm(ABC):
 
     #: the algorithm has a privacy mechanism: the run keeps a ledger
     private: ClassVar[bool] = True
+    #: its clients can add integer noise inside SecAgg's ring (privacy.distributed_noise)
+    integer_noise: ClassVar[bool] = False
     #: the ledger reports the paper's claim next to the effective epsilon on every round
     reports_claimed_epsilon: ClassVar[bool] = False
     #: the round has a calibration phase after unmasking (a dropout phase of the fault plan)
@@ -270,6 +272,9 @@ class Algorithm(ABC):
         """Raise ValueError (message starting with the field path) if ``sc`` cannot run this
         algorithm. The default holds for every private algorithm."""
         p, name = sc.privacy, sc.training.algorithm
+        if p.distributed_noise != "gaussian" and not cls.integer_noise:
+            raise ValueError(f"privacy.distributed_noise: {name} adds no integer noise inside SecAgg; "
+                             f"{p.distributed_noise} is for baek (docs/distributed_dp.md)")
         cls.adjacency(sc)
         if p.noise_multiplier is None and p.target_epsilon is None:
             raise ValueError(f"privacy.noise_multiplier: {name} needs a noise multiplier "
