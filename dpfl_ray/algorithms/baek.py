@@ -24,6 +24,8 @@ server's side.
 """
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,9 +38,13 @@ from ..privacy.randomness import ChaChaNormal, DPRandomness
 from ..privacy.sampling import sampling_of
 from ..privacy.sensitivity import booked_noise_multiplier, l2_sensitivity
 from .base import (
-    Abort, Aggregate, Algorithm, ClientNoise, ClientSpec, Mechanism, RoundOutcome, UnmaskPlan,
+    Abort, Aggregate, Algorithm, ClientNoise, ClientSpec, Mechanism, RingEncoding, RoundOutcome, UnmaskPlan,
     require_public_weight_cap,
 )
+
+# Conditional randomized rounding redraws a rounding whose norm passes the bound at this beta
+# (Kairouz et al. 2021, Prop. 22; their experiments' exp(-0.5)).
+ROUNDING_BETA = math.exp(-0.5)
 
 # The sampled weight n (and the survivors' n') are broadcast to the clients: the analysis treats
 # them as public (Prop. 2 conditions the sensitivity on them).
@@ -76,6 +82,7 @@ class BaekNoise(ClientNoise):
     n: float  # the sampled weight, broadcast
     n0: float | None = None  # baek-extended's floor
     variances: tuple[float, ...] = ()  # layered: variances of layers 0..L, in units of T^2
+    ring: RingEncoding | None = None  # integer noise inside SecAgg's ring (privacy.distributed_noise)
 
     def layer_seed(self, client_id: int, layer: int) -> bytes:
         """32-byte PRG seed of one noise layer; the server only ever uses reconstructed seeds."""
@@ -107,6 +114,20 @@ class BaekNoise(ClientNoise):
                         self.T * np.sqrt(weight / n_prime), dim)
         return fresh - self.sample(client_id, weight, dim)
 
+    def integer_share(self, client_id: int, ring: RingEncoding) -> np.ndarray:
+        """The client's integer noise share in the rotated, scaled domain: every sampled client the
+        same variance, so that the survivors' shares sum to one Skellam (or to a sum of equal discrete
+        Gaussians) of the variance the ledger books."""
+        from ..privacy.discrete import discrete_gaussian, skellam
+
+        gen = self.randomness.generator("noise", self.round, client_id)
+        if ring.mechanism == "skellam":
+            return skellam(gen, ring.local_variance, ring.dim)
+        return discrete_gaussian(gen, int(ring.local_variance), ring.dim)
+
+    def rounding_generator(self, client_id: int):
+        return self.randomness.generator("rounding", self.round, client_id)
+
     def shared_seeds(self, client_id: int) -> list[bytes]:
         """Seeds of layers 1..L, Shamir-shared in SecAgg (none unless layered)."""
         if self.mode != "layered":
@@ -130,6 +151,7 @@ class RoundPlan:
 class Baek(Algorithm):
     reports_claimed_epsilon = True
     has_calibration_phase = True
+    integer_noise = True
 
     @classmethod
     def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
@@ -154,6 +176,16 @@ class Baek(Algorithm):
         if sc.secagg.overflow == "clip":
             raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
                              "relies on; use 'error' (the default) with baek")
+        if p.distributed_noise != "gaussian":
+            if p.calibration != "none":
+                raise ValueError(f"privacy.calibration: {p.distributed_noise} noise runs with calibration: none so "
+                                 "far; baek's calibration with integer shares is not built (docs/distributed_dp.md)")
+            if p.accountant == "pld":
+                raise ValueError(f"privacy.accountant: {p.distributed_noise} noise is booked by its RDP; use rdp or "
+                                 "rdp-classic")
+            if sc.sampling.mode != "poisson":
+                raise ValueError(f"privacy.distributed_noise: {p.distributed_noise} noise is accounted under Poisson "
+                                 "sampling only (Zhu & Wang's bound); set sampling.mode: poisson")
 
     def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None):
         require_public_weight_cap(scenario, weights)
@@ -171,20 +203,57 @@ class Baek(Algorithm):
         self.plan: RoundPlan | None = None
         self._current: Mechanism | None = None
         self._views = None
+        # integer noise inside SecAgg (privacy.distributed_noise): the ring and the model's size
+        self.integer = None if p.distributed_noise == "gaussian" else p.distributed_noise
+        self.bits, self.max_wrap = int(scenario.secagg.bits), float(scenario.secagg.max_wrap_probability)
+        self.seed = int(scenario.seed)
+        self.expected_count = frac * len(self.weights)
+        self.dim: int | None = None
+        self._ring = None  # this round's privacy.discrete_rdp.RingPlan
+        self._planned_event = None
+
+    def bind_model(self, dim: int) -> None:
+        self.dim = int(dim)
+
+    def _ring_plan(self, shares: int):
+        from ..privacy.discrete_rdp import plan_ring
+
+        return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm, 2.0 * self.clip_norm * self.z,
+                         2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA)
+
+    def _released_event(self, survived: int):
+        """What the round releases: the survivors' integer shares (calibration none: a dropout's
+        share is simply missing from the sum)."""
+        if self._ring is None or survived < 1:
+            return None
+        event = self._ring.event
+        variance = self._ring.local_variance * survived if self.integer == "skellam" else self._ring.local_variance
+        import attr
+
+        return attr.evolve(event, variance=float(variance), shares=int(survived))
 
     # -- what the ledger books -------------------------------------------------------------------
-    def _mechanism(self, z_effective: float) -> Mechanism:
+    def _mechanism(self, z_effective: float, event=None) -> Mechanism:
         booked = booked_multiplier(z_effective, self.clip_norm)
         # the server picks the sample, so against it the same multiplier holds unamplified
-        return Mechanism((booked,), self.sampling, f"baek, calibration={self.mode}",
+        description = f"baek, calibration={self.mode}" + (f", {self.integer} noise" if event is not None else "")
+        return Mechanism((booked,), self.sampling, description,
                          claimed_noise_multipliers=(booked_multiplier(self.z, self.clip_norm),),
                          server_noise_multipliers=(booked,), public=PUBLIC,
-                         claim_note=UNCALIBRATED_CLAIM if self.mode == "none" else "")
+                         claim_note=UNCALIBRATED_CLAIM if self.mode == "none" else "", event=event)
 
     def planned_mechanism(self) -> Mechanism:
         """The planned round without dropouts, as the server's view guarantees it (z, except for
-        baek-extended, which always hands the server two views): the shadow ledger's budget check."""
-        return self._mechanism(planned_noise_multipliers(self.z, self.mode, min_weight_fraction=self.min_fraction)[1])
+        baek-extended, which always hands the server two views): the shadow ledger's budget check.
+        With integer noise, its event at the expected cohort, once the model's size is known."""
+        z = planned_noise_multipliers(self.z, self.mode, min_weight_fraction=self.min_fraction)[1]
+        if self.integer is None or self.dim is None:
+            return self._mechanism(z)
+        if self._planned_event is None:
+            shares = max(1, round(self.expected_count))
+            plan = self._ring_plan(shares)
+            self._planned_event = plan.event
+        return self._mechanism(z, event=self._planned_event)
 
     def mechanism(self) -> Mechanism:
         return self._current or self.planned_mechanism()
@@ -209,10 +278,27 @@ class Baek(Algorithm):
         if self.mode == "layered" and sampled:
             tolerated = tolerated_dropouts(len(sampled), self.min_fraction)
             variances = tuple(layer_variances(len(sampled), tolerated).tolist())
-        noise = BaekNoise(self.mode, self.randomness, round_idx, 2.0 * self.clip_norm * self.z, n, self.n0, variances)
+        ring, self._ring, refusal = None, None, None
+        if self.integer is not None and sampled:
+            from ..errors import DPFLError
+            from ..privacy.discrete_rdp import rounded_l2_bound
+
+            try:  # the ring is sized for this cohort; one it cannot hold is refused before anyone trains
+                self._ring = self._ring_plan(len(sampled))
+            except DPFLError as err:
+                refusal = str(err)
+            else:
+                ring = RingEncoding(self.integer, self.bits, self._ring.scale, self._ring.local_variance,
+                                    hashlib.sha256(f"dpfl-rotation|{self.seed}|{round_idx}".encode()).digest(),
+                                    rounded_l2_bound(self.clip_norm * self._ring.scale, self._ring.event.dim,
+                                                     ROUNDING_BETA), self._ring.event.dim)
+        noise = BaekNoise(self.mode, self.randomness, round_idx, 2.0 * self.clip_norm * self.z, n, self.n0, variances,
+                          ring)
         self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated)
         if not sampled:
             return Abort("no client sampled")
+        if refusal is not None:
+            return Abort(refusal)
         if self.mode == "baek-extended" and n < self.n0:
             return Abort(f"sampled weight {n:.4g} is below n_0 = {self.n0:.4g} (baek-extended, Alg. 3 line 17)")
         return None
@@ -238,9 +324,16 @@ class Baek(Algorithm):
         else:
             plan.unmask = UnmaskPlan()
         if plan.n_prime > 0:
-            self._current = self._mechanism(
-                effective_noise_multipliers(self.z, self.mode, plan.n, plan.n_prime, 0.0, self.n0)[1])
+            self._current = self._mechanism(self._effective(plan.n, plan.n_prime, 0.0, len(survivors)),
+                                            event=self._released_event(len(survivors)))
         return plan.unmask
+
+    def _effective(self, n: float, n_prime: float, w_cal_dropped: float, survived: int) -> float:
+        """The multiplier that protects the release: Baek's by weight (docs/baek2021.md); with integer
+        noise, whose shares are equal per client, the Gaussian of the survivors' shares."""
+        if self.integer is not None:
+            return self.z * math.sqrt(survived / len(self.plan.sampled))
+        return effective_noise_multipliers(self.z, self.mode, n, n_prime, w_cal_dropped, self.n0)[1]
 
     def release(self, outcome: RoundOutcome) -> tuple[np.ndarray, dict]:
         """The released sum (Alg. 2 line 24 times n') from the decoded SecAgg sum of M_i, the
@@ -269,9 +362,12 @@ class Baek(Algorithm):
                 raise RuntimeError(f"layered: {removed} layers reconstructed, {expected} needed")
             info["layers_removed"] = removed
             info["layers_tolerated"] = plan.tolerated
-        claimed, effective = effective_noise_multipliers(
-            self.z, self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)
-        self._current = self._mechanism(effective)
+        claimed = effective_noise_multipliers(self.z, self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)[0]
+        effective = self._effective(plan.n, n_prime, max(w_cal_dropped, 0.0), len(outcome.survivors))
+        self._current = self._mechanism(effective, event=self._released_event(len(outcome.survivors)))
+        if self._ring is not None:
+            info.update(ring_bits=self.bits, ring_scale=self._ring.scale, ring_noise_variance=self._ring.local_variance,
+                        ring_wrap_bound=self._ring.wrap_probability)
         view = server_view(self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)
         if view.cov.shape[0] == 2:  # the server also saw the first aggregate
             self._views = ([np.asarray(total, dtype=np.float64) / n_prime, released / n_prime], view.cov)

@@ -59,6 +59,29 @@ class ClientNoise(ABC):
         """What a survivor sends when the server asks for calibration (see UnmaskPlan)."""
         raise NotImplementedError(f"{type(self).__name__} has no calibration phase")
 
+    def integer_share(self, client_id: int, ring: "RingEncoding") -> np.ndarray:
+        """The client's integer noise inside SecAgg's ring (int64, ``ring.dim`` long)."""
+        raise NotImplementedError(f"{type(self).__name__} adds no integer noise")
+
+    def rounding_generator(self, client_id: int):
+        """The stream that rounds the client's scaled vector to integers (part of the mechanism)."""
+        raise NotImplementedError(f"{type(self).__name__} adds no integer noise")
+
+
+@dataclass(frozen=True)
+class RingEncoding:
+    """One round's public encoding of integer noise inside SecAgg (secagg/ring.py, issue #36): the
+    ring Z_(2^bits), the scale (integer steps per model unit), each client's noise variance, the
+    seed of the rotation's signs, the norm bound of the conditional rounding, and the rotated length."""
+
+    mechanism: str
+    bits: int
+    scale: float
+    local_variance: float
+    rotation_seed: bytes
+    rounding_bound: float
+    dim: int
+
 
 @dataclass(frozen=True)
 class ClientReport:
@@ -115,6 +138,23 @@ class ClientSpec:
     @property
     def extra_dims(self) -> int:
         return 1 if self.indicator else 0
+
+    @property
+    def ring(self) -> RingEncoding | None:
+        """The round's integer-noise encoding, when the client's noise lives in SecAgg's ring."""
+        return getattr(self.noise, "ring", None)
+
+    def ring_words(self, update: np.ndarray, theta: np.ndarray, client_id: int, weight: float) -> np.ndarray:
+        """w_i times the client's upload, scaled, rotated, rounded to integers within the round's norm
+        bound, plus its integer noise share, mod 2^bits: its uint32 summand in secure aggregation."""
+        from ..secagg.ring import conditional_round, rotate, rotation_signs, to_ring
+
+        ring = self.ring
+        value = self.prepare(update, theta).astype(np.float64) * float(weight)
+        signs = rotation_signs(ring.rotation_seed, value.size)
+        ints = conditional_round(rotate(value * ring.scale, signs), self.noise.rounding_generator(client_id),
+                                 ring.rounding_bound)
+        return to_ring(ints + self.noise.integer_share(client_id, ring), ring.bits).astype(np.uint32)
 
     def prepare(self, update: np.ndarray, theta: np.ndarray) -> np.ndarray:
         """What leaves the client, before weighting: the (clipped) update or parameters."""
@@ -208,6 +248,10 @@ class Mechanism:
     (``claim_note``: where the claim is outside its validity range). ``assumed_noise_multipliers``:
     the multipliers under a sensitivity the paper assumes and the code does not enforce, booked
     apart as ``epsilon_assumed`` (never as the run's epsilon); ``assumption`` says what is assumed.
+    ``event``: what the round releases under its sampling when that is not Gaussian noise (integer
+    noise inside SecAgg: a privacy.discrete_rdp.DiscreteNoiseSumDpEvent); the ledger books it, and
+    ``noise_multipliers`` are then the Gaussian of the same variance's, for the rows and the
+    epsilon against the server.
     """
 
     noise_multipliers: tuple[float, ...]
@@ -221,6 +265,7 @@ class Mechanism:
     claim_note: str = ""
     assumed_noise_multipliers: tuple[float, ...] | None = None
     assumption: str = ""
+    event: object | None = None  # a dp_accounting DpEvent, when the release is not Gaussian noise
 
 
 #: The neighbouring relations a run can declare (``privacy.adjacency``): one protected unit (a client,
@@ -285,6 +330,10 @@ class Algorithm(ABC):
         if not cls.has_calibration_phase and any(d.phase == "calibration" and d.model != "none"
                                                  for d in sc.faults.dropouts):
             raise ValueError(f"faults.dropout.phase: {name} has no calibration phase")
+
+    def bind_model(self, dim: int) -> None:
+        """The model's number of values, told once before the first round (the ring of integer
+        noise is sized by it)."""
 
     def begin_round(self, round_idx: int, sampled) -> Abort | None:
         return None

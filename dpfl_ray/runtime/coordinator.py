@@ -84,6 +84,7 @@ class Coordinator:
         self.has_validation = data.get("num_validation", 0) > 0
         self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None,
                                         sizes=alg_sizes)
+        self.algorithm.bind_model(int(np.asarray(theta0).size))
         if self.privacy:
             self.privacy.bind(self.algorithm)
         # Evaluate round t's model inside round t+1's training calls: in a round without SecAgg,

@@ -96,7 +96,8 @@ class RunPrivacy:
         if self.exhausted:
             return False
         mech = self.algorithm.planned_mechanism()
-        self.shadow.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description, round=t + 1)
+        self.shadow.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description, round=t + 1,
+                                 mechanism=mech.event)
         if p.target_epsilon is not None and (self.shadow.epsilon() > p.target_epsilon
                                              or self.ledger.epsilon() > p.target_epsilon):
             # the shadow books the planned mechanism; the real ledger may already be past it
@@ -110,7 +111,7 @@ class RunPrivacy:
         if p.target_epsilon is None:
             return True
         trial = PrivacyLedger.from_dict(self.ledger.to_dict(include_epsilon=False))
-        trial.record_round(mech.noise_multipliers, mech.sampling, reason="trial")
+        trial.record_round(mech.noise_multipliers, mech.sampling, reason="trial", mechanism=mech.event)
         return trial.epsilon() <= p.target_epsilon
 
     def account(self, t: int, outcome, why: str, dropped: dict | None = None) -> dict:
@@ -124,7 +125,7 @@ class RunPrivacy:
             self.ledger.record_round(mech.noise_multipliers, mech.sampling, reason=mech.description,
                                      covered=mech.covered, claimed_noise_multiplier=mech.claimed_noise_multipliers,
                                      round=t + 1, public=mech.public, paper_epsilon=mech.paper_epsilon,
-                                     claim_note=mech.claim_note, dropouts=dropped)
+                                     claim_note=mech.claim_note, dropouts=dropped, mechanism=mech.event)
             if mech.assumed_noise_multipliers is not None:
                 if self.assumed is None:
                     self.assumed = PrivacyLedger(accountant=p.accountant, delta=p.delta)
@@ -201,7 +202,7 @@ class RunPrivacy:
             self.ledger.record_round(r.noise_multipliers, r.sampling, reason=r.reason, covered=r.covered,
                                      claimed_noise_multiplier=r.claimed_noise_multipliers, round=r.round,
                                      public=r.public, paper_epsilon=r.paper_epsilon, claim_note=r.claim_note,
-                                     dropouts=r.dropouts)
+                                     dropouts=r.dropouts, mechanism=r.mechanism)
             self._round_epsilons(self.ledger)
         self.shadow = PrivacyLedger.from_dict(state["shadow"])
         self.assumed = PrivacyLedger.from_dict(state["assumed"]) if state.get("assumed") else None

@@ -143,10 +143,12 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
         threshold = n // 2 + 1 if sa.protocol == "secagg" else None
     else:
         threshold = min(sa.threshold, n) if sa.threshold else None
-    config = SecAggRoundConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold, round_id=t,
-                          graph_seed=sc.seed, degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
-                          dim=int(coord.theta.size) + spec.extra_dims, dropout_fraction=sa.dropout_tolerance,
-                          failure_log2=sa.failure_log2)
+    ring = spec.ring  # integer noise: the clients send words of Z_2^ring.bits, carried in 32-bit words
+    config = SecAggRoundConfig(n_clients=n, bits=sa.transport_bits, protocol=sa.protocol, threshold=threshold,
+                          round_id=t, graph_seed=sc.seed,
+                          degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
+                          dim=ring.dim if ring is not None else int(coord.theta.size) + spec.extra_dims,
+                          dropout_fraction=sa.dropout_tolerance, failure_log2=sa.failure_log2)
     server = SecAggServer(config)
     leave = {c: SECAGG_PHASE[p] for c, p in faults.dropped.items() if p in SECAGG_PHASE and c in index}
     assignment = {w: ids for w, ids in zip(coord.workers, coord.assign(active)) if ids}
@@ -202,8 +204,9 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     record.update(
         secagg_seconds=seconds,
         secagg_bytes_per_client=round(float(np.mean(client_bytes)), 1) if client_bytes else 0.0,
-        secagg_server_bytes_received=int(server.bytes_received),
-        secagg_rounding_bound=rounding_error_bound(n, sa.resolved_scale))
+        secagg_server_bytes_received=int(server.bytes_received))
+    if ring is None:
+        record["secagg_rounding_bound"] = rounding_error_bound(n, sa.resolved_scale)
     calibration = None
     if plan.calibration_n_prime is not None:
         terms = {c: v for r in replies for c, v in r.calibration.items()}
@@ -212,11 +215,22 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     layer_seeds = None
     if plan.layers_from is not None:
         layer_seeds = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
-    outcome = RoundOutcome(t, survivors=survivors, total=decode(total, bits=sa.bits, scale=sa.resolved_scale),
+    outcome = RoundOutcome(t, survivors=survivors, total=_decoded(total, sa, ring, int(coord.theta.size)),
                            calibration=calibration, layer_seeds=layer_seeds,
                            reports={c: phases.reports[c] for c in survivors if c in phases.reports})
     return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None,
                        rejected=phases.rejected)
+
+
+def _decoded(total: np.ndarray, sa, ring, dim: int) -> np.ndarray:
+    """The float sum from SecAgg's words: fixed-point decoding, or, for integer noise, the words
+    mod 2^bits read as centred integers, rotated back and unscaled (secagg/ring.py)."""
+    if ring is None:
+        return decode(total, bits=sa.bits, scale=sa.resolved_scale)
+    from ..secagg.ring import from_ring, rotation_signs, to_ring, unrotate
+
+    ints = from_ring(to_ring(np.asarray(total).astype(np.int64), ring.bits), ring.bits)
+    return unrotate(ints.astype(np.float64), rotation_signs(ring.rotation_seed, dim), dim) / ring.scale
 
 
 def server_threshold(config: SecAggRoundConfig) -> int:

@@ -270,16 +270,22 @@ class ClientWorker:
             if reason:  # refused before it is masked: the client never joins the protocol
                 rejected[cid] = reason
                 continue
-            value = spec.weighted_value(delta, theta, cid, weights[cid])
-            try:
-                enc = encode(value, bits=config.bits, scale=encoding.scale, n_summands=encoding.n_summands,
-                             rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
-                             overflow="clip" if encoding.overflow == "clip" else "raise")
-            except EncodingError as err:  # the round cannot go on; say why instead of crashing the run
-                return PhaseReply(aborted=f"client {cid}: {err}")
-            if enc.clip is not None:
-                clipped += enc.clip.n_clipped
-            self._sa["inputs"][idx] = enc.data
+            if spec.ring is not None:  # integer noise: the client's words of Z_2^b itself (secagg/ring.py)
+                try:
+                    self._sa["inputs"][idx] = spec.ring_words(delta, theta, cid, weights[cid])
+                except EncodingError as err:
+                    return PhaseReply(aborted=f"client {cid}: {err}")
+            else:
+                value = spec.weighted_value(delta, theta, cid, weights[cid])
+                try:
+                    enc = encode(value, bits=config.bits, scale=encoding.scale, n_summands=encoding.n_summands,
+                                 rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
+                                 overflow="clip" if encoding.overflow == "clip" else "raise")
+                except EncodingError as err:  # the round cannot go on; say why instead of crashing the run
+                    return PhaseReply(aborted=f"client {cid}: {err}")
+                if enc.clip is not None:
+                    clipped += enc.clip.n_clipped
+                self._sa["inputs"][idx] = enc.data
             self._sa["clients"][idx] = SecAggClient(idx, config)
             self._sa["cids"][idx], self._sa["weights"][idx] = cid, float(weights[cid])
         reports = {c: self._reports[c] for c in clients if c in self._reports and c not in rejected}

@@ -231,3 +231,40 @@ def test_bad_baek_settings_name_the_field(raw, field):
     with pytest.raises(DPFLError) as err:
         scenario_from_dict(raw)
     assert str(err.value).startswith(field)
+
+
+def test_integer_noise_in_a_ring_too_narrow_for_the_cohort_is_refused_before_anyone_trains():
+    """3,000 clients' rounding alone (variance 1/4 each) passes an 8-bit ring at any scale: the round
+    is aborted with the ring's one-line reason; 16 bits hold the same cohort."""
+    for bits, refused in ((8, True), (16, False)):
+        sc = scenario_from_dict({
+            "seed": 1, "data": {"source": "synthetic", "num_clients": 4000},
+            "training": {"algorithm": "baek"}, "sampling": {"mode": "poisson", "rate": 0.75, "clients_per_round": None},
+            "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp",
+                        "distributed_noise": "skellam"},
+            "secagg": {"enabled": True, "bits": bits}})
+        alg = Baek(sc, np.ones(4000), 1.0)
+        alg.bind_model(10_000)
+        out = alg.begin_round(1, range(3000))
+        if refused:
+            assert isinstance(out, Abort) and out.reason.startswith("bits: a 8-bit ring cannot hold"), out
+        else:
+            assert out is None and alg.client_spec().ring.bits == 16
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"privacy": {"calibration": "baek"}}, "privacy.calibration"),
+    ({"privacy": {"accountant": "pld"}}, "privacy.accountant"),
+    ({"sampling": {"mode": "fixed", "clients_per_round": 10, "rate": None}}, "privacy.distributed_noise"),
+    ({"secagg": {"enabled": True, "bits": 64}}, "secagg.bits"),
+])
+def test_integer_noise_settings_it_cannot_honour_are_one_line(change, field):
+    raw = {"seed": 1, "data": {"source": "synthetic", "num_clients": 40},
+           "training": {"algorithm": "baek"}, "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+           "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp",
+                       "distributed_noise": "skellam"},
+           "secagg": {"enabled": True, "bits": 16}}
+    for key, value in change.items():
+        raw[key] = {**raw[key], **value}
+    with pytest.raises(DPFLError, match=f"^{field}: "):
+        scenario_from_dict(raw)
