@@ -28,6 +28,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+import attr
 import numpy as np
 
 from ..privacy.dropouts import (
@@ -228,8 +229,6 @@ class Baek(Algorithm):
             return None
         event = self._ring.event
         variance = self._ring.local_variance * survived if self.integer == "skellam" else self._ring.local_variance
-        import attr
-
         return attr.evolve(event, variance=float(variance), shares=int(survived))
 
     # -- what the ledger books -------------------------------------------------------------------
