@@ -171,27 +171,31 @@ def _integer_scenario(noise: str, bits: int, z: float = 1.0, rounds: int = 3):
         faults={"dropout": UPLOAD_30})
 
 
+@pytest.fixture(scope="module")
+def gaussian_at_tiny_z(ray_session, tmp_path_factory):
+    """The continuous Gaussian's run that the integer-noise runs are compared with: its summary and model."""
+    path = tmp_path_factory.mktemp("gaussian")
+    summary, _ = _run(_integer_scenario("gaussian", 32, z=1e-4), path)
+    return summary, torch.load(path / "model.pt")
+
+
 @pytest.mark.parametrize("noise", ["skellam", "discrete_gaussian"])
-def test_integer_noise_inside_secagg_releases_the_sum_and_books_its_own_mechanism(ray_session, tmp_path, noise):
+def test_integer_noise_inside_secagg_releases_the_sum_and_books_its_own_mechanism(gaussian_at_tiny_z, tmp_path, noise):
     """The clients' words of Z_2^24 carry their scaled, rotated, rounded updates and their integer noise
     shares; the server's decoded sum is the float one up to the rounding (z = 1e-4: the two runs'
     models agree far closer than either moved). The ledger books each round's survivors' shares
     (privacy/discrete_rdp.py), never less than the continuous Gaussian of the same multiplier."""
-    summaries, models = {}, {}
-    for kind, bits in (("gaussian", 32), (noise, 24)):
-        path = tmp_path / kind
-        summaries[kind], rows = _run(_integer_scenario(kind, bits, z=1e-4), path)
-        models[kind] = torch.load(path / "model.pt")
-        if kind != "gaussian":
-            ledger = json.loads((path / "ledger.json").read_text())
-            for row, entry in zip(rows, ledger["rounds"]):
-                assert entry["mechanism"]["type"] == "DiscreteNoiseSumDpEvent"
-                assert entry["mechanism"]["mechanism"] == noise and entry["mechanism"]["shares"] == row["survived"]
-                assert row["ring_bits"] == 24 and row["ring_wrap_bound"] <= 1e-4
+    gaussian, reference = gaussian_at_tiny_z
+    summary, rows = _run(_integer_scenario(noise, 24, z=1e-4), tmp_path / noise)
+    model = torch.load(tmp_path / noise / "model.pt")
+    ledger = json.loads((tmp_path / noise / "ledger.json").read_text())
+    for row, entry in zip(rows, ledger["rounds"]):
+        assert entry["mechanism"]["type"] == "DiscreteNoiseSumDpEvent"
+        assert entry["mechanism"]["mechanism"] == noise and entry["mechanism"]["shares"] == row["survived"]
+        assert row["ring_bits"] == 24 and row["ring_wrap_bound"] <= 1e-4
     start = build_model(_integer_scenario("gaussian", 32).model, (8,), 3, seed=3)
-    moved = sum(float((models["gaussian"][k] - v).norm()) for k, v in start.state_dict().items())
-    apart = sum(float((models["gaussian"][k] - models[noise][k]).norm()) for k in models[noise])
+    moved = sum(float((reference[k] - v).norm()) for k, v in start.state_dict().items())
+    apart = sum(float((reference[k] - model[k]).norm()) for k in model)
     assert apart < 0.01 * moved, (apart, moved)
-    assert summaries[noise]["epsilon"] > summaries["gaussian"]["epsilon"]
-    assert summaries[noise]["epsilon_claimed"] == summaries["gaussian"]["epsilon_claimed"]
-
+    assert summary["epsilon"] > gaussian["epsilon"]
+    assert summary["epsilon_claimed"] == gaussian["epsilon_claimed"]
