@@ -22,6 +22,7 @@ against dp_accounting's RdpAccountant (tests/unit/test_discrete_noise.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import attr
@@ -71,6 +72,7 @@ def skellam_rdp(order: int, l1: float, l2: float, variance: float) -> float:
                                           3.0 * l1 / (2.0 * mu))
 
 
+@functools.lru_cache(maxsize=1024)  # a curve asks it at every order, with the same two arguments
 def ddgauss_tau(local_variance: float, shares: int) -> float:
     """The divergence term of a sum of ``shares`` discrete Gaussians of variance ``local_variance``
     each from one discrete Gaussian of the total variance (Kairouz et al. 2021, Thm. 1)."""
@@ -114,7 +116,9 @@ def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
 
 
 def rdp_curve(rdp, rate: float = 1.0, orders=ORDERS) -> np.ndarray:
-    """One round's RDP at every order of ``orders``, amplified by Poisson sampling at ``rate``."""
+    """One round's RDP at every order of ``orders``, amplified by Poisson sampling at ``rate``. The
+    bound at order a reads the mechanism's RDP at every integer order up to a: each is computed once."""
+    rdp = functools.lru_cache(maxsize=None)(rdp)
     return np.array([poisson_subsampled_rdp(a, rate, rdp) if rate < 1 else rdp(a) for a in orders])
 
 
@@ -171,7 +175,7 @@ def event_rdp_curve(event, orders, relation: NeighboringRelation) -> np.ndarray 
         return None
     if rate >= 1.0:
         return np.array([inner.rdp(float(a)) for a in orders])
-    return np.array([poisson_subsampled_rdp(max(2, math.ceil(float(a))), rate, inner.rdp) for a in orders])
+    return rdp_curve(inner.rdp, rate, [max(2, math.ceil(float(a))) for a in orders])
 
 
 # -- one round's ring plan ---------------------------------------------------------------------------
