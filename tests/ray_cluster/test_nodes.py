@@ -19,8 +19,12 @@ import textwrap
 from .conftest import ROOT, client_env
 
 SCRIPT = textwrap.dedent('''
-    import json, subprocess, sys
+    import faulthandler, json, subprocess, sys, time
     from pathlib import Path
+
+    # A hang shows where it is: every thread's stack on stderr, then exit, before the test's own limit.
+    faulthandler.dump_traceback_later(420, exit=True)
+    t0 = time.monotonic()
 
     import yaml
 
@@ -69,7 +73,8 @@ SCRIPT = textwrap.dedent('''
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         print("SPREAD " + json.dumps({"summary": summary, "nodes": nodes, "pool": seen["pool"],
                                       "gpu_free": seen["gpu_free"],
-                                      "placement": placement_summary(seen["pool"], 0.5, 0.5)}), flush=True)
+                                      "placement": placement_summary(seen["pool"], 0.5, 0.5),
+                                      "s": time.monotonic() - t0}), flush=True)
 
         # a sweep as one command on the cluster: each run's worker takes a whole node (2 CPUs)
         spec = out / "whole_node.yaml"
@@ -78,7 +83,8 @@ SCRIPT = textwrap.dedent('''
         sweep = subprocess.run([sys.executable, "-m", "cli.main", "sweep", str(spec), "--seeds", "0,1,2",
                                 "--out", str(out / "sweep"), "--timeout", "240", "--address", cluster.address],
                                capture_output=True, text=True, timeout=400)
-        print("SWEEP " + json.dumps({"rc": sweep.returncode, "tail": (sweep.stdout + sweep.stderr)[-3000:]}), flush=True)
+        print("SWEEP " + json.dumps({"rc": sweep.returncode, "tail": (sweep.stdout + sweep.stderr)[-3000:],
+                                     "s": time.monotonic() - t0}), flush=True)
 
         seen = {"gpu_free": []}
         sc = tiny("node_loss", faults={"node_failure": {"at_round": 2, "phase": "training"}},
@@ -86,7 +92,8 @@ SCRIPT = textwrap.dedent('''
         before = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         summary = run_scenario(sc, build_federation(sc), RunRecord(out / "node_loss"), on_event=on_event)
         after = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        print("LOSS " + json.dumps({"summary": summary, "before": before, "after": after, "pool": seen["pool"]}))
+        print("LOSS " + json.dumps({"summary": summary, "before": before, "after": after, "pool": seen["pool"],
+                                    "s": time.monotonic() - t0}), flush=True)
     finally:
         ray.shutdown()
         try:
