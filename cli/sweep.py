@@ -123,7 +123,14 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
                 progress.console.print(f"{config['name']}: {status}", highlight=False, soft_wrap=True, markup=False)
                 progress.update(task, advance=1, status=_running(live))
 
-            return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done)
+            def on_retry(config: dict) -> None:
+                live[config["name"]] = "restarting"
+                progress.console.print(f"{config['name']}: its trial's process ended (a lost node?); Tune starts it "
+                                       "again, and the run goes on from its last checkpoint", highlight=False,
+                                       soft_wrap=True, markup=False)
+                progress.update(task, status=_running(live))
+
+            return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry)
     except KeyboardInterrupt:  # a signal while Ray started: no trial ran
         return {run.name: "interrupted" for run in todo}
     finally:

@@ -259,16 +259,21 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
 RUNNING = ".running"
 
 
-def hold_run(sweep_dir: Path, name: str) -> int:
+def hold_run(sweep_dir: Path, name: str, wait_s: float = 0.0) -> int:
     """Taken by the process that runs ``name`` until the run's files are written (it closes the
     descriptor returned) or the process dies (the kernel releases it): while a run of an earlier
-    sweep still stops (its sweep was killed), its directory is not touched (``set_aside``)."""
+    sweep still stops (its sweep was killed), its directory is not touched (``set_aside``).
+    ``wait_s``: how long to wait for another holder to let go (a trial started again while the
+    process of its attempt that failed is still ending)."""
     path = Path(sweep_dir) / RUNNING / f"{name}.lock"
     path.parent.mkdir(exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    if not _try_flock(fd):
-        os.close(fd)
-        raise DPFLError(f"run {name} is already running (its lock {path} is held)")
+    deadline = time.monotonic() + wait_s
+    while not _try_flock(fd):
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise DPFLError(f"run {name} is already running (its lock {path} is held)")
+        time.sleep(0.5)
     return fd
 
 
@@ -285,13 +290,22 @@ def set_aside(sweep_dir: Path, runs: Sequence[SweepRun]) -> tuple[list[SweepRun]
         if _held(sweep_dir / RUNNING / f"{run.name}.lock"):
             raise DPFLError(f"run {run.name} of an earlier sweep is still stopping in {sweep_dir}; wait a few "
                             "seconds and run the command again", field="--out")
-        if run_dir.exists():
-            aside = sweep_dir / ".incomplete"
-            aside.mkdir(exist_ok=True)
-            n = sum(1 for p in aside.iterdir() if p.name.startswith(run.name + ".")) + 1
-            shutil.move(str(run_dir), str(aside / f"{run.name}.{n}"))
+        move_aside(sweep_dir, run.name)
         todo.append(run)
     return todo, statuses
+
+
+def move_aside(sweep_dir: Path, name: str) -> Path | None:
+    """Move run ``name``'s unfinished directory to ``.incomplete/NAME.N`` (never overwriting an
+    earlier one); returns where it went, or None when there was none."""
+    run_dir = Path(sweep_dir) / name
+    if not run_dir.exists():
+        return None
+    aside = Path(sweep_dir) / ".incomplete"
+    aside.mkdir(exist_ok=True)
+    n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1
+    shutil.move(str(run_dir), str(aside / f"{name}.{n}"))
+    return aside / f"{name}.{n}"
 
 
 def collect(sweep_dir: Path, runs: Sequence[SweepRun], statuses: dict[str, str] | None = None) -> list[dict]:

@@ -20,6 +20,9 @@ What Tune does not decide here:
 - which runs are left to do (``runs.sweep.set_aside``: finished run directories are never run again;
   rerunning the command is the resume, so the same code resumes after a crash, a Ctrl-C or a
   ``kill -9``);
+- where a trial started again goes on from: Tune starts a trial whose process ended under it (a
+  lost node) again, and the new attempt resumes the run from its last checkpoint
+  (:func:`earlier_attempt`), not from a Tune checkpoint;
 - how a run stops. A Tune trial that Tune stops is killed with its actor, before the run could write
   its files; so each trial stops itself: at its ``--timeout``, or when the sweep asks (a signal to
   the sweep writes ``SWEEP/.stop``, which every trial polls between rounds, as ``dpfl run`` polls
@@ -44,6 +47,11 @@ from .resources import trial_bundles, trial_workers, trials_that_fit
 from .shutdown import Shutdown
 
 STOP_FLAG = ".stop"
+FINISHED = "finished"
+# How often Tune starts a trial again after its process ended under it (a lost node); each new
+# attempt resumes the run from its last checkpoint (earlier_attempt).
+MAX_TRIAL_FAILURES = 2
+RETRY_LOCK_WAIT_SECONDS = 60.0
 # How long the sweep waits, after a stop was asked, for its trials to write their files and return.
 STOP_GRACE_SECONDS = 30.0
 # Metrics a trial reports to Tune for every round (and the run's final status at its end).
@@ -85,17 +93,22 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     from ..errors import DPFLError
     from ..runs.record import RunRecord
     from ..runs.sweep import hold_run
+    from .checkpoint import rows_covered
     from ..scenario import load_scenario
     from ..training.models import initial_theta
     from .driver import run_scenario, write_unstarted
 
     record, held = None, None
     try:
-        held = hold_run(run_dir.parent, run_dir.name)
-        sc = load_scenario(config["scenario"], list(config["overrides"]))
+        # an earlier attempt's process may still be ending (its node was lost): it holds the run until it is gone
+        held = hold_run(run_dir.parent, run_dir.name, wait_s=RETRY_LOCK_WAIT_SECONDS if run_dir.exists() else 0.0)
+        earlier = earlier_attempt(run_dir)
+        if earlier == FINISHED:  # the attempt that ended had written every file
+            return "ok"
+        checkpoint, sc = earlier or (None, load_scenario(config["scenario"], list(config["overrides"])))
         fed = build_federation(sc)
         startup = {"load_data": time.time() - t0}
-        record = RunRecord(run_dir)
+        record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, rows_covered(checkpoint))
         theta0 = initial_theta(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
 
         def on_event(ev: dict) -> None:
@@ -103,7 +116,7 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
                 report({k: ev.get(k) for k in ROUND_METRICS if ev.get(k) is not None})
 
         summary = run_scenario(sc, fed, record, on_event=on_event, shutdown=stop, startup=startup, theta0=theta0,
-                               started_at=t0, keep_workers=True, workers=int(config["workers"]))
+                               started_at=t0, keep_workers=True, workers=int(config["workers"]), resume=checkpoint)
     except DPFLError as err:
         return f"failed: {err}"
     except Exception as err:  # noqa: BLE001 - one line in sweep.csv; the run's files say the rest
@@ -119,6 +132,31 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     if summary["stop_reason"] == "interrupted":
         return "timeout" if stop.timed_out else "interrupted"
     return "ok"
+
+
+def earlier_attempt(run_dir: Path):
+    """What an earlier attempt of this trial left in its run directory. Tune starts a trial again
+    when its process ended under it (``MAX_TRIAL_FAILURES``: its node was lost, or the process was
+    killed): the new attempt continues from the last checkpoint the run wrote, as ``dpfl run
+    --resume`` would, so a lost node costs its trials only the rounds since their checkpoints.
+
+    None: no earlier attempt, or one that left nothing to continue from (its directory is moved to
+    ``.incomplete/`` and the run starts afresh); FINISHED: it had written every file; else
+    (checkpoint, scenario). A new sweep command never gets here with an unfinished directory:
+    ``runs.sweep.set_aside`` moved it aside before the trials started."""
+    from ..errors import DPFLError
+    from ..runs.sweep import move_aside
+    from .checkpoint import finished, open_for_resume
+
+    if not run_dir.exists():
+        return None
+    if finished(run_dir) is not None:
+        return FINISHED
+    try:
+        return open_for_resume(run_dir)
+    except DPFLError:  # no checkpoint yet (it ended before its first round), or one cut short
+        move_aside(run_dir.parent, run_dir.name)
+        return None
 
 
 def run_configs(sweep_dir: Path, runs: Sequence, scenario: Path | None, timeout_s: float, cluster: dict,
@@ -147,16 +185,21 @@ def default_concurrency(configs: Sequence[dict], cluster: dict) -> int:
 
 def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | None, shutdown: Shutdown,
                on_result: Callable[[dict, dict], None] | None = None,
-               on_done: Callable[[dict, str], None] | None = None) -> dict[str, str]:
+               on_done: Callable[[dict, str], None] | None = None,
+               on_retry: Callable[[dict], None] | None = None) -> dict[str, str]:
     """Run the trials on the connected Ray; returns {run name: status} for each config.
 
     ``on_result(config, metrics)``: a round a trial reported; ``on_done(config, status)``: a trial
-    ended. Both run in this thread (Tune's controller loop)."""
+    ended; ``on_retry(config)``: a trial's process ended under it and Tune starts it again (it
+    resumes from its checkpoint: :func:`earlier_attempt`). All run in this thread (Tune's
+    controller loop)."""
     import ray
 
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # the sweep's own Shutdown decides (module docstring)
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # A trial's failure is one line of the sweep's (_Watch); its traceback is in its error.txt.
+    os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
     sweep_dir = Path(sweep_dir).resolve()
     flag = sweep_dir / STOP_FLAG
     flag.unlink(missing_ok=True)
@@ -165,7 +208,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     by_name = {c["name"]: c for c in configs}
     queue = _Queue(configs, shutdown)
     grace = _Grace()
-    watch = _Watch(shutdown, flag, by_name, statuses, on_result, on_done, grace)
+    watch = _Watch(shutdown, flag, by_name, statuses, on_result, on_done, grace, on_retry)
     tuner = tune.Tuner(
         tune.with_resources(trial, lambda config: tune.PlacementGroupFactory(config["bundles"])),
         tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n), num_samples=len(configs),
@@ -173,7 +216,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
                                     trial_dirname_creator=_trial_name),
         run_config=tune.RunConfig(name=time.strftime("%Y%m%d-%H%M%S"), storage_path=str(sweep_dir / "tune"),
                                   verbose=0, callbacks=[watch], stop=grace,
-                                  failure_config=tune.FailureConfig(max_failures=0)))
+                                  failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_FAILURES)))
     tuner.fit()
     flag.unlink(missing_ok=True)
     for name in by_name:
@@ -219,9 +262,9 @@ class _Watch(Callback):
     """Tune's controller loop, seen from the sweep: a signal to the sweep becomes the stop file;
     each trial's rounds and end are handed on."""
 
-    def __init__(self, shutdown, flag, by_name, statuses, on_result, on_done, grace: _Grace):
+    def __init__(self, shutdown, flag, by_name, statuses, on_result, on_done, grace: _Grace, on_retry=None):
         self.shutdown, self.flag, self.by_name, self.statuses = shutdown, flag, by_name, statuses
-        self.on_result, self.on_done, self.grace = on_result, on_done, grace
+        self.on_result, self.on_done, self.grace, self.on_retry = on_result, on_done, grace, on_retry
 
     def __getstate__(self) -> dict:
         """Tune pickles its run config into the experiment's state; the live display stays here.
@@ -247,6 +290,11 @@ class _Watch(Callback):
             status = ("interrupted" if self.grace.stop_since is not None
                       else "failed: the trial ended without a status")
         self._done(trial, status)
+
+    def on_trial_recover(self, iteration: int, trials: list, trial, **info) -> None:
+        config = self.by_name.get(trial.config.get("name"))
+        if config is not None and self.on_retry:
+            self.on_retry(config)
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
         where = getattr(trial, "path", None) or getattr(trial, "local_path", None) or "its Tune trial directory"

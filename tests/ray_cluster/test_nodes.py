@@ -3,12 +3,14 @@
 1. a tiny scenario's workers land on every node, each holding the GPU fraction it asked for;
 2. `dpfl sweep --address` of three runs whose one worker wants a whole node: the Tune trials
    spread over the cluster, one on each node, and every run directory lands in the one `--out`
-   (one machine: the nodes share its file system, as a cluster's nodes must share `--out`);
+   (one machine: the nodes share its file system, as a cluster's nodes must share `--out`). A worker
+   node is lost mid-sweep: Tune starts its trial again on a node left, and the run resumes from its
+   last checkpoint (its committed rows kept to the byte, every round once); a node is added back;
 3. then a node is lost mid-run (faults.node_failure): the runtime kills one node's raylet in round
    2, the round records that node's clients as node_lost, and the run completes on the two nodes
    that are left.
 
-Both runs share the cluster: starting one costs more CPU than either run. The cluster and the
+All three share the cluster: starting one costs more CPU than either run. The cluster and the
 driver live in a child process (this pytest process never calls ray.init)."""
 import csv
 import json
@@ -18,6 +20,8 @@ import textwrap
 
 from .conftest import ROOT, client_env
 
+SWEEP_ROUNDS = 100
+
 SCRIPT = textwrap.dedent('''
     import faulthandler, json, subprocess, sys, time
     from pathlib import Path
@@ -26,6 +30,7 @@ SCRIPT = textwrap.dedent('''
     faulthandler.dump_traceback_later(420, exit=True)
     t0 = time.monotonic()
 
+    import psutil
     import yaml
 
     import ray
@@ -39,6 +44,21 @@ SCRIPT = textwrap.dedent('''
     from dpfl_ray.scenario import scenario_from_dict
 
     out = Path(sys.argv[1])
+    SWEEP_ROUNDS = int(sys.argv[2])
+
+    def trials_by_node(cluster):
+        """{node: the run its Tune trial runs, or None}. Every node runs on this machine: a trial's
+        process is a child of its node's raylet, and works in its Tune trial directory, which is
+        named as its run."""
+        found = {}
+        for node in cluster.list_all_nodes():
+            try:
+                raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+                found[node] = next((Path(p.cwd()).name for p in raylet.children(recursive=True)
+                                    if "ImplicitFunc" in " ".join(p.cmdline())), None)
+            except (psutil.Error, KeyError, IndexError):
+                found[node] = None
+        return found
     # A lost raylet is noticed by the GCS's health checks: check every 0.5 s so the test stays short.
     fast = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 2}
     # Two CPUs and two GPUs per node: Ray's default placement would pack the first workers onto
@@ -76,15 +96,35 @@ SCRIPT = textwrap.dedent('''
                                       "placement": placement_summary(seen["pool"], 0.5, 0.5),
                                       "s": time.monotonic() - t0}), flush=True)
 
-        # a sweep as one command on the cluster: each run's worker takes a whole node (2 CPUs)
+        # a sweep as one command on the cluster: each run's worker takes a whole node (2 CPUs). Once
+        # every node runs a trial, a worker node whose trial's run has committed rounds is lost.
         spec = out / "whole_node.yaml"
-        spec.write_text(yaml.safe_dump(tiny("whole_node", resources={"workers": 1, "num_cpus_per_worker": 2})
+        spec.write_text(yaml.safe_dump(tiny("whole_node", resources={"workers": 1, "num_cpus_per_worker": 2},
+                                            training={"rounds": SWEEP_ROUNDS, "batch_size": 8, "lr": 0.2})
                                        .model_dump(mode="json")))
-        sweep = subprocess.run([sys.executable, "-m", "cli.main", "sweep", str(spec), "--seeds", "0,1,2",
-                                "--out", str(out / "sweep"), "--timeout", "240", "--address", cluster.address],
-                               capture_output=True, text=True, timeout=400)
-        print("SWEEP " + json.dumps({"rc": sweep.returncode, "tail": (sweep.stdout + sweep.stderr)[-3000:],
-                                     "s": time.monotonic() - t0}), flush=True)
+        sweep_dir = out / "sweep"
+        sweep = subprocess.Popen([sys.executable, "-m", "cli.main", "sweep", str(spec), "--seeds", "0,1,2",
+                                  "--out", str(sweep_dir), "--timeout", "240", "--address", cluster.address],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lost, spread, rows_then = None, set(), {}
+        while lost is None and sweep.poll() is None and time.monotonic() - t0 < 300:
+            time.sleep(0.2)
+            trials = {node: run for node, run in trials_by_node(cluster).items() if run}
+            spread |= {frozenset(trials)} if len(trials) == 3 else set()
+            for node, run in trials.items():
+                rows = sweep_dir / run / "rounds.jsonl"
+                if spread and node is not cluster.head_node and rows.exists() \
+                        and len(rows.read_text().splitlines()) >= 3 and not (sweep_dir / run / "summary.json").exists():
+                    rows_then = {"run": run, "text": rows.read_text()}
+                    cluster.remove_node(node, allow_graceful=False)
+                    lost = node.node_id
+                    break
+        text, _ = sweep.communicate(timeout=300)
+        print("SWEEP " + json.dumps({"rc": sweep.returncode, "tail": text[-3000:], "lost": lost,
+                                     "spread": [sorted(n.node_id for n in nodes) for nodes in spread],
+                                     "rows_then": rows_then, "s": time.monotonic() - t0}), flush=True)
+        cluster.add_node(num_cpus=2, num_gpus=2)  # three nodes again, for the node loss in a run
+        cluster.wait_for_nodes()
 
         seen = {"gpu_free": []}
         sc = tiny("node_loss", faults={"node_failure": {"at_round": 2, "phase": "training"}},
@@ -112,7 +152,7 @@ def _result(stdout: str, tag: str) -> dict:
 def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost(tmp_path):
     script = tmp_path / "nodes.py"
     script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=ROOT,
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), str(SWEEP_ROUNDS)], cwd=ROOT,
                        env=client_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=480)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
 
@@ -129,16 +169,30 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
     during = [snap for snap in out["gpu_free"] if set(snap) == set(out["nodes"])]
     assert any(all(free == 1.5 for free in snap.values()) for snap in during), out["gpu_free"]
 
-    # 2. a sweep on the cluster: one trial on each node, every run directory in --out
+    # 2. a sweep on the cluster: one trial on each node, every run directory in --out; the node lost
+    # mid-sweep costs its trial only the rounds after its run's last checkpoint
     out = _result(r.stdout, "SWEEP")
     assert out["rc"] == 0, out["tail"]
+    assert [len(nodes) for nodes in out["spread"]] == [3], out["spread"]  # the three trials ran one on each node
+    assert out["lost"] in out["spread"][0], out
     with open(tmp_path / "sweep" / "sweep.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [(x["seed"], x["status"], x["rounds"]) for x in rows] == [("0", "ok", "3"), ("1", "ok", "3"), ("2", "ok", "3")]
+    rounds = str(SWEEP_ROUNDS)
+    assert [(x["seed"], x["status"], x["rounds"]) for x in rows] == [("0", "ok", rounds), ("1", "ok", rounds),
+                                                                     ("2", "ok", rounds)]
+    hit = out["rows_then"]["run"]
+    assert out["tail"].count("Tune starts it again") == 1 and f"{hit}: its trial's process ended" in out["tail"]
+    # the trial started again resumed its run: the rows it had committed are there to the byte (their
+    # wall-clock seconds included, which a run started afresh would not repeat), then every later round once
+    before = out["rows_then"]["text"].splitlines()
+    after = (tmp_path / "sweep" / hit / "rounds.jsonl").read_text().splitlines()
+    assert len(before) >= 3 and after[:len(before) - 1] == before[:-1]
+    assert [json.loads(line)["round"] for line in after] == list(range(1, SWEEP_ROUNDS + 1))
+    assert not (tmp_path / "sweep" / ".incomplete").exists()  # nothing was set aside: no run started afresh
     placed = [json.loads((tmp_path / "sweep" / x["run"] / "summary.json").read_text())["placement"]["nodes"]
               for x in rows]
     assert all(len(nodes) == 1 for nodes in placed)
-    assert len({node for nodes in placed for node in nodes}) == 3, placed  # every node ran one
+    assert out["lost"] not in {n for nodes in placed for n in nodes}  # the trial started again ran elsewhere
 
     # 3. node loss: the lost node held a worker, its clients are node_lost in round 2, the run completes
     out = _result(r.stdout, "LOSS")

@@ -260,6 +260,29 @@ def test_a_run_still_stopping_is_not_set_aside_until_its_process_lets_go(scenari
     assert sorted(p.name for p in (out / ".incomplete").iterdir()) == [f"{runs[0].name}.1"]
 
 
+def test_a_trial_started_again_waits_for_its_last_attempt_then_goes_on_from_what_it_left(scenario, tmp_path):
+    """Tune starts a trial again when its process ended under it (a lost node): the new attempt waits
+    for the old process to let go of the run, skips a run it had finished, and starts afresh one that
+    left no checkpoint, its directory set aside (resuming from a checkpoint: tests/ray_cluster/test_nodes.py)."""
+    import os
+    import threading
+
+    from dpfl_ray.runtime.trials import FINISHED, earlier_attempt
+
+    out = tmp_path / "sweep"
+    runs = sw.expand({"faults.dropout.rate": ["0", "0.5"]}, None)
+    sw.prepare(out, scenario, {}, None, [])
+    old = sw.hold_run(out, runs[0].name)
+    threading.Timer(0.3, os.close, [old]).start()  # the old attempt's process ends
+    os.close(sw.hold_run(out, runs[0].name, wait_s=30))
+    assert earlier_attempt(out / runs[0].name) is None  # no earlier attempt wrote anything
+    fake_run(out / runs[0].name, 0.5)
+    assert earlier_attempt(out / runs[0].name) == FINISHED
+    fake_run(out / runs[1].name, 0.5, stop="interrupted")  # no checkpoint.npz: nothing to go on from
+    assert earlier_attempt(out / runs[1].name) is None
+    assert not (out / runs[1].name).exists() and (out / ".incomplete" / f"{runs[1].name}.1" / "summary.json").exists()
+
+
 def test_the_trial_queue_and_the_stop_file(tmp_path):
     """The sweep's side of a stop (runtime/trials.py): the queue hands out no trial once a signal
     came, the next controller step writes the stop file the trials poll, and Tune ends what is left
