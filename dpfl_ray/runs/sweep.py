@@ -11,11 +11,13 @@ from __future__ import annotations
 import csv
 import fcntl
 import hashlib
+import io
 import itertools
 import json
 import os
 import shutil
 import socket
+import tarfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -266,7 +268,7 @@ def hold_run(sweep_dir: Path, name: str, wait_s: float = 0.0) -> int:
     ``wait_s``: how long to wait for another holder to let go (a trial started again while the
     process of its attempt that failed is still ending)."""
     path = Path(sweep_dir) / RUNNING / f"{name}.lock"
-    path.parent.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a node that does not share the sweep's file system
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + wait_s
     while not _try_flock(fd):
@@ -306,6 +308,39 @@ def move_aside(sweep_dir: Path, name: str) -> Path | None:
     n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1
     shutil.move(str(run_dir), str(aside / f"{name}.{n}"))
     return aside / f"{name}.{n}"
+
+
+def pack_run(run_dir: Path) -> bytes:
+    """A run directory as one gzipped tar (its name inside), for a trial on another node to send
+    back to the sweep's (:func:`unpack_run`)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(run_dir, arcname=Path(run_dir).name)
+    return buf.getvalue()
+
+
+def unpack_run(sweep_dir: Path, name: str, blob: bytes) -> bool:
+    """Write run ``name`` from :func:`pack_run`'s ``blob`` into ``sweep_dir``; False when the same
+    run is there already (the nodes share the file system: its summary.json has the same bytes).
+    An unfinished directory in the way is moved to ``.incomplete/``; the new one appears whole
+    (written beside it, then renamed)."""
+    sweep_dir = Path(sweep_dir)
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        members = tar.getmembers()
+        if any(m.name != name and not m.name.startswith(name + "/") for m in members):
+            raise DPFLError(f"the files sent back for run {name} are not that run's directory")
+        summary = next((m for m in members if m.name == f"{name}/summary.json" and m.isfile()), None)
+        theirs = tar.extractfile(summary).read() if summary is not None else None
+        ours = sweep_dir / name / "summary.json"
+        if theirs is not None and ours.is_file() and ours.read_bytes() == theirs:
+            return False
+        incoming = sweep_dir / ".incoming"
+        shutil.rmtree(incoming / name, ignore_errors=True)
+        incoming.mkdir(parents=True, exist_ok=True)
+        tar.extractall(incoming, filter="data")
+    move_aside(sweep_dir, name)
+    os.replace(incoming / name, sweep_dir / name)
+    return True
 
 
 def collect(sweep_dir: Path, runs: Sequence[SweepRun], statuses: dict[str, str] | None = None) -> list[dict]:

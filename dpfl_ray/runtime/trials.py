@@ -52,6 +52,9 @@ FINISHED = "finished"
 # attempt resumes the run from its last checkpoint (earlier_attempt).
 MAX_TRIAL_FAILURES = 2
 RETRY_LOCK_WAIT_SECONDS = 60.0
+COLLECTOR_NAMESPACE = "dpfl-sweeps"
+BRING_BACK_TIMEOUT_S = 300.0
+ASK_TIMEOUT_S = 5.0
 # How long the sweep waits, after a stop was asked, for its trials to write their files and return.
 STOP_GRACE_SECONDS = 30.0
 # Metrics a trial reports to Tune for every round (and the run's final status at its end).
@@ -60,11 +63,15 @@ ROUND_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "epsilon_clai
 
 class TrialStop(Shutdown):
     """A trial's ``Shutdown``: it is asked to stop when the sweep writes its stop file, or when the
-    run passes its deadline (``timed_out``). Polled where ``dpfl run`` polls its signals."""
+    run passes its deadline (``timed_out``). Polled where ``dpfl run`` polls its signals.
+    ``ask``: on a node that may not see the sweep's files, a question to the sweep's collector
+    (does the stop file exist there?), put at most once every ASK_EVERY_S."""
 
-    def __init__(self, flag: Path, deadline: float):
+    ASK_EVERY_S = 1.0
+
+    def __init__(self, flag: Path, deadline: float, ask: Callable[[], bool] | None = None):
         super().__init__()
-        self.flag, self.deadline, self.timed_out = flag, deadline, False
+        self.flag, self.deadline, self.timed_out, self.ask, self._asked = flag, deadline, False, ask, 0.0
 
     @property
     def requested(self) -> bool:
@@ -72,20 +79,94 @@ class TrialStop(Shutdown):
             if time.monotonic() > self.deadline:
                 self.timed_out = True
                 self.received.append(signal.SIGINT)
-            elif self.flag.exists():
+            elif self.flag.exists() or self._answer():
                 self.received.append(signal.SIGINT)
         return bool(self.received)
+
+    def _answer(self) -> bool:
+        if self.ask is None or time.monotonic() - self._asked < self.ASK_EVERY_S:
+            return False
+        self._asked = time.monotonic()
+        return self.ask()
 
 
 def trial(config: dict) -> None:
     """One Tune trial: the run ``config`` names, into its run directory, as ``dpfl run`` would."""
     t0 = time.time()
     sweep_dir, run_dir = Path(config["sweep_dir"]), Path(config["sweep_dir"]) / config["name"]
-    stop = TrialStop(sweep_dir / STOP_FLAG, time.monotonic() + float(config["timeout_s"]))
+    stop = TrialStop(sweep_dir / STOP_FLAG, time.monotonic() + float(config["timeout_s"]), ask=_ask_collector(config))
     if stop.requested:  # started after the sweep was told to stop: nothing to write
         tune.report({"status": "interrupted" if not stop.timed_out else "timeout", "started": False})
         return
-    tune.report({"status": _run(config, run_dir, stop, t0, tune.report)})
+    status = _run(config, run_dir, stop, t0, tune.report)
+    tune.report({"status": bring_back(config, run_dir, status)})
+
+
+def _ask_collector(config: dict) -> Callable[[], bool] | None:
+    """For a trial on another node than the sweep's: asks the sweep's collector whether the sweep
+    was told to stop (its stop file may not be visible here). None on the sweep's node."""
+    import ray
+
+    if ray.get_runtime_context().get_node_id() == config.get("driver_node") or not config.get("collector"):
+        return None
+
+    def ask() -> bool:
+        try:
+            collector = ray.get_actor(config["collector"], namespace=COLLECTOR_NAMESPACE)
+            return bool(ray.get(collector.stopping.remote(), timeout=ASK_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - no answer is no stop; the sweep's grace ends the trial
+            return False
+
+    return ask
+
+
+def bring_back(config: dict, run_dir: Path, status: str) -> str:
+    """Send the run directory a trial wrote on another node than the sweep's to the sweep's
+    ``_Collector`` (on a cluster whose nodes share no file system it would stay on that node);
+    returns the trial's status, or a failed one saying where the files stayed."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    if here == config.get("driver_node") or not config.get("collector") or not run_dir.is_dir():
+        return status
+    from ..runs.sweep import pack_run
+
+    try:
+        collector = ray.get_actor(config["collector"], namespace=COLLECTOR_NAMESPACE)
+        ray.get(collector.write.remote(config["name"], pack_run(run_dir)), timeout=BRING_BACK_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - the run's files are still on this node: say where
+        return f"failed: its files stayed on node {here} at {run_dir} ({type(err).__name__}: {err})"
+    return status
+
+
+class _Collector:
+    """Runs on the sweep's node: writes the run directories that trials on other nodes send back
+    (runs.sweep.unpack_run), so that the sweep directory holds every run wherever it ran."""
+
+    def __init__(self, sweep_dir: str):
+        self.sweep_dir = Path(sweep_dir)
+
+    def stopping(self) -> bool:
+        return (self.sweep_dir / STOP_FLAG).exists()
+
+    def write(self, name: str, blob: bytes) -> bool:
+        from ..runs.sweep import unpack_run
+
+        return unpack_run(self.sweep_dir, name, blob)
+
+
+def start_collector(sweep_dir: Path):
+    """The sweep's ``_Collector``, pinned to this node: (its actor, its name, this node's id)."""
+    import uuid
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node, name = ray.get_runtime_context().get_node_id(), f"dpfl-sweep-{uuid.uuid4().hex}"
+    actor = ray.remote(_Collector).options(
+        name=name, namespace=COLLECTOR_NAMESPACE, num_cpus=0, max_concurrency=4,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(str(sweep_dir))
+    return actor, name, node
 
 
 def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None]) -> str:
@@ -204,6 +285,8 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     flag = sweep_dir / STOP_FLAG
     flag.unlink(missing_ok=True)
     n = max_concurrent or default_concurrency(configs, ray.cluster_resources())
+    collector, collector_name, node = start_collector(sweep_dir)
+    configs = [{**c, "collector": collector_name, "driver_node": node} for c in configs]
     statuses: dict[str, str] = {}
     by_name = {c["name"]: c for c in configs}
     queue = _Queue(configs, shutdown)
@@ -217,7 +300,13 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
         run_config=tune.RunConfig(name=time.strftime("%Y%m%d-%H%M%S"), storage_path=str(sweep_dir / "tune"),
                                   verbose=0, callbacks=[watch], stop=grace,
                                   failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_FAILURES)))
-    tuner.fit()
+    try:
+        tuner.fit()
+    finally:
+        try:
+            ray.kill(collector)
+        except Exception:  # noqa: BLE001 - Ray is gone (its head was lost): so is the collector
+            pass
     flag.unlink(missing_ok=True)
     for name in by_name:
         statuses.setdefault(name, "interrupted" if shutdown.requested else "not run")

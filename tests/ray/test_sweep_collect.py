@@ -1,0 +1,74 @@
+"""A sweep on nodes that share no file system: a trial on another node than the sweep's sends its
+run directory to the sweep's collector (runtime/trials.py), and asks it whether the sweep was told
+to stop, over the test session's real Ray. The two nodes' disks are two folders here: the trial
+writes under one, the sweep's node reads the other."""
+import io
+import tarfile
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.runs.sweep import pack_run, unpack_run
+from dpfl_ray.runtime.trials import TrialStop, _ask_collector, bring_back, start_collector
+
+
+def _run_dir(root, name="seed=0", stop="completed"):
+    run = root / name
+    (run / "plots").mkdir(parents=True)
+    (run / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+    (run / "summary.json").write_text('{"stop_reason": "%s", "rounds_completed": 2}' % stop)
+    (run / "model.pt").write_bytes(np.random.default_rng(0).bytes(200_000))
+    (run / "plots" / "accuracy.png").write_bytes(b"\x89PNG fake")
+    return run
+
+
+def _files(run):
+    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_a_run_written_on_another_node_comes_back_whole(ray_session, tmp_path):
+    there, here = tmp_path / "node_b" / "sweep", tmp_path / "node_a" / "sweep"
+    run = _run_dir(there)
+    _run_dir(here, stop="interrupted")  # an unfinished try of the same run on the sweep's node
+    collector, name, node = start_collector(here)
+    try:
+        config = {"name": "seed=0", "collector": name, "driver_node": "a node that is not this one"}
+        assert bring_back(config, run, "ok") == "ok"
+        assert _files(here / "seed=0") == _files(run)
+        assert _files(here / ".incomplete" / "seed=0.1")["summary.json"].endswith(b'"interrupted", "rounds_completed": 2}')
+        # the same run sent again (nodes that do share the file system see it there already): left alone
+        assert ray.get(collector.write.remote("seed=0", pack_run(run)), timeout=60) is False
+        # on the sweep's own node nothing is sent, and the stop file is read directly
+        assert bring_back({**config, "driver_node": node}, run, "interrupted") == "interrupted"
+        assert _ask_collector({**config, "driver_node": node}) is None
+        # elsewhere a trial cannot see the sweep's stop file (here/.stop): it asks the collector
+        stop = TrialStop(there / ".stop", time.monotonic() + 600, ask=_ask_collector(config))
+        assert not stop.requested
+        (here / ".stop").touch()
+        end = time.monotonic() + 30
+        while not stop.requested and time.monotonic() < end:
+            time.sleep(0.1)
+        assert stop.requested and not stop.timed_out
+    finally:
+        ray.kill(collector)
+    status = bring_back(config, run, "ok")  # the collector is gone: the files stay where they are, and it says so
+    assert status.startswith("failed: its files stayed on node ") and str(run) in status
+
+
+def test_only_the_run_s_own_directory_is_unpacked(tmp_path):
+    here = tmp_path / "sweep"
+    here.mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        data = b"x"
+        info = tarfile.TarInfo("seed=0/../../escape.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(DPFLError, match="not that run's directory"):
+        unpack_run(here, "seed=1", buf.getvalue())
+    with pytest.raises(tarfile.FilterError):
+        unpack_run(here, "seed=0", buf.getvalue())  # the name matches, the path leaves the sweep: tar's data filter
+    assert not (tmp_path / "escape.txt").exists() and not (here / "seed=0").exists()
