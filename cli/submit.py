@@ -61,8 +61,7 @@ def _sweep_args(scenario: Path, set_: list[str], grid: list[str], seeds: str | N
     overrides."""
     from dpfl_ray.runs import sweep as sw
 
-    runs = sw.expand(sw.parse_grid(grid), sw.parse_seeds(seeds), set_)
-    sw.validate(scenario, runs)
+    sw.plan(scenario, grid, seeds, set_)
     args = [a for axis in grid for a in ("--grid", axis)]
     if seeds:
         args += ["--seeds", seeds]

@@ -43,9 +43,7 @@ def sweep(
 
     shutdown = Shutdown().install()  # a signal is recorded; the trials are told to stop (runtime/trials.py)
     base = load_scenario(scenario, set_)  # a bad scenario or --set is reported as itself
-    axes = sw.parse_grid(grid)
-    runs = sw.expand(axes, sw.parse_seeds(seeds), set_)
-    sw.validate(scenario, runs)  # every combination, before anything runs
+    axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_)  # every combination, before anything runs
     if dry_run:
         for run in runs:
             console.print(run.name, highlight=False, soft_wrap=True)
@@ -53,7 +51,7 @@ def sweep(
         return
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
     with sw.SweepLock(sweep_dir):  # a second sweep on this directory is refused
-        sw.prepare(sweep_dir, scenario, axes, sw.parse_seeds(seeds), set_)
+        sw.prepare(sweep_dir, scenario, axes, seed_list, set_)
         todo, statuses = sw.set_aside(sweep_dir, runs)
         console.print(f"[bold]sweep[/] {escape(base.name)}: {len(runs)} runs, {len(runs) - len(todo)} finished "
                       f"before -> {escape(str(sweep_dir))}", highlight=False)

@@ -114,6 +114,15 @@ def validate(scenario: Path | None, runs: Sequence[SweepRun], build_data: bool =
             raise DPFLError(f"{err} ({where})") from None
 
 
+def plan(scenario: Path, grid: Sequence[str], seeds: str | None, base_sets: Sequence[str]):
+    """(axes, seeds, runs) of ``--grid``/``--seeds``/``--set`` as typed, every combination checked
+    (:func:`validate`): what ``dpfl sweep`` runs and ``dpfl submit --grid`` sends."""
+    axes, seed_list = parse_grid(grid), parse_seeds(seeds)
+    runs = expand(axes, seed_list, base_sets)
+    validate(scenario, runs)
+    return axes, seed_list, runs
+
+
 def is_finished(run_dir: Path) -> bool:
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
