@@ -151,11 +151,12 @@ def test_a_live_sweep_directory_is_refused_and_a_killed_sweeps_runs_are_set_asid
 
     sweep.kill()  # SIGKILL: no handler runs in the sweep; Ray ends the trials of its dead driver
     sweep.wait(timeout=30)
-    held = out / sw.RUNNING / "training.lr=0.1.lock"
+    # both trials may have started: neither may outlive its sweep (each holds its run's lock while it lives)
+    locks = [out / sw.RUNNING / f"training.lr={lr}.lock" for lr in ("0.1", "0.2")]
     end = time.monotonic() + 60
-    while sw._held(held) and time.monotonic() < end:
+    while any(sw._held(lock) for lock in locks) and time.monotonic() < end:
         time.sleep(0.2)
-    assert not sw._held(held), "a trial outlived its sweep by 60 s"
+    assert not any(sw._held(lock) for lock in locks), "a trial outlived its sweep by 60 s"
     with sw.SweepLock(out):
         todo, done = sw.set_aside(out, sw.expand({"training.lr": ["0.1", "0.2"]}, None))
     assert [r.name for r in todo] == ["training.lr=0.1", "training.lr=0.2"] and done == {}
