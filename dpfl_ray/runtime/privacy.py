@@ -78,6 +78,9 @@ class RunPrivacy:
         # epsilon against the server: per client, the precision sum z^-2 of the unamplified
         # Gaussians of the rounds it took part in (Gaussians compose exactly: precisions add)
         self.server_precision = np.zeros(len(weights))
+        # ... and for integer noise (Mechanism.event, privacy/discrete_rdp.py), per client the sum of
+        # the unamplified RDP curves of its rounds' discrete releases (RDP composes by adding curves)
+        self.server_rdp: np.ndarray | None = None
         self.server_blind = True  # every release so far carried noise the server cannot remove
         # the same rounds under a sensitivity a paper assumes and the code does not enforce
         # (Mechanism.assumed_noise_multipliers): its epsilon is reported apart, never as the run's
@@ -134,6 +137,8 @@ class RunPrivacy:
                 self.assumption = mech.assumption
             if mech.server_noise_multipliers is None:
                 self.server_blind = False
+            elif mech.event is not None:  # the server sees the sum of the survivors' integer shares
+                self._add_server_curve(list(survivors), mech.event)
             else:
                 self.server_precision[list(survivors)] += sum(z ** -2 for z in mech.server_noise_multipliers)
         else:
@@ -167,11 +172,21 @@ class RunPrivacy:
             return eps, ledger.claimed_epsilon()
         return eps, None
 
+    def _add_server_curve(self, clients: list[int], event) -> None:
+        from ..privacy.discrete_rdp import ORDERS, event_rdp_curve
+
+        curve = event_rdp_curve(event, ORDERS, self.ledger.neighboring_relation)  # the event itself: unsampled
+        if self.server_rdp is None:
+            self.server_rdp = np.zeros((len(self.server_precision), len(ORDERS)))
+        self.server_rdp[clients] += curve
+
     def epsilon_vs_server(self) -> tuple[float | None, str]:
         """Epsilon against the server, which picks the sample, so sampling amplifies nothing: the
         unamplified Gaussians of the rounds the worst-off client took part in, composed."""
         if not self.server_blind:
             return None, SERVER_SEES_UPDATES
+        if self.server_rdp is not None:
+            return self._epsilon_vs_server_rdp()
         worst = int(np.argmax(self.server_precision)) if self.server_precision.size else 0
         precision = float(self.server_precision[worst]) if self.server_precision.size else 0.0
         if precision == 0.0:
@@ -182,6 +197,22 @@ class RunPrivacy:
         return (None if math.isinf(eps) else eps), f"client {worst}: noise multiplier {precision ** -0.5:.4g} " \
                                                     "over the rounds it took part in, no sampling amplification"
 
+    def _epsilon_vs_server_rdp(self) -> tuple[float | None, str]:
+        """The same with integer-noise rounds: each client's curve (its discrete releases, plus the
+        Gaussian ones at order/(2 z^2) per unit of precision), converted by dp_accounting; the
+        worst-off client's epsilon."""
+        from ..privacy.discrete_rdp import ORDERS, epsilon
+
+        curves = self.server_rdp + np.outer(self.server_precision, np.asarray(ORDERS, dtype=float)) / 2.0
+        unique, first = np.unique(curves, axis=0, return_index=True)
+        eps = [epsilon(c, self.ledger.delta, ORDERS) if c.any() else 0.0 for c in unique]
+        i = int(np.argmax(eps))
+        if eps[i] == 0.0:
+            return 0.0, "no client's data was released"
+        worst = int(first[i])
+        return (None if math.isinf(eps[i]) else eps[i]), (
+            f"client {worst}: the integer-noise sums of the rounds it took part in, no sampling amplification")
+
     def state_dict(self, rounds_done: int) -> dict:
         """The bookkeeping after ``rounds_done`` committed rounds (the shadow ledger may already
         hold the next round's plan: that is booked again when the round runs)."""
@@ -189,7 +220,9 @@ class RunPrivacy:
         shadow["rounds"] = [r for r in shadow["rounds"] if r["round"] <= rounds_done]
         return {"ledger": self.ledger.to_dict(include_epsilon=False), "shadow": shadow, "exhausted": self.exhausted,
                 "noise_multiplier": self.noise_multiplier, "calibrated": self.calibrated,
-                "server_blind": self.server_blind, "arrays": {"server_precision": self.server_precision},
+                "server_blind": self.server_blind, "arrays": {"server_precision": self.server_precision,
+                                                              **({} if self.server_rdp is None
+                                                                 else {"server_rdp": self.server_rdp})},
                 "assumed": None if self.assumed is None else self.assumed.to_dict(include_epsilon=False),
                 "assumption": self.assumption}
 
@@ -214,6 +247,8 @@ class RunPrivacy:
         self.exhausted, self.calibrated = state["exhausted"], state["calibrated"]
         self.noise_multiplier, self.server_blind = state["noise_multiplier"], state["server_blind"]
         self.server_precision = np.array(state["arrays"]["server_precision"], dtype=np.float64)
+        rdp = state["arrays"].get("server_rdp")
+        self.server_rdp = None if rdp is None else np.array(rdp, dtype=np.float64)
 
     def to_dict(self) -> dict:
         out = self.ledger.to_dict()
@@ -296,6 +331,22 @@ class ClientPrivacy:
     def epsilon_vs_server(self) -> tuple[float | None, str]:
         return self.ledgers.summary()["epsilon_max"], ("record level: each client draws its own lots, which "
                                                         "the server never learns, so its epsilon holds against it")
+
+    def _epsilon_vs_server_rdp(self) -> tuple[float | None, str]:
+        """The same with integer-noise rounds: each client's curve (its discrete releases, plus the
+        Gaussian ones at order/(2 z^2) per unit of precision), converted by dp_accounting; the
+        worst-off client's epsilon."""
+        from ..privacy.discrete_rdp import ORDERS, epsilon
+
+        curves = self.server_rdp + np.outer(self.server_precision, np.asarray(ORDERS, dtype=float)) / 2.0
+        unique, first = np.unique(curves, axis=0, return_index=True)
+        eps = [epsilon(c, self.ledger.delta, ORDERS) if c.any() else 0.0 for c in unique]
+        i = int(np.argmax(eps))
+        if eps[i] == 0.0:
+            return 0.0, "no client's data was released"
+        worst = int(first[i])
+        return (None if math.isinf(eps[i]) else eps[i]), (
+            f"client {worst}: the integer-noise sums of the rounds it took part in, no sampling amplification")
 
     def state_dict(self, rounds_done: int) -> dict:
         return {"ledgers": self.ledgers.to_dict(include_epsilon=False), "num_rounds": self.num_rounds,

@@ -268,3 +268,37 @@ def test_integer_noise_settings_it_cannot_honour_are_one_line(change, field):
         raw[key] = {**raw[key], **value}
     with pytest.raises(DPFLError, match=f"^{field}: "):
         scenario_from_dict(raw)
+
+
+def test_epsilon_against_the_server_composes_each_client_s_integer_releases_unsampled():
+    """The server picks the sample, so against it nothing is amplified; with integer noise what it
+    sees is each round's sum of the survivors' shares (the round's DiscreteNoiseSumDpEvent), not a
+    Gaussian. Each client's rounds compose by adding their unsampled RDP curves; the worst-off
+    client's epsilon comes from dp_accounting's conversion, and a checkpoint keeps it."""
+    from dpfl_ray.privacy.discrete_rdp import ORDERS, epsilon, event_rdp_curve
+    from dpfl_ray.runtime.privacy import RunPrivacy
+
+    sc = scenario_from_dict({
+        "seed": 1, "data": {"source": "synthetic", "num_clients": 40}, "training": {"algorithm": "baek"},
+        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp", "calibration": "none",
+                    "distributed_noise": "skellam"},
+        "secagg": {"enabled": True, "bits": 20}})
+    alg, run = Baek(sc, np.ones(40), 1.0), RunPrivacy(sc, np.ones(40))
+    alg.bind_model(50)
+    run.bind(alg)
+    rounds = [(range(0, 10), range(0, 7)), (range(5, 15), range(5, 13))]  # clients 5 and 6 survive both
+    for t, (sampled, survivors) in enumerate(rounds):
+        assert alg.begin_round(t, list(sampled)) is None
+        alg.after_upload(list(survivors))
+        run.account(t, RoundOutcome(t, tuple(survivors), theta=np.zeros(50, np.float32)), "")
+    curves = [event_rdp_curve(r.mechanism, ORDERS, run.ledger.neighboring_relation) for r in run.ledger.rounds]
+    assert [r.mechanism.shares for r in run.ledger.rounds] == [7, 8]
+    both = epsilon(curves[0] + curves[1], sc.privacy.delta)
+    out = run.to_dict()
+    assert out["epsilon_vs_server"] == pytest.approx(both, rel=1e-12) and out["epsilon_vs_server"] > out["epsilon"]
+    assert out["epsilon_vs_server_note"].startswith("client 5: the integer-noise sums")
+    resumed = RunPrivacy(sc, np.ones(40))
+    resumed.bind(alg)
+    resumed.load_state_dict(run.state_dict(2))
+    assert resumed.to_dict()["epsilon_vs_server"] == out["epsilon_vs_server"]
