@@ -26,7 +26,7 @@ def _memory_need(clients: int, dim: int, bits: int, protocol: str) -> int:
     from dpfl_ray.secagg.graph import secagg_plus_degree
 
     partners = clients - 1 if protocol == "secagg" else min(clients - 1, secagg_plus_degree(clients))
-    return _VECTOR_COPIES * clients * dim * (bits // 8) + clients * partners * _BYTES_PER_PAIR
+    return _VECTOR_COPIES * clients * dim * (8 if bits > 32 else 4) + clients * partners * _BYTES_PER_PAIR
 
 
 def _available_memory() -> int | None:
@@ -58,14 +58,20 @@ def secagg(
     dropout: float = typer.Option(0.3, "--dropout", help="fraction of clients that drop"),
     phase: str = typer.Option("masked_input", "--phase", help="advertise | share | masked_input | unmask"),
     protocol: str = typer.Option("secagg", "--protocol", help="secagg | secagg+"),
-    bits: int = typer.Option(32, "--bits", help="32 or 64"),
+    bits: int = typer.Option(32, "--bits", help="the ring Z_2^bits: 8-32, or 64"),
+    noise: str = typer.Option("none", "--noise", help="none | skellam | discrete_gaussian: the clients' vectors "
+                              "are model updates carrying integer noise in Z_2^bits (distributed DP, "
+                              "docs/distributed_dp.md), timed beside the continuous Gaussian in 32-bit fixed point"),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Time one secure aggregation (real keys, real masks) and the same sum in plain NumPy."""
+    """Time one secure aggregation (real keys, real masks) and the same sum in plain NumPy; with
+    --noise, the whole distributed-DP round (encode, secure sum, decode) at --bits beside the
+    continuous Gaussian at 32 bits."""
     import numpy as np
 
     from dpfl_ray.secagg import PHASES, secure_sum
+    from dpfl_ray.secagg.config import BITS
 
     if protocol not in ("secagg", "secagg+"):
         fail(f"--protocol: {protocol!r} is not secagg or secagg+")
@@ -75,16 +81,23 @@ def secagg(
         fail(f"--dropout: {dropout} is outside [0, 1)")
     if clients < 2 or dim < 1:
         fail("--clients must be >= 2 and --dim >= 1")
-    if bits not in (32, 64):
-        fail(f"--bits: {bits} is not 32 or 64")
+    if bits not in BITS:
+        fail(f"--bits: {bits} is not 8-32 or 64")
+    if noise not in ("none", "skellam", "discrete_gaussian"):
+        fail(f"--noise: {noise!r} is not none, skellam or discrete_gaussian")
+    if noise != "none" and bits > 32:
+        fail(f"--bits: integer noise needs a ring of 8-32 bits, got {bits}")
     need, available = _memory_need(clients, dim, bits, protocol), _available_memory()
     if available is not None and need > available:
         fail(f"--clients/--dim: {clients:,} clients x {dim:,} (uint{bits}, {protocol}) need about "
              f"{need / 2**30:,.1f} GiB, but {max(available, 0) / 2**30:,.1f} GiB is available")
     rng = np.random.default_rng(seed)
-    dtype = np.uint32 if bits == 32 else np.uint64
-    vectors = [rng.integers(0, np.iinfo(dtype).max, size=dim, dtype=dtype, endpoint=True) for _ in range(clients)]
     drops = {int(u): phase for u in rng.choice(clients, size=int(round(dropout * clients)), replace=False)}
+    if noise != "none":
+        _distributed_dp_round(noise, bits, clients, dim, drops, protocol, seed, as_json)
+        return
+    dtype = np.uint32 if bits <= 32 else np.uint64
+    vectors = [rng.integers(0, (1 << bits) - 1, size=dim, dtype=dtype, endpoint=True) for _ in range(clients)]
     start = time.perf_counter()
     result = secure_sum(vectors, bits=bits, protocol=protocol, dropouts=drops, graph_seed=seed)
     secure_seconds = time.perf_counter() - start
@@ -119,6 +132,82 @@ def secagg(
                   f"{report['bytes_per_surviving_client']:,} B sent per surviving client "
                   f"(plain upload {report['plain_bytes_per_client']:,} B); server received "
                   f"{report['server_bytes_received']:,} B")
+
+
+def _distributed_dp_round(noise: str, bits: int, clients: int, dim: int, drops: dict, protocol: str, seed: int,
+                          as_json: bool) -> None:
+    """One distributed-DP round of unit-norm updates at z = 1 (noise std 2C on the sum, C = 1): each
+    client rotates, scales, rounds and noises its update into Z_2^bits (issue #36), SecAgg sums the
+    words in that ring, the server decodes; beside it the continuous Gaussian's round, each client's
+    share N(0, (2C)^2 / clients) in 32-bit fixed point (scale 2^16). Both time the same steps."""
+    import hashlib
+    import math
+
+    import numpy as np
+
+    from dpfl_ray.algorithms.baek import ROUNDING_BETA
+    from dpfl_ray.privacy.discrete import discrete_gaussian, skellam
+    from dpfl_ray.privacy.discrete_rdp import plan_ring, rounded_l2_bound
+    from dpfl_ray.secagg import decode, encode, secure_sum
+    from dpfl_ray.secagg.ring import conditional_round, from_ring, rotate, rotation_signs, to_ring, unrotate
+
+    rng = np.random.default_rng(seed)
+    updates = rng.standard_normal((clients, dim))
+    updates /= np.linalg.norm(updates, axis=1, keepdims=True)
+    std = 2.0  # 2Cz on the sum, C = 1, z = 1
+    plan = plan_ring(noise, bits, clients, dim, 1.0, std, 2.0, 1e-4, ROUNDING_BETA)
+    signs = rotation_signs(hashlib.sha256(f"bench|{seed}".encode()).digest(), dim)
+    bound = rounded_l2_bound(plan.scale, plan.event.dim, ROUNDING_BETA)
+    rows = []
+
+    def one(label: str, ring_bits: int, encode_one, decode_sum) -> None:
+        start = time.perf_counter()
+        words = [encode_one(u) for u in updates]
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        result = secure_sum(words, bits=ring_bits, protocol=protocol, dropouts=drops, graph_seed=seed)
+        secagg_s = time.perf_counter() - start
+        start = time.perf_counter()
+        released = decode_sum(result.sum)
+        decode_s = time.perf_counter() - start
+        error = released - updates[list(result.survivors)].sum(axis=0)
+        live = [b for u, b in result.bytes_per_client.items() if u in result.survivors]
+        rows.append({"noise": label, "bits": ring_bits, "survivors": len(result.survivors),
+                     "encode_seconds": round(encode_s, 3), "secagg_seconds": round(secagg_s, 3),
+                     "decode_seconds": round(decode_s, 4), "total_seconds": round(encode_s + secagg_s + decode_s, 3),
+                     "bytes_per_surviving_client": int(np.mean(live)) if live else 0,
+                     "noise_std_per_coordinate": round(float(np.std(error)), 4)})
+
+    def integer_words(u):
+        ints = conditional_round(rotate(u * plan.scale, signs), rng, bound)
+        share = (skellam(rng, plan.local_variance, ints.size) if noise == "skellam"
+                 else discrete_gaussian(rng, int(plan.local_variance), ints.size))
+        return to_ring(ints + share, bits).astype(np.uint32)
+
+    one(noise, bits, integer_words,
+        lambda total: unrotate(from_ring(total.astype(np.int64), bits).astype(np.float64), signs, dim) / plan.scale)
+    share_std = std / math.sqrt(clients)
+    one("gaussian", 32, lambda u: encode(u + rng.normal(0.0, share_std, dim), bits=32, scale=2.0 ** 16,
+                                          n_summands=clients, rng=rng).data,
+        lambda total: decode(total, bits=32, scale=2.0 ** 16))
+    report = {"protocol": protocol, "clients": clients, "dim": dim, "padded_dim": plan.event.dim,
+              "dropped": len(drops), "ring_scale": plan.scale, "wrap_bound": plan.wrap_probability, "rows": rows}
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table("noise", "bits", "encode s", "secure sum s", "decode s", "total s", "B per surviving client",
+                  "noise std / coord", title=f"distributed DP, {protocol}: {clients} clients x {dim} "
+                                             f"(padded {plan.event.dim}), {len(drops)} dropped, z = 1")
+    for r in rows:
+        table.add_row(r["noise"], str(r["bits"]), f"{r['encode_seconds']:.3f}", f"{r['secagg_seconds']:.3f}",
+                      f"{r['decode_seconds']:.4f}", f"{r['total_seconds']:.3f}", f"{r['bytes_per_surviving_client']:,}",
+                      f"{r['noise_std_per_coordinate']:.4f}")
+    console.print(table)
+    a, b = rows
+    console.print(f"{a['noise']} at {a['bits']} bits: {a['total_seconds'] / max(b['total_seconds'], 1e-9):.2f}x the "
+                  f"time and {a['bytes_per_surviving_client'] / max(b['bytes_per_surviving_client'], 1):.2f}x the bytes "
+                  f"of the continuous Gaussian at 32 bits; planned noise std on the sum 2 x sqrt(survivors / "
+                  f"clients) = {std * math.sqrt(a['survivors'] / clients):.4f}", highlight=False)
 
 
 # -- workloads against the compute floor (issue 14) -------------------------------------------------------

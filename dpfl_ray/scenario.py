@@ -262,17 +262,12 @@ class SecAggConfig(_Section):
         "threshold by Bell et al. 2020's bounds (docs/secagg.md)")
     failure_log2: float = Field(
         20.0, gt=0, le=1000, description="secagg+ with dropout_tolerance: a round aborts with probability <= 2^-this")
+
     @property
     def resolved_scale(self) -> float:
         # 2^40 leaves 2^23 / n of headroom per summand in 64 bits and rounds far below float32's
         # resolution, so SecAgg reproduces the plain model bit for bit in practice.
         return self.scale if self.scale is not None else (2.0 ** 40 if self.bits == 64 else 2.0 ** 16)
-
-    @property
-    def transport_bits(self) -> int:
-        """The width of SecAgg's own words: a ring of fewer than 32 bits travels in 32-bit words
-        (2^bits divides 2^32, so the masks cancel mod 2^bits as well)."""
-        return self.bits if self.bits in (32, 64) else 32
 
     phase_timeout_seconds: float | None = Field(
         None, gt=0, description="a worker that misses a phase's deadline drops its clients in that phase")
@@ -490,7 +485,7 @@ class Scenario(_Section):
             raise ValueError(f"secagg.bits: {self.secagg.bits} bits carry the integer noise of "
                              "privacy.distributed_noise; fixed-point encoding takes 32 or 64")
         if integer and self.secagg.bits == 64:
-            raise ValueError("secagg.bits: integer noise travels in 32-bit words; choose 8-32")
+            raise ValueError("secagg.bits: integer noise needs a ring of 8-32 bits")
         return self
 
     @model_validator(mode="after")

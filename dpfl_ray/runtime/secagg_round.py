@@ -143,8 +143,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
         threshold = n // 2 + 1 if sa.protocol == "secagg" else None
     else:
         threshold = min(sa.threshold, n) if sa.threshold else None
-    ring = spec.ring  # integer noise: the clients send words of Z_2^ring.bits, carried in 32-bit words
-    config = SecAggRoundConfig(n_clients=n, bits=sa.transport_bits, protocol=sa.protocol, threshold=threshold,
+    ring = spec.ring  # integer noise: SecAgg runs in Z_2^ring.bits, each word sent in ring.bits bits
+    config = SecAggRoundConfig(n_clients=n, bits=sa.bits, protocol=sa.protocol, threshold=threshold,
                           round_id=t, graph_seed=sc.seed,
                           degree=min(sa.degree, n - 1) if sa.degree and n > 2 else None,
                           dim=ring.dim if ring is not None else int(coord.theta.size) + spec.extra_dims,

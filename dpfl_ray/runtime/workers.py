@@ -313,8 +313,9 @@ class ClientWorker:
                            only=set(forwarded))
         if self._sa["delay"]:  # the upload phase: stragglers hold it back, for real
             time.sleep(self._sa["delay"])
-        bits = msgs[0]["masked"].dtype.itemsize * 8 if msgs else 0
-        return PhaseReply([presum_masked(msgs, bits)] if msgs else [])
+        if not msgs:
+            return PhaseReply([])
+        return PhaseReply([presum_masked(msgs, next(iter(self._sa["clients"].values())).config.bits)])
 
     def secagg_unmask(self, request: dict, calibration_n_prime: float | None = None) -> PhaseReply:
         """Unmask shares; with ``calibration_n_prime`` also each survivor's calibration term

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from dpfl_ray.secagg import shamir
-from dpfl_ray.secagg.config import SecAggRoundConfig, as_ring_vector, check_round, wire_size
+from dpfl_ray.secagg.config import SecAggRoundConfig, as_ring_vector, check_round, reduce_mod, wire_size
 from dpfl_ray.secagg.errors import SecAggAbort, SecAggProtocolError, ShareAuthenticationError, UnmaskRefused
 from dpfl_ray.secagg.keys import (
     PURPOSE_ENCRYPTION, PURPOSE_MASK, KeyPair, add_prg, check_public_key, derive_keys, generate_keypair,
@@ -82,7 +82,7 @@ class SecAggClient:
         self.phase = new
 
     def _send(self, message: dict) -> dict:
-        self.bytes_sent += wire_size(message)
+        self.bytes_sent += wire_size(message, self.config.bits)
         return message
 
     # Round 0 -- AdvertiseKeys
@@ -173,6 +173,7 @@ class SecAggClient:
                             purpose=PURPOSE_MASK, round_id=self.config.round_id)
         for v, seed in seeds.items():
             add_prg(y, seed, 1 if self.id < v else -1)
+        reduce_mod(y, self.config.bits)  # a ring narrower than its words: only its bits are sent
         return self._send({"round_id": self.config.round_id, "clients": [self.id], "masked": y})
 
     # Round 4 -- Unmasking

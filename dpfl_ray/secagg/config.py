@@ -14,7 +14,11 @@ from dpfl_ray.secagg.parameters import SecAggPlusParameters, evaluate
 
 # Rounds of Bonawitz et al. 2017, Fig. 4, without Round 3 (ConsistencyCheck; honest-but-curious).
 PHASES = ("advertise", "share", "masked_input", "unmask")
-BITS = (32, 64)
+# Z_2^bits: 32 or 64 for fixed-point floats (encoding.py); 8-31 for integer vectors already in a
+# smaller ring (ring.py). Fewer than 32 bits are held in uint32 words: 2^bits divides 2^32, so the
+# masks, added mod 2^32, cancel mod 2^bits too, and each masked input is reduced mod 2^bits before it
+# is sent, so it takes bits, not 32, per coordinate on the wire.
+BITS = tuple(range(8, 33)) + (64,)
 ID_BYTES = 4  # client ids and round ids on the wire
 
 
@@ -41,7 +45,7 @@ class SecAggRoundConfig:
 
     def __post_init__(self):
         if self.bits not in BITS:
-            raise DPFLError(f"bits must be one of {BITS}, got {self.bits}", "bits")
+            raise DPFLError(f"bits must be 8-32 or 64, got {self.bits}", "bits")
         if self.dim is not None and self.dim < 1:
             raise DPFLError(f"dim must be >= 1, got {self.dim}", "dim")
         self.graph  # validate protocol / threshold / degree eagerly
@@ -70,7 +74,24 @@ class SecAggRoundConfig:
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(np.uint32 if self.bits == 32 else np.uint64)
+        return word_dtype(self.bits)
+
+    @property
+    def below(self) -> int | None:
+        """2^bits - 1 when the ring is narrower than its words (the mask that reduces mod 2^bits)."""
+        return (1 << self.bits) - 1 if self.bits < 32 else None
+
+
+def word_dtype(bits: int) -> np.dtype:
+    """The unsigned words that hold Z_2^bits."""
+    return np.dtype(np.uint64 if bits > 32 else np.uint32)
+
+
+def reduce_mod(words: np.ndarray, bits: int) -> np.ndarray:
+    """``words`` mod 2^bits, in place (a no-op for a ring as wide as its words)."""
+    if bits < 32:
+        np.bitwise_and(words, np.uint32((1 << bits) - 1), out=words)
+    return words
 
 
 def as_ring_vector(vector: object, config: SecAggRoundConfig, what: str = "input") -> np.ndarray:
@@ -96,17 +117,20 @@ def check_round(message: Mapping, config: SecAggRoundConfig) -> None:
         raise SecAggProtocolError(f"message of round {message.get('round_id')!r}, this is round {config.round_id}")
 
 
-def wire_size(obj: object) -> int:
+def wire_size(obj: object, bits: int | None = None) -> int:
     """Bytes ``obj`` takes on the wire: raw bytes and arrays at their length, ids at 4 bytes.
 
-    Counts payload only (no framing, field names free): a public key is 32 B, a masked vector ``dim * bits / 8``,
-    a sealed share pair 12 + 2 * 66 + 16 = 160 B, a revealed share 66 B.
+    Counts payload only (no framing, field names free): a public key is 32 B, a masked vector
+    ``ceil(dim * bits / 8)`` (``bits``: the round's ring; its words packed), a sealed share pair
+    12 + 2 * 66 + 16 = 160 B, a revealed share 66 B.
     """
     if obj is None:
         return 0
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return len(obj)
     if isinstance(obj, np.ndarray):
+        if bits is not None and obj.dtype.kind == "u":
+            return -(-int(obj.size) * bits // 8)
         return int(obj.nbytes)
     if isinstance(obj, (bool, int, np.integer)):
         return ID_BYTES
@@ -115,7 +139,7 @@ def wire_size(obj: object) -> int:
     if isinstance(obj, str):
         return 0  # field names are schema, not payload
     if isinstance(obj, Mapping):
-        return sum(wire_size(k) + wire_size(v) for k, v in obj.items())
+        return sum(wire_size(k, bits) + wire_size(v, bits) for k, v in obj.items())
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return sum(wire_size(v) for v in obj)
+        return sum(wire_size(v, bits) for v in obj)
     raise TypeError(f"cannot size a {type(obj).__name__} message part")

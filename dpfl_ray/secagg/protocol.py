@@ -15,7 +15,7 @@ import numpy as np
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.secagg.client import SecAggClient
-from dpfl_ray.secagg.config import PHASES, SecAggRoundConfig, as_ring_vector
+from dpfl_ray.secagg.config import PHASES, SecAggRoundConfig, as_ring_vector, reduce_mod, word_dtype
 from dpfl_ray.secagg.server import SecAggServer
 
 __all__ = ["PHASES", "SecAggClient", "SecAggRoundConfig", "SecAggResult", "SecAggServer", "presum_masked", "secure_sum"]
@@ -48,7 +48,7 @@ def presum_masked(messages: Iterable[Mapping], bits: int) -> dict:
     messages = list(messages)
     if not messages:
         raise DPFLError("nothing to pre-sum", "messages")
-    dtype = np.dtype(np.uint32 if bits == 32 else np.uint64)
+    dtype = word_dtype(bits)
     rounds = {m.get("round_id") for m in messages}
     if len(rounds) != 1:
         raise DPFLError(f"masked inputs of different rounds {sorted(map(str, rounds))}", "round_id")
@@ -57,7 +57,7 @@ def presum_masked(messages: Iterable[Mapping], bits: int) -> dict:
     for m in messages[1:]:
         np.add(total, np.asarray(m["masked"], dtype=dtype), out=total)
         ids.extend(m["clients"])
-    return {"round_id": rounds.pop(), "clients": ids, "masked": total}
+    return {"round_id": rounds.pop(), "clients": ids, "masked": reduce_mod(total, bits)}
 
 
 def _check_dropouts(dropouts: Mapping[int, str] | None, n: int) -> dict[int, int]:

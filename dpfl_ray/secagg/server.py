@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from dpfl_ray.secagg import shamir
-from dpfl_ray.secagg.config import SecAggRoundConfig, check_round, wire_size
+from dpfl_ray.secagg.config import SecAggRoundConfig, check_round, reduce_mod, wire_size
 from dpfl_ray.secagg.errors import SecAggAbort, SecAggProtocolError, ShamirError
 from dpfl_ray.secagg.keys import PURPOSE_MASK, check_public_key, derive_keys, expand_masks, public_key_of
 
@@ -62,7 +62,7 @@ class SecAggServer:
         seen: set[int] = set()
         for m in messages:
             check_round(m, self.config)
-            self.bytes_received += wire_size(m)
+            self.bytes_received += wire_size(m, self.config.bits)
             if sender_key is not None:
                 sender = m.get(sender_key)
                 if not isinstance(sender, (int, np.integer)) or not 0 <= sender < self.config.n_clients:
@@ -95,7 +95,7 @@ class SecAggServer:
             self.keys[u] = (check_public_key(m.get("c_pk"), u), check_public_key(m.get("s_pk"), u))
         self._check_live("advertise", frozenset(self.keys))
         out = {"round_id": self.config.round_id, "keys": dict(sorted(self.keys.items()))}
-        self.bytes_sent += wire_size(out) * len(self.keys)
+        self.bytes_sent += wire_size(out, self.config.bits) * len(self.keys)
         self.seconds["advertise"] += time.perf_counter() - start
         return out
 
@@ -126,7 +126,7 @@ class SecAggServer:
         self._check_live("share", self.u2)
         out = {v: {"round_id": self.config.round_id, "ciphertexts": dict(sorted(inbox.get(v, {}).items()))}
                for v in sorted(self.u2)}
-        self.bytes_sent += sum(wire_size(m) for m in out.values())
+        self.bytes_sent += sum(wire_size(m, self.config.bits) for m in out.values())
         self.seconds["share"] += time.perf_counter() - start
         return out
 
@@ -154,7 +154,10 @@ class SecAggServer:
             if y.dtype != self.config.dtype or y.ndim != 1 or (total is not None and y.shape != total.shape) \
                     or (self.config.dim is not None and y.shape[0] != self.config.dim):
                 raise SecAggProtocolError(f"masked input of clients {ids} has dtype {y.dtype} / shape {y.shape}, "
-                                          f"expected uint{self.config.bits} of one common length", clients=ids)
+                                          f"expected words of Z_2^{self.config.bits} of one common length", clients=ids)
+            if self.config.below is not None and int(y.max()) > self.config.below:
+                raise SecAggProtocolError(f"masked input of clients {ids} has words outside Z_2^{self.config.bits}",
+                                          clients=ids)
             senders.update(ids)
             total = y.copy() if total is None else np.add(total, y, out=total)
         self.u3 = frozenset(senders)
@@ -170,7 +173,7 @@ class SecAggServer:
         survivors, dropped = sorted(self.u3), sorted(self.u2 - self.u3)
         out = {"round_id": self.config.round_id, "survivors": survivors, "dropped": dropped,
                "b_shares_for": survivors, "sk_shares_for": dropped}
-        self.bytes_sent += wire_size(out) * len(survivors)
+        self.bytes_sent += wire_size(out, self.config.bits) * len(survivors)
         self.seconds["masked_input"] += time.perf_counter() - start
         return out
 
@@ -245,6 +248,7 @@ class SecAggServer:
             # v added PRG(s_uv) if v < u and subtracted it otherwise; undo that.
             masks += [(seed, -1 if v < u else 1) for v, seed in seeds.items()]
         np.add(total, expand(masks, total.shape[0], total.dtype.str), out=total)
+        reduce_mod(total, self.config.bits)
         if self._layers_from is not None:
             self.layer_seeds = {u: {k: self._recover(u, layer_points[u][k], f"layer-{k} seed")
                                     for k in sorted(layer_points[u])} for u in sorted(self.u3)}

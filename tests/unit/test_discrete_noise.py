@@ -315,3 +315,33 @@ def test_neighbouring_cohorts_through_the_whole_ring_pipeline_separate_no_more_t
     mu_hat = separation(with_it, without)
     assert allowed == pytest.approx(1 / z, rel=1e-3)
     assert 0.25 < mu_hat <= allowed + SLACK, (mu_hat, allowed)  # 0.57 here (C / 2Cz = 0.5)
+
+
+def test_bench_secagg_times_a_round_of_integer_noise_beside_the_gaussian():
+    """`dpfl bench secagg --bits 16 --noise skellam`: the whole round (encode, secure sum in Z_2^16,
+    decode) beside the continuous Gaussian at 32 bits, both carrying the planned noise; the integer
+    round's masked input takes 16 bits a padded coordinate on the wire, the Gaussian's 32."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from cli import bench
+
+    root = typer.Typer()
+    root.add_typer(bench.app, name="bench")
+    res = CliRunner().invoke(root, ["bench", "secagg", "--clients", "12", "--dim", "300", "--bits", "16",
+                                    "--noise", "skellam", "--dropout", "0.25", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    integer, gaussian = out["rows"]
+    assert (integer["noise"], integer["bits"], gaussian["noise"], gaussian["bits"]) == ("skellam", 16, "gaussian", 32)
+    assert out["padded_dim"] == 512 and integer["survivors"] == gaussian["survivors"] == 9
+    assert gaussian["bytes_per_surviving_client"] - integer["bytes_per_surviving_client"] == 300 * 4 - 512 * 2
+    planned = 2.0 * math.sqrt(9 / 12)  # 2Cz on the survivors' share of the sum
+    for row in (integer, gaussian):
+        assert row["noise_std_per_coordinate"] == pytest.approx(planned, rel=0.15), row
+    for args, needle in ((["--bits", "64", "--noise", "skellam"], "--bits: integer noise needs a ring of 8-32 bits"),
+                         (["--noise", "gauss"], "--noise: 'gauss' is not none"), (["--bits", "7"], "--bits: 7")):
+        res = CliRunner().invoke(root, ["bench", "secagg", "--clients", "4", "--dim", "10", *args])
+        assert res.exit_code == 2 and needle in res.output, res.output

@@ -135,9 +135,40 @@ def test_bytes_are_counted_per_message_part():
     assert set(result.seconds_by_phase) == set(PHASES) | {"reconstruct"}
 
 
+def test_a_ring_narrower_than_its_words_sums_exactly_and_sends_only_its_bits():
+    """Z_2^b for b < 32 (integer noise, secagg/ring.py) in uint32 words: the sum mod 2^b is exact
+    whoever drops when, each masked input is reduced mod 2^b before it is sent and counted at b bits a
+    word, and a word outside the ring (a malformed or malicious upload) is refused by the server."""
+    rng = np.random.default_rng(4)
+    dim, n = 1001, 7
+    for bits in (8, 16, 20, 31):
+        vectors = [rng.integers(0, 1 << bits, size=dim, dtype=np.uint32) for _ in range(n)]
+        result = secure_sum(vectors, bits=bits, dropouts={1: "masked_input", 4: "unmask"}, threshold=4)
+        expected = np.sum(np.stack([vectors[u] for u in result.survivors]).astype(np.uint64), axis=0) % (1 << bits)
+        assert list(result.survivors) == [0, 2, 3, 4, 5, 6]
+        np.testing.assert_array_equal(result.sum, expected.astype(np.uint32))
+        wide = secure_sum(vectors, bits=32, dropouts={1: "masked_input", 4: "unmask"}, threshold=4)
+        # the masked input is the only message whose size depends on the ring: b/8 bytes a word, not 4
+        assert wide.bytes_per_client[0] - result.bytes_per_client[0] == dim * 4 - -(-dim * bits // 8)
+    with pytest.raises(DPFLError, match="outside"):
+        secure_sum([np.full(3, 1 << 16, np.uint32)] * 3, bits=16)
+    config = SecAggRoundConfig(n_clients=3, bits=16)
+    server = SecAggServer(config)
+    clients = [SecAggClient(u, config) for u in range(3)]
+    keys = server.receive_keys([c.advertise_keys() for c in clients])
+    forwarded = server.receive_shares([c.share_keys(keys) for c in clients])
+    masked = [c.masked_input(forwarded[c.id], np.ones(4, np.uint32)) for c in clients]
+    assert all(int(m["masked"].max()) < 1 << 16 for m in masked)
+    masked[1] = {**masked[1], "masked": masked[1]["masked"] | np.uint32(1 << 20)}
+    with pytest.raises(SecAggProtocolError, match="words outside Z_2\\^16"):
+        server.receive_masked(masked)
+
+
 def test_bad_arguments_are_user_errors():
     with pytest.raises(DPFLError):
-        secure_sum([np.zeros(2, np.uint32)] * 3, bits=16)
+        secure_sum([np.zeros(2, np.uint32)] * 3, bits=7)
+    with pytest.raises(DPFLError):
+        secure_sum([np.zeros(2, np.uint32)] * 3, bits=33)
     with pytest.raises(DPFLError):
         secure_sum([np.zeros(2, np.uint32)] * 3, bits=32, dropouts={5: "share"})
     with pytest.raises(DPFLError):
