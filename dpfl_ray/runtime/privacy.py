@@ -332,22 +332,6 @@ class ClientPrivacy:
         return self.ledgers.summary()["epsilon_max"], ("record level: each client draws its own lots, which "
                                                         "the server never learns, so its epsilon holds against it")
 
-    def _epsilon_vs_server_rdp(self) -> tuple[float | None, str]:
-        """The same with integer-noise rounds: each client's curve (its discrete releases, plus the
-        Gaussian ones at order/(2 z^2) per unit of precision), converted by dp_accounting; the
-        worst-off client's epsilon."""
-        from ..privacy.discrete_rdp import ORDERS, epsilon
-
-        curves = self.server_rdp + np.outer(self.server_precision, np.asarray(ORDERS, dtype=float)) / 2.0
-        unique, first = np.unique(curves, axis=0, return_index=True)
-        eps = [epsilon(c, self.ledger.delta, ORDERS) if c.any() else 0.0 for c in unique]
-        i = int(np.argmax(eps))
-        if eps[i] == 0.0:
-            return 0.0, "no client's data was released"
-        worst = int(first[i])
-        return (None if math.isinf(eps[i]) else eps[i]), (
-            f"client {worst}: the integer-noise sums of the rounds it took part in, no sampling amplification")
-
     def state_dict(self, rounds_done: int) -> dict:
         return {"ledgers": self.ledgers.to_dict(include_epsilon=False), "num_rounds": self.num_rounds,
                 "claimed": self.claimed.to_dict(include_epsilon=False), "arrays": {"spent": self.spent}}
