@@ -98,8 +98,10 @@ def trial(config: dict) -> None:
     if stop.requested:  # started after the sweep was told to stop: nothing to write
         tune.report({"status": "interrupted" if not stop.timed_out else "timeout", "started": False})
         return
-    status = _run(config, run_dir, stop, t0, tune.report)
-    tune.report({"status": bring_back(config, run_dir, status)})
+    ran: list[bool] = []
+    status = _run(config, run_dir, stop, t0, tune.report, ran)
+    # only a trial that held the run sends it back (not another attempt's directory it was refused)
+    tune.report({"status": bring_back(config, run_dir, status) if ran else status})
 
 
 def _ask_collector(config: dict) -> Callable[[], bool] | None:
@@ -169,7 +171,9 @@ def start_collector(sweep_dir: Path):
     return actor, name, node
 
 
-def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None]) -> str:
+def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None],
+         ran: list[bool]) -> str:
+    """The run; ``ran`` gets True once this trial holds the run's lock (runs.sweep.hold_run)."""
     from ..data import build_federation
     from ..errors import DPFLError
     from ..runs.record import RunRecord
@@ -183,6 +187,7 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     try:
         # an earlier attempt's process may still be ending (its node was lost): it holds the run until it is gone
         held = hold_run(run_dir.parent, run_dir.name, wait_s=RETRY_LOCK_WAIT_SECONDS if run_dir.exists() else 0.0)
+        ran.append(True)
         earlier = earlier_attempt(run_dir)
         if earlier == FINISHED:  # the attempt that ended had written every file
             return "ok"
