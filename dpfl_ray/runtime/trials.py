@@ -109,17 +109,26 @@ def _ask_collector(config: dict) -> Callable[[], bool] | None:
     was told to stop (its stop file may not be visible here). None on the sweep's node."""
     import ray
 
-    if ray.get_runtime_context().get_node_id() == config.get("driver_node") or not config.get("collector"):
+    if not _elsewhere(config):
         return None
+    found = []  # the collector's handle, looked up once
 
     def ask() -> bool:
         try:
-            collector = ray.get_actor(config["collector"], namespace=COLLECTOR_NAMESPACE)
-            return bool(ray.get(collector.stopping.remote(), timeout=ASK_TIMEOUT_S))
+            if not found:
+                found.append(ray.get_actor(config["collector"], namespace=COLLECTOR_NAMESPACE))
+            return bool(ray.get(found[0].stopping.remote(), timeout=ASK_TIMEOUT_S))
         except Exception:  # noqa: BLE001 - no answer is no stop; the sweep's grace ends the trial
             return False
 
     return ask
+
+
+def _elsewhere(config: dict) -> bool:
+    """Does this trial run on another node than the sweep's (which has a collector)?"""
+    import ray
+
+    return bool(config.get("collector")) and ray.get_runtime_context().get_node_id() != config.get("driver_node")
 
 
 def bring_back(config: dict, run_dir: Path, status: str) -> str:
@@ -128,9 +137,9 @@ def bring_back(config: dict, run_dir: Path, status: str) -> str:
     returns the trial's status, or a failed one saying where the files stayed."""
     import ray
 
-    here = ray.get_runtime_context().get_node_id()
-    if here == config.get("driver_node") or not config.get("collector") or not run_dir.is_dir():
+    if not _elsewhere(config) or not run_dir.is_dir():
         return status
+    here = ray.get_runtime_context().get_node_id()
     from ..runs.sweep import pack_run
 
     try:
