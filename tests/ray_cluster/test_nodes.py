@@ -41,6 +41,7 @@ SCRIPT = textwrap.dedent('''
     from dpfl_ray.runs.record import RunRecord
     from dpfl_ray.runtime.cluster import placement_summary
     from dpfl_ray.runtime.driver import ensure_ray, run_scenario
+    from dpfl_ray.runtime.checkpoint import CHECKPOINT, read_checkpoint, rows_covered
     from dpfl_ray.scenario import scenario_from_dict
 
     out = Path(sys.argv[1])
@@ -113,9 +114,14 @@ SCRIPT = textwrap.dedent('''
             spread |= {frozenset(trials)} if len(trials) == 3 else set()
             for node, run in trials.items():
                 rows = sweep_dir / run / "rounds.jsonl"
-                if spread and node is not cluster.head_node and rows.exists() \
-                        and len(rows.read_text().splitlines()) >= 3 and not (sweep_dir / run / "summary.json").exists():
-                    rows_then = {"run": run, "text": rows.read_text()}
+                if not spread or node is cluster.head_node or (sweep_dir / run / "summary.json").exists() \
+                        or not (sweep_dir / run / CHECKPOINT).exists():
+                    continue
+                # the checkpoint first: rows reach rounds.jsonl before the checkpoint that covers them
+                covered = rows_covered(read_checkpoint(sweep_dir / run))
+                text = rows.read_text()
+                if covered >= 2 and len(text.splitlines()) >= 3:
+                    rows_then = {"run": run, "text": text, "covered": covered}
                     cluster.remove_node(node, allow_graceful=False)
                     lost = node.node_id
                     break
@@ -182,11 +188,17 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
                                                                      ("2", "ok", rounds)]
     hit = out["rows_then"]["run"]
     assert out["tail"].count("Tune starts it again") == 1 and f"{hit}: its trial's process ended" in out["tail"]
-    # the trial started again resumed its run: the rows it had committed are there to the byte (their
-    # wall-clock seconds included, which a run started afresh would not repeat), then every later round once
+    # the trial started again resumed its run from its last checkpoint: the rows that checkpoint covered
+    # are there to the byte (their wall-clock seconds included, which a run started afresh would not
+    # repeat); rows written after it were done again, with the same figures; then every later round once
     before = out["rows_then"]["text"].splitlines()
     after = (tmp_path / "sweep" / hit / "rounds.jsonl").read_text().splitlines()
-    assert len(before) >= 3 and after[:len(before) - 1] == before[:-1]
+    covered = out["rows_then"]["covered"]
+    assert covered >= 2 and after[:covered] == before[:covered]
+
+    def figures(line):
+        return {k: v for k, v in json.loads(line).items() if not k.endswith("seconds")}
+    assert [figures(x) for x in after[:len(before) - 1]] == [figures(x) for x in before[:-1]]
     assert [json.loads(line)["round"] for line in after] == list(range(1, SWEEP_ROUNDS + 1))
     assert not (tmp_path / "sweep" / ".incomplete").exists()  # nothing was set aside: no run started afresh
     placed = [json.loads((tmp_path / "sweep" / x["run"] / "summary.json").read_text())["placement"]["nodes"]
