@@ -61,6 +61,22 @@ def _normal(generator, std: float, dim: int) -> np.ndarray:
     return generator.standard_normal(dim, dtype=np.float64) * std
 
 
+def _integer_draw(mechanism: str, gen, variance: float, dim: int) -> np.ndarray:
+    from ..privacy.discrete import discrete_gaussian, skellam
+
+    if mechanism == "skellam":
+        return skellam(gen, variance, dim)
+    return discrete_gaussian(gen, int(variance), dim)
+
+
+def calibration_share_variance(ring: RingEncoding, cohort: int, survivors: int) -> float:
+    """Each calibrating survivor's fresh share when ``survivors`` of ``cohort`` clients delivered: the
+    cohort's total noise variance over the survivors (integer units), so that their fresh shares sum
+    to it (Alg. 2 line 22 with a share per client); the discrete Gaussian's rounded up to an integer."""
+    share = ring.local_variance * cohort / survivors
+    return float(math.ceil(share)) if ring.mechanism == "discrete_gaussian" else share
+
+
 def booked_multiplier(z_view: float, clip_norm: float = 1.0) -> float:
     """What the ledger books for a view carrying noise std 2C z_view on the weighted sum. Baek et
     al. (Prop. 2) state the replace-one sensitivity 2C with n public; under Poisson sampling's
@@ -84,6 +100,7 @@ class BaekNoise(ClientNoise):
     n0: float | None = None  # baek-extended's floor
     variances: tuple[float, ...] = ()  # layered: variances of layers 0..L, in units of T^2
     ring: RingEncoding | None = None  # integer noise inside SecAgg's ring (privacy.distributed_noise)
+    cohort: int = 0  # the number of sampled clients (integer noise: every client's share is the same)
 
     def layer_seed(self, client_id: int, layer: int) -> bytes:
         """32-byte PRG seed of one noise layer; the server only ever uses reconstructed seeds."""
@@ -110,7 +127,18 @@ class BaekNoise(ClientNoise):
 
     def calibration_term(self, client_id: int, weight: float, dim: int, n_prime: float) -> np.ndarray:
         """-e_i + N(0, n' w_i sigma'^2 I), sigma' = 2Cz/n' (Alg. 2 line 22). The client redraws e_i
-        from its stream instead of keeping it."""
+        from its stream instead of keeping it. With integer noise, shares are per client, not per
+        weight: the broadcast ``n_prime`` is the survivors' count k, and the term is -e_i plus a fresh
+        integer share of k-th of the cohort's total variance, as ring words (what the client sends)."""
+        if self.ring is not None:
+            from ..secagg.config import word_dtype
+            from ..secagg.ring import to_ring
+
+            share = calibration_share_variance(self.ring, self.cohort, int(round(n_prime)))
+            fresh = _integer_draw(self.ring.mechanism, self.randomness.generator("calibration", self.round, client_id),
+                                  share, self.ring.dim)
+            return to_ring(fresh - self.integer_share(client_id, self.ring), self.ring.bits).astype(
+                word_dtype(self.ring.bits))
         fresh = _normal(self.randomness.generator("calibration", self.round, client_id),
                         self.T * np.sqrt(weight / n_prime), dim)
         return fresh - self.sample(client_id, weight, dim)
@@ -119,12 +147,8 @@ class BaekNoise(ClientNoise):
         """The client's integer noise share in the rotated, scaled domain: every sampled client the
         same variance, so that the survivors' shares sum to one Skellam (or to a sum of equal discrete
         Gaussians) of the variance the ledger books."""
-        from ..privacy.discrete import discrete_gaussian, skellam
-
-        gen = self.randomness.generator("noise", self.round, client_id)
-        if ring.mechanism == "skellam":
-            return skellam(gen, ring.local_variance, ring.dim)
-        return discrete_gaussian(gen, int(ring.local_variance), ring.dim)
+        return _integer_draw(ring.mechanism, self.randomness.generator("noise", self.round, client_id),
+                             ring.local_variance, ring.dim)
 
     def rounding_generator(self, client_id: int):
         return self.randomness.generator("rounding", self.round, client_id)
@@ -178,9 +202,9 @@ class Baek(Algorithm):
             raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
                              "relies on; use 'error' (the default) with baek")
         if p.distributed_noise != "gaussian":
-            if p.calibration != "none":
-                raise ValueError(f"privacy.calibration: {p.distributed_noise} noise runs with calibration: none so "
-                                 "far; baek's calibration with integer shares is not built (docs/distributed_dp.md)")
+            if p.calibration not in ("none", "baek"):
+                raise ValueError(f"privacy.calibration: {p.distributed_noise} noise runs with calibration none or "
+                                 f"baek; {p.calibration} with integer shares is not built (docs/distributed_dp.md)")
             if p.accountant == "pld":
                 raise ValueError(f"privacy.accountant: {p.distributed_noise} noise is booked by its RDP; use rdp or "
                                  "rdp-classic")
@@ -222,14 +246,30 @@ class Baek(Algorithm):
         return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm, 2.0 * self.clip_norm * self.z,
                          2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA)
 
-    def _released_event(self, survived: int):
-        """What the round releases: the survivors' integer shares (calibration none: a dropout's
-        share is simply missing from the sum)."""
+    def _shares_event(self, shares: int, local_variance: float):
+        """The release of the sum with ``shares`` integer shares of ``local_variance`` each in it."""
+        variance = local_variance * shares if self.integer == "skellam" else local_variance
+        return attr.evolve(self._ring.event, variance=float(variance), shares=int(shares))
+
+    def _released_event(self, survived: int, senders: int | None = None):
+        """What the round hands the server. Without a calibration: the sum of the survivors' shares (a
+        dropout's share is simply missing). With one: two views of the same sum, the first aggregate
+        A (the survivors' shares e_i) and the release R (the senders' fresh shares f_i, and the first
+        shares of survivors that sent no calibration term). Handing the server those last shares
+        outright can only help it, and leaves two views with independent noise, X + E_senders and
+        X + F_senders, whose RDPs add (privacy.discrete_rdp.discrete_rdp_of): an upper bound, exact
+        when every survivor calibrates."""
         if self._ring is None or survived < 1:
             return None
-        event = self._ring.event
-        variance = self._ring.local_variance * survived if self.integer == "skellam" else self._ring.local_variance
-        return attr.evolve(event, variance=float(variance), shares=int(survived))
+        if senders is None:
+            return self._shares_event(survived, self._ring.local_variance)
+        if senders < 1:  # nobody calibrated: R = A, one view of the survivors' shares
+            return self._shares_event(survived, self._ring.local_variance)
+        from dp_accounting import dp_event as dpe  # here, not at the top: see privacy/sampling.py
+
+        fresh = calibration_share_variance(self.plan.noise.ring, len(self.plan.sampled), survived)
+        return dpe.ComposedDpEvent([self._shares_event(senders, self._ring.local_variance),
+                                    self._shares_event(senders, fresh)])
 
     # -- what the ledger books -------------------------------------------------------------------
     def _mechanism(self, z_effective: float, event=None) -> Mechanism:
@@ -292,7 +332,7 @@ class Baek(Algorithm):
                                     rounded_l2_bound(self.clip_norm * self._ring.scale, self._ring.event.dim,
                                                      ROUNDING_BETA), self._ring.event.dim)
         noise = BaekNoise(self.mode, self.randomness, round_idx, 2.0 * self.clip_norm * self.z, n, self.n0, variances,
-                          ring)
+                          ring, cohort=len(sampled))
         self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated)
         if not sampled:
             return Abort("no client sampled")
@@ -318,20 +358,40 @@ class Baek(Algorithm):
                              f"{plan.tolerated} (privacy.min_weight_fraction={self.min_fraction:g})")
             plan.dropped = dropped
             plan.unmask = UnmaskPlan(layers_from=dropped + 1) if dropped < plan.tolerated else UnmaskPlan()
-        elif calibrates(self.mode, plan.n, plan.n_prime):
+        elif self.integer is not None and calibrates(self.mode, len(plan.sampled), len(survivors)) \
+                and self._calibration_fits(len(survivors)):
+            # integer shares are per client: the broadcast is the survivors' count
+            plan.unmask = UnmaskPlan(calibration_n_prime=float(len(survivors)))
+        elif self.integer is None and calibrates(self.mode, plan.n, plan.n_prime):
             plan.unmask = UnmaskPlan(calibration_n_prime=plan.n_prime)
         else:
             plan.unmask = UnmaskPlan()
         if plan.n_prime > 0:
+            senders = len(survivors) if plan.unmask.calibration_n_prime is not None else None
             self._current = self._mechanism(self._effective(plan.n, plan.n_prime, 0.0, len(survivors)),
-                                            event=self._released_event(len(survivors)))
+                                            event=self._released_event(len(survivors), senders))
         return plan.unmask
+
+    def _calibration_fits(self, survived: int) -> bool:
+        """Does the calibrated release keep to the ring's wrap bound? The discrete Gaussian's fresh
+        shares, rounded up to integers, carry a little more than the cohort's total; when that tips
+        the bound over ``secagg.max_wrap_probability`` the round is released uncalibrated instead."""
+        from ..secagg.ring import wrap_probability
+
+        if self.integer != "discrete_gaussian":
+            return True
+        fresh = calibration_share_variance(self.plan.noise.ring, len(self.plan.sampled), survived)
+        bound = wrap_probability(self.bits, self._ring.event.dim, survived * self.clip_norm * self._ring.scale,
+                                 survived, dg_variance=fresh)
+        return bound <= self.max_wrap
 
     def _effective(self, n: float, n_prime: float, w_cal_dropped: float, survived: int) -> float:
         """The multiplier that protects the release: Baek's by weight (docs/baek2021.md); with integer
-        noise, whose shares are equal per client, the Gaussian of the survivors' shares."""
+        noise, whose shares are equal per client, the same by count (``w_cal_dropped`` then counts the
+        survivors that sent no calibration term): the Gaussian analogue the rows report beside the
+        discrete event the ledger books."""
         if self.integer is not None:
-            return self.z * math.sqrt(survived / len(self.plan.sampled))
+            n, n_prime = float(len(self.plan.sampled)), float(survived)
         return effective_noise_multipliers(self.z, self.mode, n, n_prime, w_cal_dropped, self.n0)[1]
 
     def release(self, outcome: RoundOutcome) -> tuple[np.ndarray, dict]:
@@ -342,13 +402,16 @@ class Baek(Algorithm):
         dim = total.shape[0]
         released = np.asarray(total, dtype=np.float64).copy()
         n_prime = float(self.weights[list(outcome.survivors)].sum())
-        w_cal_dropped, info = 0.0, {}
+        w_cal_dropped, info, senders = 0.0, {}, None
         self._views = None
         if plan.unmask.calibration_n_prime is not None:
             senders = sorted(outcome.calibration.clients) if outcome.calibration else []
             if senders:
                 released += outcome.calibration.total
-            w_cal_dropped = n_prime - float(self.weights[senders].sum()) if senders else n_prime
+            if self.integer is not None:  # by count, as the shares are
+                w_cal_dropped = float(len(outcome.survivors) - len(senders))
+            else:
+                w_cal_dropped = n_prime - float(self.weights[senders].sum()) if senders else n_prime
             info["calibration_senders"] = len(senders)
         if self.mode == "layered":
             removed = 0
@@ -363,11 +426,13 @@ class Baek(Algorithm):
             info["layers_tolerated"] = plan.tolerated
         claimed = effective_noise_multipliers(self.z, self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)[0]
         effective = self._effective(plan.n, n_prime, max(w_cal_dropped, 0.0), len(outcome.survivors))
-        self._current = self._mechanism(effective, event=self._released_event(len(outcome.survivors)))
+        self._current = self._mechanism(effective, event=self._released_event(
+            len(outcome.survivors), None if senders is None else len(senders)))
         if self._ring is not None:
             info.update(ring_bits=self.bits, ring_scale=self._ring.scale, ring_noise_variance=self._ring.local_variance,
                         ring_wrap_bound=self._ring.wrap_probability)
-        view = server_view(self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)
+        counted = (float(len(plan.sampled)), float(len(outcome.survivors))) if self.integer else (plan.n, n_prime)
+        view = server_view(self.mode, *counted, max(w_cal_dropped, 0.0), self.n0)
         if view.cov.shape[0] == 2:  # the server also saw the first aggregate
             self._views = ([np.asarray(total, dtype=np.float64) / n_prime, released / n_prime], view.cov)
         info.update(calibration=self.mode, noise_multiplier=claimed, noise_multiplier_effective=effective,

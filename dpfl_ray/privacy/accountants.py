@@ -97,10 +97,10 @@ def _rdp_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: Neighbor
 def _discrete_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: NeighboringRelation) -> np.ndarray | None:
     """The RDP curve of an integer-noise sum (privacy/discrete_rdp.py), alone or Poisson-sampled; None for
     every other event. Cached as :func:`_rdp_curve` caches dp_accounting's."""
-    from dpfl_ray.privacy.discrete_rdp import DiscreteNoiseSumDpEvent
+    from dpfl_ray.privacy.discrete_rdp import discrete_rdp_of
 
     inner = event.event if isinstance(event, dpe.PoissonSampledDpEvent) else event
-    if not isinstance(inner, DiscreteNoiseSumDpEvent):
+    if discrete_rdp_of(inner) is None:
         return None
     key = (repr(event), orders, relation)
     curve = _CURVES.get(key)

@@ -160,22 +160,37 @@ class DiscreteNoiseSumDpEvent(dpe.DpEvent):
                         field="mechanism")
 
 
+def discrete_rdp_of(event):
+    """The RDP function (order -> RDP) of a :class:`DiscreteNoiseSumDpEvent`, or of dp_accounting's
+    ``ComposedDpEvent`` of them: several releases of one sum whose noises are independent (the server's
+    two views of a calibrated round), whose joint Renyi divergence is the sum of theirs (divergences of
+    product distributions add). None for any other event."""
+    if isinstance(event, DiscreteNoiseSumDpEvent):
+        return event.rdp
+    if isinstance(event, dpe.ComposedDpEvent) and event.events \
+            and all(isinstance(e, DiscreteNoiseSumDpEvent) for e in event.events):
+        views = tuple(event.events)
+        return lambda order: sum(e.rdp(order) for e in views)
+    return None
+
+
 def event_rdp_curve(event, orders, relation: NeighboringRelation) -> np.ndarray | None:
-    """The RDP curve over ``orders`` of a :class:`DiscreteNoiseSumDpEvent`, or of one inside
-    dp_accounting's ``PoissonSampledDpEvent`` (Zhu & Wang's bound, add/remove-one only); None for any
-    other event. A fractional order gets the next integer order's value: Renyi divergence never
-    decreases with the order, so that bounds it."""
+    """The RDP curve over ``orders`` of a discrete release (:func:`discrete_rdp_of`), or of one inside
+    dp_accounting's ``PoissonSampledDpEvent`` (Zhu & Wang's bound on the whole release, add/remove-one
+    only); None for any other event. A fractional order gets the next integer order's value: Renyi
+    divergence never decreases with the order, so that bounds it."""
     inner, rate = event, 1.0
-    if isinstance(event, dpe.PoissonSampledDpEvent) and isinstance(event.event, DiscreteNoiseSumDpEvent):
+    if isinstance(event, dpe.PoissonSampledDpEvent) and discrete_rdp_of(event.event) is not None:
         if relation != NeighboringRelation.ADD_OR_REMOVE_ONE:
             raise DPFLError("a Poisson-sampled discrete noise sum is accounted under the add/remove-one relation "
                             f"only, not {relation.name}", field="accountant")
         inner, rate = event.event, float(event.sampling_probability)
-    if not isinstance(inner, DiscreteNoiseSumDpEvent):
+    rdp = discrete_rdp_of(inner)
+    if rdp is None:
         return None
     if rate >= 1.0:
-        return np.array([inner.rdp(float(a)) for a in orders])
-    return rdp_curve(inner.rdp, rate, [max(2, math.ceil(float(a))) for a in orders])
+        return np.array([rdp(float(a)) for a in orders])
+    return rdp_curve(rdp, rate, [max(2, math.ceil(float(a))) for a in orders])
 
 
 # -- one round's ring plan ---------------------------------------------------------------------------

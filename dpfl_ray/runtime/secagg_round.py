@@ -19,6 +19,7 @@ from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, Unmask
 from ..faults.plan import CRASH, SECAGG_PHASE, STRAGGLER
 from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound
 from ..secagg.keys import expand_masks
+from ..secagg.ring import ring_sum
 from ..secagg.server import MaskExpander
 from .messages import Encoding, PhaseReply, WorkerChaos
 from .resources import deal
@@ -207,15 +208,20 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
         secagg_server_bytes_received=int(server.bytes_received))
     if ring is None:
         record["secagg_rounding_bound"] = rounding_error_bound(n, sa.resolved_scale)
-    calibration = None
+    dim = int(coord.theta.size)
+    calibration, first = None, _decoded(total, sa, ring, dim)
     if plan.calibration_n_prime is not None:
         terms = {c: v for r in replies for c, v in r.calibration.items()}
         # client-id order: the same float sum for any pool
-        calibration = CalibrationSum(sum(terms[c] for c in sorted(terms)) if terms else None, tuple(sorted(terms)))
+        summed = sum(terms[c] for c in sorted(terms)) if terms else None
+        if ring is not None and summed is not None:  # ring words: the release is decoded from A + sum c_i mod 2^b
+            summed = _decoded(ring_sum([np.asarray(total, dtype=np.uint64), *(terms[c] for c in sorted(terms))],
+                                       ring.bits), sa, ring, dim) - first
+        calibration = CalibrationSum(summed, tuple(sorted(terms)))
     layer_seeds = None
     if plan.layers_from is not None:
         layer_seeds = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
-    outcome = RoundOutcome(t, survivors=survivors, total=_decoded(total, sa, ring, int(coord.theta.size)),
+    outcome = RoundOutcome(t, survivors=survivors, total=first,
                            calibration=calibration, layer_seeds=layer_seeds,
                            reports={c: phases.reports[c] for c in survivors if c in phases.reports})
     return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None,

@@ -161,11 +161,11 @@ def test_an_input_that_overflows_the_ring_aborts_the_round_not_the_run(ray_sessi
     assert all(r["survived"] == 0 for r in rounds)
 
 
-def _integer_scenario(noise: str, bits: int, z: float = 1.0, rounds: int = 3):
+def _integer_scenario(noise: str, bits: int, z: float = 1.0, rounds: int = 3, calibration: str = "none"):
     return tiny_scenario(
         data={"num_clients": 40}, training={"algorithm": "baek", "rounds": rounds},
         sampling={"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-        privacy={"noise_multiplier": z, "clipping": {"norm": 0.5}, "accountant": "rdp", "calibration": "none",
+        privacy={"noise_multiplier": z, "clipping": {"norm": 0.5}, "accountant": "rdp", "calibration": calibration,
                  "distributed_noise": noise},
         secagg={"enabled": True, "threshold": "majority", "bits": bits if noise != "gaussian" else 32},
         faults={"dropout": UPLOAD_30})
@@ -199,3 +199,26 @@ def test_integer_noise_inside_secagg_releases_the_sum_and_books_its_own_mechanis
     assert apart < 0.01 * moved, (apart, moved)
     assert summary["epsilon"] > gaussian["epsilon"]
     assert summary["epsilon_claimed"] == gaussian["epsilon_claimed"]
+
+
+def test_baek_calibration_with_integer_shares_runs_through_secagg_and_books_two_views(ray_session, tmp_path):
+    """Calibration (Alg. 2 lines 17-24) with Skellam shares in Z_2^24: every survivor's integer term
+    reaches the server, the release decoded from A + sum c_i is the Gaussian calibrated run's sum up
+    to the rounding (z = 1e-4), and each calibrated round books the server's two views of the sum."""
+    paths = {noise: tmp_path / noise for noise in ("gaussian", "skellam")}
+    runs = {noise: _run(_integer_scenario(noise, 24, z=1e-4, calibration="baek"), path)
+            for noise, path in paths.items()}
+    summary, rows = runs["skellam"]
+    ledger = json.loads((paths["skellam"] / "ledger.json").read_text())
+    calibrated = [r for r in rows if r.get("calibration_senders")]
+    assert calibrated, rows  # 30% dropout at upload: every round calibrates
+    for row, entry in zip(rows, ledger["rounds"]):
+        assert row["calibration_senders"] == row["survived"]
+        views = entry["mechanism"]
+        assert views["type"] == "ComposedDpEvent" and [v["shares"] for v in views["events"]] == [row["survived"]] * 2
+    model, reference = (torch.load(paths[n] / "model.pt") for n in ("skellam", "gaussian"))
+    start = build_model(_integer_scenario("gaussian", 32).model, (8,), 3, seed=3)
+    moved = sum(float((reference[k] - v).norm()) for k, v in start.state_dict().items())
+    apart = sum(float((reference[k] - model[k]).norm()) for k in model)
+    assert apart < 0.01 * moved, (apart, moved)
+    assert summary["epsilon"] > runs["gaussian"][0]["epsilon"]
