@@ -39,11 +39,18 @@ def sweep(
     from dpfl_ray.runtime.shutdown import Shutdown
     from dpfl_ray.runs import sweep as sw
     from dpfl_ray.runs.record import default_run_dir
+    from dpfl_ray.errors import DPFLError
     from dpfl_ray.scenario import load_scenario
 
     shutdown = Shutdown().install()  # a signal is recorded; the trials are told to stop (runtime/trials.py)
-    base = load_scenario(scenario, set_)  # a bad scenario or --set is reported as itself
+    try:
+        base = load_scenario(scenario, set_)  # a bad scenario or --set is reported as itself
+    except DPFLError:
+        if not grid:
+            raise
+        base = None  # --set alone may be invalid where every grid value completes it (noise + bits)
     axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_)  # every combination, before anything runs
+    base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
         for run in runs:
             console.print(run.name, highlight=False, soft_wrap=True)

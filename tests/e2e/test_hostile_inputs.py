@@ -370,3 +370,19 @@ def test_audit_bootstrap_is_bounded(tmp_path):
     """Checked by the option itself, before the run directory is read (a usage error: the real
     `dpfl`, whose entry point makes it one line)."""
     assert_one_error_line(dpfl("audit", tmp_path, "--bootstrap", "1000000000"), "'--bootstrap'")
+
+
+def test_a_set_that_only_the_grid_completes_is_a_sweep_not_an_error(tiny):
+    """Integer noise needs a ring of 8-32 bits, and the grid gives each combination its width: the
+    --set alone is not a scenario, every combination is. A grid value that is not is named."""
+    from tests.helpers import dpfl_in_process
+
+    sets = [a for kv in ("training.algorithm=baek", "secagg.enabled=true", "privacy.noise_multiplier=1",
+                         "sampling.mode=poisson", "sampling.rate=0.25", "sampling.clients_per_round=null",
+                         "privacy.accountant=rdp", "privacy.distributed_noise=skellam") for a in ("--set", kv)]
+    res = dpfl_in_process("sweep", tiny, *sets, "--grid", "secagg.bits=16,20", "--dry-run")
+    assert res.exit_code == 0, res.stderr
+    assert "secagg.bits=16" in res.stdout and "ok: 2 combinations" in res.stdout
+    res = dpfl_in_process("sweep", tiny, *sets, "--grid", "secagg.bits=16,64", "--dry-run")
+    _one_line_in_process(res, "in combination")
+    assert "secagg.bits=64" in res.stderr
