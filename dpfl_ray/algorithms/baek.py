@@ -106,12 +106,21 @@ class BaekNoise(ClientNoise):
         """32-byte PRG seed of one noise layer; the server only ever uses reconstructed seeds."""
         return self.randomness.secret("layer", self.round, client_id, layer)
 
+    def _layer_stream(self, seed: bytes):
+        if self.randomness.mode == "reproducible":
+            return np.random.default_rng(int.from_bytes(seed, "big"))
+        return ChaChaNormal(seed)
+
     def layer_vector(self, seed: bytes, layer: int, dim: int) -> np.ndarray:
         """The layer's Gaussian vector, regenerated identically by anyone holding ``seed``."""
-        std = self.T * np.sqrt(self.variances[layer])
-        if self.randomness.mode == "reproducible":
-            return _normal(np.random.default_rng(int.from_bytes(seed, "big")), std, dim)
-        return _normal(ChaChaNormal(seed), std, dim)
+        return _normal(self._layer_stream(seed), self.T * np.sqrt(self.variances[layer]), dim)
+
+    def layer_ints(self, seed: bytes, layer: int) -> np.ndarray:
+        """With integer noise: the layer's Skellam vector in the ring's rotated domain, of the layer's
+        share of the cohort's total variance; regenerated identically by anyone holding ``seed``."""
+        total = self.ring.local_variance * self.cohort
+        return _integer_draw(self.ring.mechanism, self._layer_stream(seed), self.variances[layer] * total,
+                             self.ring.dim)
 
     def sample(self, client_id: int, weight: float, dim: int) -> np.ndarray:
         """e_i of Alg. 2 line 15 (or Alg. 3 line 26, or the layered sum), float64."""
@@ -146,7 +155,15 @@ class BaekNoise(ClientNoise):
     def integer_share(self, client_id: int, ring: RingEncoding) -> np.ndarray:
         """The client's integer noise share in the rotated, scaled domain: every sampled client the
         same variance, so that the survivors' shares sum to one Skellam (or to a sum of equal discrete
-        Gaussians) of the variance the ledger books."""
+        Gaussians) of the variance the ledger books. ``layered``: layer 0 plus the seeded layers
+        1..L, of the cohort's total variance over N, ..., over N - L (Skellams add up to one)."""
+        if self.mode == "layered":
+            total = ring.local_variance * self.cohort
+            out = _integer_draw(ring.mechanism, self.randomness.generator("layers", self.round, client_id),
+                                self.variances[0] * total, ring.dim)
+            for k in range(1, len(self.variances)):
+                out += self.layer_ints(self.layer_seed(client_id, k), k)
+            return out
         return _integer_draw(ring.mechanism, self.randomness.generator("noise", self.round, client_id),
                              ring.local_variance, ring.dim)
 
@@ -202,9 +219,13 @@ class Baek(Algorithm):
             raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
                              "relies on; use 'error' (the default) with baek")
         if p.distributed_noise != "gaussian":
-            if p.calibration not in ("none", "baek"):
-                raise ValueError(f"privacy.calibration: {p.distributed_noise} noise runs with calibration none or "
-                                 f"baek; {p.calibration} with integer shares is not built (docs/distributed_dp.md)")
+            if p.calibration not in ("none", "baek", "layered"):
+                raise ValueError(f"privacy.calibration: {p.distributed_noise} noise runs with calibration none, baek "
+                                 f"or layered; {p.calibration} with integer shares is not built "
+                                 "(docs/distributed_dp.md)")
+            if p.calibration == "layered" and p.distributed_noise != "skellam":
+                raise ValueError("privacy.calibration: layered integer noise needs skellam: the layers' unequal "
+                                 "discrete Gaussians do not sum to one, and their sum has no bound built here")
             if p.accountant == "pld":
                 raise ValueError(f"privacy.accountant: {p.distributed_noise} noise is booked by its RDP; use rdp or "
                                  "rdp-classic")
@@ -261,6 +282,9 @@ class Baek(Algorithm):
         when every survivor calibrates."""
         if self._ring is None or survived < 1:
             return None
+        if self.mode == "layered":  # the survivors keep layers 0..d: the cohort's whole total, exactly
+            return attr.evolve(self._ring.event, variance=float(self._ring.local_variance * len(self.plan.sampled)),
+                               shares=int(survived))
         if senders is None:
             return self._shares_event(survived, self._ring.local_variance)
         if senders < 1:  # nobody calibrated: R = A, one view of the survivors' shares
@@ -414,11 +438,19 @@ class Baek(Algorithm):
                 w_cal_dropped = n_prime - float(self.weights[senders].sum()) if senders else n_prime
             info["calibration_senders"] = len(senders)
         if self.mode == "layered":
-            removed = 0
+            from ..secagg.ring import decode_sum, ring_sum, to_ring
+
+            removed, ring = 0, plan.noise.ring
+            words = None if ring is None else np.asarray(outcome.words, dtype=np.uint64)
             for cid, layers in sorted((outcome.layer_seeds or {}).items()):
                 for k, seed in sorted(layers.items()):
-                    released -= plan.noise.layer_vector(seed, k, dim)
+                    if ring is None:
+                        released -= plan.noise.layer_vector(seed, k, dim)
+                    else:  # in the ring, before decoding: a first aggregate that wrapped comes back whole
+                        words = ring_sum([words, to_ring(-plan.noise.layer_ints(seed, k), ring.bits)], ring.bits)
                     removed += 1
+            if ring is not None:
+                released = decode_sum(words, ring.bits, ring.scale, ring.rotation_seed, dim)
             expected = len(outcome.survivors) * (plan.tolerated - plan.dropped)  # layers d+1..L of each survivor
             if removed != expected:
                 raise RuntimeError(f"layered: {removed} layers reconstructed, {expected} needed")

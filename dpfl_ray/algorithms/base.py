@@ -217,6 +217,8 @@ class RoundOutcome:
     or the decoded secure sum (SecAgg rounds, where the uploads carry their noise).
     ``aborted``: why nothing was released (then the rest is empty). ``theta``: the model the
     round broadcast (the step of an algorithm whose clients send parameters is relative to it).
+    ``words``: with integer noise inside SecAgg, the secure sum as it came, mod 2^bits (noise the
+    algorithm removes is removed there, before decoding).
     """
 
     round: int
@@ -228,6 +230,7 @@ class RoundOutcome:
     aborted: str | None = None
     theta: np.ndarray | None = None
     reports: Mapping[int, ClientReport] = field(default_factory=dict)
+    words: np.ndarray | None = None
 
     @property
     def released(self) -> bool:

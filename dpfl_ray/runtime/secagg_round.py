@@ -19,7 +19,7 @@ from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, Unmask
 from ..faults.plan import CRASH, SECAGG_PHASE, STRAGGLER
 from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound
 from ..secagg.keys import expand_masks
-from ..secagg.ring import ring_sum
+from ..secagg.ring import decode_sum, ring_sum
 from ..secagg.server import MaskExpander
 from .messages import Encoding, PhaseReply, WorkerChaos
 from .resources import deal
@@ -222,7 +222,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     if plan.layers_from is not None:
         layer_seeds = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
     outcome = RoundOutcome(t, survivors=survivors, total=first,
-                           calibration=calibration, layer_seeds=layer_seeds,
+                           calibration=calibration, layer_seeds=layer_seeds, words=None if ring is None else total,
                            reports={c: phases.reports[c] for c in survivors if c in phases.reports})
     return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None,
                        rejected=phases.rejected)
@@ -233,10 +233,7 @@ def _decoded(total: np.ndarray, sa, ring, dim: int) -> np.ndarray:
     mod 2^bits read as centred integers, rotated back and unscaled (secagg/ring.py)."""
     if ring is None:
         return decode(total, bits=sa.bits, scale=sa.resolved_scale)
-    from ..secagg.ring import from_ring, rotation_signs, to_ring, unrotate
-
-    ints = from_ring(to_ring(np.asarray(total).astype(np.int64), ring.bits), ring.bits)
-    return unrotate(ints.astype(np.float64), rotation_signs(ring.rotation_seed, dim), dim) / ring.scale
+    return decode_sum(total, ring.bits, ring.scale, ring.rotation_seed, dim)
 
 
 def server_threshold(config: SecAggRoundConfig) -> int:

@@ -111,6 +111,13 @@ def from_ring(words: np.ndarray, bits: int) -> np.ndarray:
     return np.where(w >= (1 << (b - 1)), w - (1 << b), w)
 
 
+def decode_sum(words: np.ndarray, bits: int, scale: float, rotation_seed: bytes, dim: int) -> np.ndarray:
+    """The float sum a ring sum stands for: the words mod 2^bits read as centred integers, rotated
+    back to the first ``dim`` coordinates and unscaled."""
+    ints = from_ring(to_ring(np.asarray(words).astype(np.int64), bits), bits)
+    return unrotate(ints.astype(np.float64), rotation_signs(rotation_seed, dim), dim) / scale
+
+
 def wrap_probability(bits: int, dim: int, signal_l2: float, shares: int, *, dg_variance: float = 0.0,
                      skellam_variance: float = 0.0) -> float:
     """An upper bound on the chance that some coordinate of the integer sum leaves [-2^(b-1), 2^(b-1))

@@ -201,24 +201,33 @@ def test_integer_noise_inside_secagg_releases_the_sum_and_books_its_own_mechanis
     assert summary["epsilon_claimed"] == gaussian["epsilon_claimed"]
 
 
-def test_baek_calibration_with_integer_shares_runs_through_secagg_and_books_two_views(ray_session, tmp_path):
-    """Calibration (Alg. 2 lines 17-24) with Skellam shares in Z_2^24: every survivor's integer term
-    reaches the server, the release decoded from A + sum c_i is the Gaussian calibrated run's sum up
-    to the rounding (z = 1e-4), and each calibrated round books the server's two views of the sum."""
+@pytest.mark.parametrize("calibration", ["baek", "layered"])
+def test_calibration_with_integer_shares_runs_through_secagg_and_books_what_the_server_sees(ray_session, tmp_path,
+                                                                                           calibration):
+    """Calibration with Skellam shares in Z_2^24, z = 1e-4, beside the continuous Gaussian's run of
+    the same mode: the release is the Gaussian run's sum up to the rounding. ``baek``: every
+    survivor's integer term reaches the server, and each round books the server's two views of the
+    sum. ``layered``: the seeded layers are removed in the ring, and each round books the one view
+    left, the cohort's whole Skellam total over the survivors' shares."""
     paths = {noise: tmp_path / noise for noise in ("gaussian", "skellam")}
-    runs = {noise: _run(_integer_scenario(noise, 24, z=1e-4, calibration="baek"), path)
+    runs = {noise: _run(_integer_scenario(noise, 24, z=1e-4, calibration=calibration), path)
             for noise, path in paths.items()}
     summary, rows = runs["skellam"]
     ledger = json.loads((paths["skellam"] / "ledger.json").read_text())
-    calibrated = [r for r in rows if r.get("calibration_senders")]
-    assert calibrated, rows  # 30% dropout at upload: every round calibrates
+    assert summary["stop_reason"] == "completed" and len(rows) == 3
     for row, entry in zip(rows, ledger["rounds"]):
-        assert row["calibration_senders"] == row["survived"]
-        views = entry["mechanism"]
-        assert views["type"] == "ComposedDpEvent" and [v["shares"] for v in views["events"]] == [row["survived"]] * 2
+        event = entry["mechanism"]
+        if calibration == "baek":  # 30% dropout at upload: every round calibrates
+            assert row["calibration_senders"] == row["survived"]
+            assert event["type"] == "ComposedDpEvent" and [v["shares"] for v in event["events"]] == [row["survived"]] * 2
+        else:
+            assert row["layers_removed"] == row["survived"] * (row["layers_tolerated"] - (row["sampled"] - row["survived"]))
+            assert event["type"] == "DiscreteNoiseSumDpEvent" and event["shares"] == row["survived"]
     model, reference = (torch.load(paths[n] / "model.pt") for n in ("skellam", "gaussian"))
     start = build_model(_integer_scenario("gaussian", 32).model, (8,), 3, seed=3)
     moved = sum(float((reference[k] - v).norm()) for k, v in start.state_dict().items())
     apart = sum(float((reference[k] - model[k]).norm()) for k in model)
     assert apart < 0.01 * moved, (apart, moved)
     assert summary["epsilon"] > runs["gaussian"][0]["epsilon"]
+    if calibration == "layered":
+        assert sum(r["layers_removed"] for r in rows) > 0, rows

@@ -253,7 +253,8 @@ def test_integer_noise_in_a_ring_too_narrow_for_the_cohort_is_refused_before_any
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"privacy": {"calibration": "layered"}}, "privacy.calibration"),
+    ({"privacy": {"calibration": "baek-extended"}}, "privacy.calibration"),
+    ({"privacy": {"calibration": "layered", "distributed_noise": "discrete_gaussian"}}, "privacy.calibration"),
     ({"privacy": {"accountant": "pld"}}, "privacy.accountant"),
     ({"sampling": {"mode": "fixed", "clients_per_round": 10, "rate": None}}, "privacy.distributed_noise"),
     ({"secagg": {"enabled": True, "bits": 64}}, "secagg.bits"),
@@ -409,3 +410,43 @@ def test_integer_calibration_against_the_server_costs_about_the_gaussian_s_two_v
         server_eps("none", "skellam")
     assert gaussian < calibrated < 1.01 * gaussian  # 7.945 against 7.940
     assert calibrated > alone
+
+
+def test_layered_with_skellam_layers_removes_them_in_the_ring_and_releases_the_cohort_s_total():
+    """Dordis's add-then-remove with integer layers: 10 sampled, F = 0.5 tolerates L = 5 dropouts; 7
+    deliver (d = 3), so layers 4..5 of every survivor are rebuilt from their seeds and subtracted mod
+    2^b before decoding. The survivors keep layers 0..3: (N - d) / (N - d) of the total, one Skellam
+    of the cohort's variance, which is the single view the ledger books (the removed layers are
+    known to the server exactly)."""
+    from dpfl_ray.secagg.ring import decode_sum, from_ring, ring_sum, to_ring
+
+    sc = scenario_from_dict({
+        "seed": 1, "data": {"source": "synthetic", "num_clients": 40}, "training": {"algorithm": "baek"},
+        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp",
+                    "calibration": "layered", "min_weight_fraction": 0.5, "distributed_noise": "skellam"},
+        "secagg": {"enabled": True, "bits": 20}})
+    dim = 50
+    alg = Baek(sc, np.ones(40), 1.0)
+    alg.bind_model(dim)
+    sampled, survivors = list(range(10)), list(range(7))
+    assert alg.begin_round(0, sampled) is None
+    assert alg.after_upload(survivors) == UnmaskPlan(layers_from=4)
+    spec = alg.client_spec()
+    ring, noise = spec.ring, spec.noise
+    assert math.isclose(sum(noise.variances[:4]) * 7, 1.0)  # layers 0..d of N - d survivors: the whole total
+    rng = np.random.default_rng(0)
+    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
+             for c in survivors}
+    seeds = {c: {k: noise.layer_seed(c, k) for k in (4, 5)} for c in survivors}
+    a = ring_sum([words[c] for c in survivors], ring.bits)
+    kept = sum(from_ring(words[c], ring.bits) - sum(noise.layer_ints(seeds[c][k], k) for k in (4, 5))
+               for c in survivors)
+    first = decode_sum(a, ring.bits, ring.scale, ring.rotation_seed, dim)
+    released, info = alg.release(RoundOutcome(0, tuple(survivors), total=first, layer_seeds=seeds, words=a))
+    expected = decode_sum(to_ring(kept, ring.bits), ring.bits, ring.scale, ring.rotation_seed, dim)
+    assert np.array_equal(released, expected)
+    assert info["layers_removed"] == 14 and info["noise_multiplier_effective"] == pytest.approx(1.0)
+    event = alg.mechanism().event
+    assert (event.mechanism, event.shares) == ("skellam", 7)
+    assert event.variance == pytest.approx(ring.local_variance * 10)
