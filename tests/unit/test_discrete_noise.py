@@ -287,6 +287,28 @@ def test_docs_distributed_dp_shows_what_its_script_prints(capsys):
         assert line in doc, line
 
 
+def test_docs_distributed_dp_shows_the_dropout_table_its_script_prints(capsys):
+    """Every line docs/experiments/distributed_dp_dropouts.py prints (Baek's calibration and the
+    layered mode with Skellam shares against the Gaussian, at 10% and 30% dropout) stands in
+    docs/distributed_dp.md; and the layered mode's epsilon does not move with the dropout."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "dropouts", root / "docs" / "experiments" / "distributed_dp_dropouts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    doc = (root / "docs" / "distributed_dp.md").read_text()
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 8  # the header, its rule, 2 dropout rates x 3 modes
+    for line in printed:
+        assert line in doc, line
+    layered = [line.split("|")[3:] for line in printed if "| layered |" in line]
+    assert len(layered) == 2 and layered[0] == layered[1]
+
+
 def test_neighbouring_cohorts_through_the_whole_ring_pipeline_separate_no_more_than_booked():
     """Ten clients against the same ten less one (add/remove), each release the real pipeline:
     scale, rotate, round conditionally, a Skellam share each, mod 2^16, the sum, decode, rotate back.
