@@ -188,6 +188,7 @@ class RoundPlan:
     dropped: int = 0  # layered: d, sampled clients whose masked input did not arrive
     n_prime: float | None = None
     unmask: UnmaskPlan = UnmaskPlan()
+    calibration_skipped: str | None = None  # integer noise: why a calibration that was due did not run
 
 
 class Baek(Algorithm):
@@ -382,10 +383,13 @@ class Baek(Algorithm):
                              f"{plan.tolerated} (privacy.min_weight_fraction={self.min_fraction:g})")
             plan.dropped = dropped
             plan.unmask = UnmaskPlan(layers_from=dropped + 1) if dropped < plan.tolerated else UnmaskPlan()
-        elif self.integer is not None and calibrates(self.mode, len(plan.sampled), len(survivors)) \
-                and self._calibration_fits(len(survivors)):
-            # integer shares are per client: the broadcast is the survivors' count
-            plan.unmask = UnmaskPlan(calibration_n_prime=float(len(survivors)))
+        elif self.integer is not None and calibrates(self.mode, len(plan.sampled), len(survivors)):
+            if self._calibration_fits(len(survivors)):  # shares are per client: the broadcast is the count
+                plan.unmask = UnmaskPlan(calibration_n_prime=float(len(survivors)))
+            else:
+                plan.unmask, plan.calibration_skipped = UnmaskPlan(), (
+                    "the discrete Gaussian's fresh shares, rounded up, would pass secagg.max_wrap_probability: "
+                    "released uncalibrated")
         elif self.integer is None and calibrates(self.mode, plan.n, plan.n_prime):
             plan.unmask = UnmaskPlan(calibration_n_prime=plan.n_prime)
         else:
@@ -416,7 +420,8 @@ class Baek(Algorithm):
         discrete event the ledger books."""
         if self.integer is not None:
             n, n_prime = float(len(self.plan.sampled)), float(survived)
-        return effective_noise_multipliers(self.z, self.mode, n, n_prime, w_cal_dropped, self.n0)[1]
+        mode = "none" if self.plan.calibration_skipped else self.mode
+        return effective_noise_multipliers(self.z, mode, n, n_prime, w_cal_dropped, self.n0)[1]
 
     def release(self, outcome: RoundOutcome) -> tuple[np.ndarray, dict]:
         """The released sum (Alg. 2 line 24 times n') from the decoded SecAgg sum of M_i, the
@@ -437,6 +442,8 @@ class Baek(Algorithm):
             else:
                 w_cal_dropped = n_prime - float(self.weights[senders].sum()) if senders else n_prime
             info["calibration_senders"] = len(senders)
+        if plan.calibration_skipped:
+            info["calibration_skipped"] = plan.calibration_skipped
         if self.mode == "layered":
             from ..secagg.ring import decode_sum, ring_sum, to_ring
 
@@ -464,7 +471,8 @@ class Baek(Algorithm):
             info.update(ring_bits=self.bits, ring_scale=self._ring.scale, ring_noise_variance=self._ring.local_variance,
                         ring_wrap_bound=self._ring.wrap_probability)
         counted = (float(len(plan.sampled)), float(len(outcome.survivors))) if self.integer else (plan.n, n_prime)
-        view = server_view(self.mode, *counted, max(w_cal_dropped, 0.0), self.n0)
+        view = server_view("none" if plan.calibration_skipped else self.mode, *counted, max(w_cal_dropped, 0.0),
+                           self.n0)
         if view.cov.shape[0] == 2:  # the server also saw the first aggregate
             self._views = ([np.asarray(total, dtype=np.float64) / n_prime, released / n_prime], view.cov)
         info.update(calibration=self.mode, noise_multiplier=claimed, noise_multiplier_effective=effective,

@@ -450,3 +450,29 @@ def test_layered_with_skellam_layers_removes_them_in_the_ring_and_releases_the_c
     event = alg.mechanism().event
     assert (event.mechanism, event.shares) == ("skellam", 7)
     assert event.variance == pytest.approx(ring.local_variance * 10)
+
+
+def test_a_calibration_the_ring_cannot_hold_is_skipped_and_the_round_books_the_first_aggregate_alone():
+    """Where the discrete Gaussian's fresh shares, rounded up, would pass the wrap bound (the ring
+    plan's margin normally covers them), the round is released uncalibrated: no calibration phase,
+    the reason in the row, and the ledger books the survivors' first shares, one view."""
+    class Tight(Baek):
+        def _calibration_fits(self, survived: int) -> bool:
+            return False
+
+    sc = scenario_from_dict({
+        "seed": 1, "data": {"source": "synthetic", "num_clients": 40}, "training": {"algorithm": "baek"},
+        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp", "calibration": "baek",
+                    "distributed_noise": "discrete_gaussian"},
+        "secagg": {"enabled": True, "bits": 20}})
+    alg = Tight(sc, np.ones(40), 1.0)
+    alg.bind_model(50)
+    assert alg.begin_round(0, list(range(10))) is None
+    assert alg.after_upload(list(range(7))) == UnmaskPlan()
+    _, info = alg.release(RoundOutcome(0, tuple(range(7)), total=np.zeros(50)))
+    assert "released uncalibrated" in info["calibration_skipped"] and "calibration_senders" not in info
+    assert info["noise_multiplier_effective"] == pytest.approx(math.sqrt(0.7))
+    event = alg.mechanism().event
+    assert event.shares == 7 and event.variance == alg.client_spec().ring.local_variance
+    assert alg.server_views() is None
