@@ -29,10 +29,15 @@ def _run(sc, path):
     return fed, summary, rows, json.loads(ledger.read_text()) if ledger.exists() else None
 
 
-def _fu(budget=1.0, sigma=4.0, beta=0.9):
-    # unequal sizes: the lot rate L/n, and so the round each client's budget runs out, differ
-    return tiny_scenario(training=FU, data={"validation_fraction": 0.1, "partition": {
-                             "kind": "unbalanced", "size_mean": 18, "size_sigma": 0.6, "min_size": 8}},
+UNEQUAL = {"kind": "unbalanced", "size_mean": 18, "size_sigma": 0.6, "min_size": 8}
+
+
+def _fu(budget=1.0, sigma=4.0, beta=0.9, partition=UNEQUAL):
+    """Unequal sizes: the lot rate L/n, and so the round each client's budget runs out, differ. A test
+    that spends no budget takes equal sizes (``{"kind": "iid"}``): with Fu's noise decay every round's
+    event is new, and dp_accounting computes the RDP of a sampled Gaussian for each distinct lot rate
+    (~0.5 s each near L/n = 1/2): one a round instead of one per client."""
+    return tiny_scenario(training=FU, data={"validation_fraction": 0.1, "partition": partition},
                          sampling={"mode": "fixed", "clients_per_round": 20},
                          privacy={"noise_multiplier": sigma, "accountant": "rdp", "clipping": {"norm": 1.0},
                                   "adap_dpfl": {"epsilon": budget, "lot_size": 8, "lr": 0.01, "alpha": 1.0,
@@ -91,7 +96,7 @@ def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_tha
     """Fu's noise decay (beta set) reads the validation loss after every round; with a constant
     sigma nothing does, and the split is evaluated with the test split, every eval_every rounds."""
     for beta, every_round in ((0.9, True), (None, False)):
-        sc = _fu(budget=50.0, beta=beta)
+        sc = _fu(budget=50.0, beta=beta, partition={"kind": "iid"})
         sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 3}),
                                    "output": sc.output.model_copy(update={"eval_every": 2})})
         _, _, rows, _ = _run(sc, tmp_path / f"beta_{beta}")
@@ -110,7 +115,7 @@ def test_a_checkpoint_read_while_rounds_run_is_the_state_of_one_committed_round(
     from dpfl_ray.runtime.coordinator import make_coordinator
     from dpfl_ray.runtime.driver import put_federation
 
-    sc = _fu(budget=50.0, beta=0.999)
+    sc = _fu(budget=50.0, beta=0.999, partition={"kind": "iid"})
     sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 8}),
                                "output": sc.output.model_copy(update={"eval_every": 100})})
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
