@@ -11,7 +11,7 @@ server, which picks the sample (unamplified, worst-off client).
 """
 import numpy as np
 
-from dpfl_ray.algorithms import RoundOutcome
+from dpfl_ray.algorithms import CalibrationSum, RoundOutcome
 from dpfl_ray.algorithms.baek import Baek
 from dpfl_ray.runtime.privacy import RunPrivacy
 from dpfl_ray.scenario import scenario_from_dict
@@ -33,7 +33,10 @@ def ledger(noise: str, mode: str, dropout: float) -> dict:
     survivors = sampled[:round(SAMPLED * (1 - dropout))]
     for t in range(ROUNDS):
         assert alg.begin_round(t, sampled) is None
-        alg.after_upload(survivors)  # books the round as if every survivor calibrates
+        alg.after_upload(survivors)
+        if mode == "baek":  # every survivor's calibration term arrives
+            alg.release(RoundOutcome(t, tuple(survivors), total=np.zeros(DIM),
+                                     calibration=CalibrationSum(np.zeros(DIM), tuple(survivors))))
         run.account(t, RoundOutcome(t, tuple(survivors), theta=np.zeros(DIM, np.float32)), "")
     return run.to_dict()
 

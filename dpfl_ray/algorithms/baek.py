@@ -273,28 +273,22 @@ class Baek(Algorithm):
         variance = local_variance * shares if self.integer == "skellam" else local_variance
         return attr.evolve(self._ring.event, variance=float(variance), shares=int(shares))
 
-    def _released_event(self, survived: int, senders: int | None = None):
+    def _released_event(self, survived: int, calibrated: bool = False, senders: int | None = None):
         """What the round hands the server. Without a calibration: the sum of the survivors' shares (a
-        dropout's share is simply missing). With one: two views of the same sum, the first aggregate
-        A (the survivors' shares e_i) and the release R (the senders' fresh shares f_i, and the first
-        shares of survivors that sent no calibration term). Handing the server those last shares
-        outright can only help it, and leaves two views with independent noise, X + E_senders and
-        X + F_senders, whose RDPs add (privacy.discrete_rdp.discrete_rdp_of): an upper bound, exact
-        when every survivor calibrates."""
+        dropout's share is simply missing). With one: the first aggregate A and the release R
+        (privacy.discrete_rdp.CalibratedViewsDpEvent), for ``senders`` survivors that sent a term;
+        None: the worst case over their number, before the calibration phase."""
         if self._ring is None or survived < 1:
             return None
         if self.mode == "layered":  # the survivors keep layers 0..d: the cohort's whole total, exactly
             return attr.evolve(self._ring.event, variance=float(self._ring.local_variance * len(self.plan.sampled)),
                                shares=int(survived))
-        if senders is None:
+        if not calibrated or senders == 0:  # no calibration term: R = A, one view of the survivors' shares
             return self._shares_event(survived, self._ring.local_variance)
-        if senders < 1:  # nobody calibrated: R = A, one view of the survivors' shares
-            return self._shares_event(survived, self._ring.local_variance)
-        from dp_accounting import dp_event as dpe  # here, not at the top: see privacy/sampling.py
+        from ..privacy.discrete_rdp import CalibratedViewsDpEvent
 
         fresh = calibration_share_variance(self.plan.noise.ring, len(self.plan.sampled), survived)
-        return dpe.ComposedDpEvent([self._shares_event(senders, self._ring.local_variance),
-                                    self._shares_event(senders, fresh)])
+        return CalibratedViewsDpEvent(self._shares_event(1, self._ring.local_variance), fresh, int(survived), senders)
 
     # -- what the ledger books -------------------------------------------------------------------
     def _mechanism(self, z_effective: float, event=None) -> Mechanism:
@@ -388,27 +382,31 @@ class Baek(Algorithm):
                 plan.unmask = UnmaskPlan(calibration_n_prime=float(len(survivors)))
             else:
                 plan.unmask, plan.calibration_skipped = UnmaskPlan(), (
-                    "the discrete Gaussian's fresh shares, rounded up, would pass secagg.max_wrap_probability: "
-                    "released uncalibrated")
+                    "the discrete Gaussian's fresh shares would pass the exact sampler's 2^30 or "
+                    "secagg.max_wrap_probability: released uncalibrated")
         elif self.integer is None and calibrates(self.mode, plan.n, plan.n_prime):
             plan.unmask = UnmaskPlan(calibration_n_prime=plan.n_prime)
         else:
             plan.unmask = UnmaskPlan()
-        if plan.n_prime > 0:
-            senders = len(survivors) if plan.unmask.calibration_n_prime is not None else None
+        if plan.n_prime > 0:  # what releasing can cost, whoever of the survivors calibrates
             self._current = self._mechanism(self._effective(plan.n, plan.n_prime, 0.0, len(survivors)),
-                                            event=self._released_event(len(survivors), senders))
+                                            event=self._released_event(
+                                                len(survivors), plan.unmask.calibration_n_prime is not None))
         return plan.unmask
 
     def _calibration_fits(self, survived: int) -> bool:
-        """Does the calibrated release keep to the ring's wrap bound? The discrete Gaussian's fresh
-        shares, rounded up to integers, carry a little more than the cohort's total; when that tips
-        the bound over ``secagg.max_wrap_probability`` the round is released uncalibrated instead."""
+        """Can the discrete Gaussian's fresh shares be drawn, and does the calibrated release keep to
+        the ring's wrap bound? Rounded up to integers they carry a little more than the cohort's total,
+        and the exact sampler takes variances up to 2^30; when either fails the round is released
+        uncalibrated instead."""
+        from ..privacy.discrete import MAX_DISCRETE_GAUSSIAN_VARIANCE
         from ..secagg.ring import wrap_probability
 
         if self.integer != "discrete_gaussian":
             return True
         fresh = calibration_share_variance(self.plan.noise.ring, len(self.plan.sampled), survived)
+        if fresh > MAX_DISCRETE_GAUSSIAN_VARIANCE:
+            return False
         bound = wrap_probability(self.bits, self._ring.event.dim, survived * self.clip_norm * self._ring.scale,
                                  survived, dg_variance=fresh)
         return bound <= self.max_wrap
@@ -418,9 +416,11 @@ class Baek(Algorithm):
         noise, whose shares are equal per client, the same by count (``w_cal_dropped`` then counts the
         survivors that sent no calibration term): the Gaussian analogue the rows report beside the
         discrete event the ledger books."""
-        if self.integer is not None:
-            n, n_prime = float(len(self.plan.sampled)), float(survived)
         mode = "none" if self.plan.calibration_skipped else self.mode
+        if self.integer is not None:
+            if mode == "none":  # the survivors' shares alone
+                return self.z * math.sqrt(survived / len(self.plan.sampled))
+            n, n_prime = float(len(self.plan.sampled)), float(survived)
         return effective_noise_multipliers(self.z, mode, n, n_prime, w_cal_dropped, self.n0)[1]
 
     def release(self, outcome: RoundOutcome) -> tuple[np.ndarray, dict]:
@@ -435,7 +435,9 @@ class Baek(Algorithm):
         self._views = None
         if plan.unmask.calibration_n_prime is not None:
             senders = sorted(outcome.calibration.clients) if outcome.calibration else []
-            if senders:
+            if senders and outcome.calibration.release is not None:
+                released = np.asarray(outcome.calibration.release, dtype=np.float64).copy()
+            elif senders:
                 released += outcome.calibration.total
             if self.integer is not None:  # by count, as the shares are
                 w_cal_dropped = float(len(outcome.survivors) - len(senders))
@@ -466,7 +468,7 @@ class Baek(Algorithm):
         claimed = effective_noise_multipliers(self.z, self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)[0]
         effective = self._effective(plan.n, n_prime, max(w_cal_dropped, 0.0), len(outcome.survivors))
         self._current = self._mechanism(effective, event=self._released_event(
-            len(outcome.survivors), None if senders is None else len(senders)))
+            len(outcome.survivors), senders is not None, None if senders is None else len(senders)))
         if self._ring is not None:
             info.update(ring_bits=self.bits, ring_scale=self._ring.scale, ring_noise_variance=self._ring.local_variance,
                         ring_wrap_bound=self._ring.wrap_probability)

@@ -202,10 +202,13 @@ class UnmaskPlan:
 
 @dataclass(frozen=True)
 class CalibrationSum:
-    """The survivors' calibration terms, summed in client-id order, and who sent one."""
+    """The survivors' calibration terms, summed in client-id order, and who sent one. ``release``:
+    where the released sum is decoded whole (integer noise: from A plus the terms' secure sum, mod
+    2^bits), that sum; ``total`` is then its difference from the first aggregate."""
 
     total: np.ndarray | None
     clients: tuple[int, ...]
+    release: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,12 @@ _CONVERSIONS = ("dp_accounting", "classic")
 
 def event_from_dict(data: dict) -> dpe.DpEvent:
     """Inverse of :func:`dpfl_ray.privacy.sampling.event_to_dict`."""
-    from dpfl_ray.privacy.discrete_rdp import DiscreteNoiseSumDpEvent
+    from dpfl_ray.privacy.discrete_rdp import CalibratedViewsDpEvent, DiscreteNoiseSumDpEvent
 
     fields = dict(data)
     name = fields.pop("type")
-    cls = DiscreteNoiseSumDpEvent if name == DiscreteNoiseSumDpEvent.__name__ else getattr(dpe, name, None)
+    own = {c.__name__: c for c in (DiscreteNoiseSumDpEvent, CalibratedViewsDpEvent)}
+    cls = own.get(name) or getattr(dpe, name, None)
     if not (isinstance(cls, type) and issubclass(cls, dpe.DpEvent)):
         raise DPFLError(f"unknown dp_accounting event {data.get('type')!r}", field="events")
 

@@ -160,17 +160,47 @@ class DiscreteNoiseSumDpEvent(dpe.DpEvent):
                         field="mechanism")
 
 
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class CalibratedViewsDpEvent(dpe.DpEvent):
+    """What the server holds of a round of Baek's calibration with integer shares (Alg. 2 lines
+    17-24): the first aggregate A = X + D + E and the release R = X + D + F, where E and F are the
+    first and fresh shares of the ``senders`` survivors that sent a calibration term (their terms
+    securely summed: the server sees A and R only), D the first shares of the other
+    ``survivors - senders``. ``first``: the event of one first share (``shares`` 1, ``variance``
+    the share's); ``fresh_variance``: one fresh share's. ``senders`` None: the worst case over every number of senders, what the round
+    can cost before the calibration phase tells.
+
+    The RDP at each order is the smaller of two bounds, each from handing the server noise that does
+    not depend on the data: given D, two views X + E and X + F with independent noises, whose
+    divergences add (exact when every survivor sends); given E and F, one view X + D."""
+
+    first: DiscreteNoiseSumDpEvent
+    fresh_variance: float
+    survivors: int
+    senders: int | None = None
+
+    def _shares(self, shares: int, local_variance: float) -> DiscreteNoiseSumDpEvent:
+        total = local_variance * shares if self.first.mechanism == "skellam" else local_variance
+        return attr.evolve(self.first, variance=float(total), shares=int(shares))
+
+    def rdp_with(self, order: float, senders: int) -> float:
+        local = self.first.variance
+        two = (self._shares(senders, local).rdp(order) + self._shares(senders, self.fresh_variance).rdp(order)
+               if senders > 0 else math.inf)
+        one = self._shares(self.survivors - senders, local).rdp(order) if senders < self.survivors else math.inf
+        return min(two, one)
+
+    def rdp(self, order: float) -> float:
+        if self.senders is not None:
+            return self.rdp_with(order, self.senders)
+        return max(self.rdp_with(order, s) for s in range(self.survivors + 1))
+
+
 def discrete_rdp_of(event):
-    """The RDP function (order -> RDP) of a :class:`DiscreteNoiseSumDpEvent`, or of dp_accounting's
-    ``ComposedDpEvent`` of them: several releases of one sum whose noises are independent (the server's
-    two views of a calibrated round), whose joint Renyi divergence is the sum of theirs (divergences of
-    product distributions add). None for any other event."""
-    if isinstance(event, DiscreteNoiseSumDpEvent):
+    """The RDP function (order -> RDP) of a :class:`DiscreteNoiseSumDpEvent` or a
+    :class:`CalibratedViewsDpEvent`; None for any other event."""
+    if isinstance(event, (DiscreteNoiseSumDpEvent, CalibratedViewsDpEvent)):
         return event.rdp
-    if isinstance(event, dpe.ComposedDpEvent) and event.events \
-            and all(isinstance(e, DiscreteNoiseSumDpEvent) for e in event.events):
-        views = tuple(event.events)
-        return lambda order: sum(e.rdp(order) for e in views)
     return None
 
 
@@ -250,5 +280,7 @@ def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float
             high = mid
     plan = at(low)
     if mechanism == "discrete_gaussian" and plan.local_variance > MAX_DISCRETE_GAUSSIAN_VARIANCE:
-        return at(math.sqrt(MAX_DISCRETE_GAUSSIAN_VARIANCE * shares) / noise_std)
+        scale = math.sqrt(MAX_DISCRETE_GAUSSIAN_VARIANCE * shares) / noise_std
+        while (plan := at(scale)).local_variance > MAX_DISCRETE_GAUSSIAN_VARIANCE:  # the square root's round-off
+            scale = math.nextafter(scale, 0.0)
     return plan

@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
 from ..faults.plan import CRASH, SECAGG_PHASE, STRAGGLER
-from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound
+from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound, secure_sum
 from ..secagg.keys import expand_masks
 from ..secagg.ring import decode_sum, ring_sum
 from ..secagg.server import MaskExpander
@@ -201,23 +201,23 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     except SecAggAbort as err:
         return stopped("secagg_aborted", str(err))
     survivors = tuple(sorted(active[u] for u in server.u3))
-    client_bytes = [b for r in replies for b in r.bytes_sent.values()]
-    record.update(
-        secagg_seconds=seconds,
-        secagg_bytes_per_client=round(float(np.mean(client_bytes)), 1) if client_bytes else 0.0,
-        secagg_server_bytes_received=int(server.bytes_received))
-    if ring is None:
-        record["secagg_rounding_bound"] = rounding_error_bound(n, sa.resolved_scale)
+    client_bytes = {u: b for r in replies for u, b in r.bytes_sent.items()}
     dim = int(coord.theta.size)
     calibration, first = None, _decoded(total, sa, ring, dim)
     if plan.calibration_n_prime is not None:
         terms = {c: v for r in replies for c, v in r.calibration.items()}
-        # client-id order: the same float sum for any pool
-        summed = sum(terms[c] for c in sorted(terms)) if terms else None
-        if ring is not None and summed is not None:  # ring words: the release is decoded from A + sum c_i mod 2^b
-            summed = _decoded(ring_sum([np.asarray(total, dtype=np.uint64), *(terms[c] for c in sorted(terms))],
-                                       ring.bits), sa, ring, dim) - first
-        calibration = CalibrationSum(summed, tuple(sorted(terms)))
+        if ring is None:  # client-id order: the same float sum for any pool
+            calibration = CalibrationSum(sum(terms[c] for c in sorted(terms)) if terms else None, tuple(sorted(terms)))
+        else:
+            calibration, sent = _secure_calibration(terms, total, sa, ring, t, sc.seed, dim, record)
+            for c, b in sent.items():
+                client_bytes[index[c]] = client_bytes.get(index[c], 0) + b
+    record.update(
+        secagg_seconds=seconds,
+        secagg_bytes_per_client=round(float(np.mean(list(client_bytes.values()))), 1) if client_bytes else 0.0,
+        secagg_server_bytes_received=int(server.bytes_received))
+    if ring is None:
+        record["secagg_rounding_bound"] = rounding_error_bound(n, sa.resolved_scale)
     layer_seeds = None
     if plan.layers_from is not None:
         layer_seeds = {active[u]: dict(seeds) for u, seeds in server.layer_seeds.items()}
@@ -226,6 +226,31 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
                            reports={c: phases.reports[c] for c in survivors if c in phases.reports})
     return SecAggRound(outcome, record, phases.lost, phases.dead, calibrated=calibration is not None,
                        rejected=phases.rejected)
+
+
+def _secure_calibration(terms: dict, total: np.ndarray, sa, ring, t: int, seed: int, dim: int,
+                        record: dict) -> tuple[CalibrationSum, dict[int, int]]:
+    """Integer calibration terms (Alg. 2 line 22) go through a secure sum of their own among the
+    senders, with real keys: the server sees their sum, never one client's term (for integer noise
+    the terms one by one would tell it more than their sum; docs/distributed_dp.md). The release is
+    decoded whole from A + that sum mod 2^b. A secure sum that cannot finish leaves the round
+    uncalibrated (no term reached the server). Returns the sum and each sender's bytes in it."""
+    senders = sorted(terms)
+    if not senders:
+        return CalibrationSum(None, ()), {}
+    k = len(senders)
+    try:
+        out = secure_sum([terms[c] for c in senders], bits=ring.bits, protocol=sa.protocol,
+                         threshold=k // 2 + 1 if sa.protocol == "secagg" else None, round_id=t, graph_seed=seed,
+                         dropout_fraction=sa.dropout_tolerance, failure_log2=sa.failure_log2)
+    except SecAggAbort as err:
+        record["secagg_calibration_aborted"] = str(err)
+        return CalibrationSum(None, ()), {}
+    record["secagg_calibration_seconds"] = round(float(sum(out.seconds_by_phase.values())), 4)
+    release = decode_sum(ring_sum([np.asarray(total, dtype=np.uint64), out.sum], ring.bits), ring.bits, ring.scale,
+                         ring.rotation_seed, dim)
+    return (CalibrationSum(release - _decoded(total, sa, ring, dim), tuple(senders), release=release),
+            {senders[u]: int(b) for u, b in out.bytes_per_client.items()})
 
 
 def _decoded(total: np.ndarray, sa, ring, dim: int) -> np.ndarray:

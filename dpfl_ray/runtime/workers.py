@@ -22,7 +22,7 @@ from ..algorithms import ClientReport, ClientSpec
 from ..training.evaluation import combine_shards, eval_shards
 from ..scenario import Scenario
 from ..secagg import PHASES as PROTOCOL_PHASES
-from ..secagg import EncodingError, SecAggClient, encode, presum_masked, wire_size
+from ..secagg import EncodingError, SecAggClient, encode, presum_masked
 from ..secagg.keys import expand_masks
 from ..faults.plan import check_update, corrupt, corruption_rng
 from .messages import Canaries, Encoding, LocalReply, PhaseReply, WorkerChaos
@@ -328,8 +328,8 @@ class ClientWorker:
             for idx in self._phase("calibration", lambda c: c.id, only=survivors):
                 cid, dim = self._sa["cids"][idx], int(self._sa["inputs"][idx].size)
                 terms[cid] = noise.calibration_term(cid, self._sa["weights"][idx], dim, calibration_n_prime)
-                sent[idx] += wire_size(terms[cid], self._sa["spec"].ring.bits) if self._sa["spec"].ring is not None \
-                    else terms[cid].nbytes
+                if self._sa["spec"].ring is None:  # ring words go through their own secure sum, counted there
+                    sent[idx] += terms[cid].nbytes
         return PhaseReply(msgs, calibration=terms, bytes_sent=sent)
 
     def expand_masks(self, masks: list[tuple[bytes, int]], dim: int, dtype: str) -> np.ndarray:

@@ -217,9 +217,10 @@ def test_calibration_with_integer_shares_runs_through_secagg_and_books_what_the_
     assert summary["stop_reason"] == "completed" and len(rows) == 3
     for row, entry in zip(rows, ledger["rounds"]):
         event = entry["mechanism"]
-        if calibration == "baek":  # 30% dropout at upload: every round calibrates
-            assert row["calibration_senders"] == row["survived"]
-            assert event["type"] == "ComposedDpEvent" and [v["shares"] for v in event["events"]] == [row["survived"]] * 2
+        if calibration == "baek":  # 30% dropout at upload: every round calibrates, its terms securely summed
+            assert row["calibration_senders"] == row["survived"] and row["secagg_calibration_seconds"] > 0
+            assert event["type"] == "CalibratedViewsDpEvent"
+            assert event["survivors"] == event["senders"] == row["survived"]
         else:
             assert row["layers_removed"] == row["survived"] * (row["layers_tolerated"] - (row["sampled"] - row["survived"]))
             assert event["type"] == "DiscreteNoiseSumDpEvent" and event["shares"] == row["survived"]

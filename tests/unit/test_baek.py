@@ -312,10 +312,10 @@ def test_baek_calibration_with_integer_shares_releases_the_fresh_shares_and_book
     from A + sum c_i mod 2^b carries exactly the survivors' rounded updates and their fresh shares
     (no first share left in it). The ledger books the server's two views of the sum, A and R, whose
     noises are independent: their RDP curves add, and against the server the epsilon is that sum's."""
-    from dp_accounting import dp_event as dpe
+    import attr
 
     from dpfl_ray.algorithms.baek import _integer_draw, calibration_share_variance
-    from dpfl_ray.privacy.discrete_rdp import ORDERS, epsilon, event_rdp_curve
+    from dpfl_ray.privacy.discrete_rdp import ORDERS, CalibratedViewsDpEvent, epsilon, event_rdp_curve
     from dpfl_ray.runtime.privacy import RunPrivacy
     from dpfl_ray.secagg.ring import from_ring, ring_sum, rotation_signs, unrotate
 
@@ -362,14 +362,14 @@ def test_baek_calibration_with_integer_shares_releases_the_fresh_shares_and_book
 
     run.account(0, RoundOutcome(0, tuple(survivors), theta=np.zeros(dim, np.float32)), "")
     event = run.ledger.rounds[0].mechanism
-    assert isinstance(event, dpe.ComposedDpEvent)
-    view_a, view_r = event.events
-    assert (view_a.shares, view_r.shares) == (7, 7)
+    assert isinstance(event, CalibratedViewsDpEvent) and (event.survivors, event.senders) == (7, 7)
     if mechanism == "skellam":  # the shares' sum is one Skellam: A holds 7 of 10 first shares, R the whole total
-        assert view_a.variance == pytest.approx(ring.local_variance * 7)
+        view_a = attr.evolve(alg._ring.event, variance=ring.local_variance * 7, shares=7)
+        view_r = attr.evolve(alg._ring.event, variance=fresh_var * 7, shares=7)
         assert view_r.variance == pytest.approx(ring.local_variance * 10)
     else:
-        assert (view_a.variance, view_r.variance) == (ring.local_variance, fresh_var)
+        view_a = attr.evolve(alg._ring.event, variance=ring.local_variance, shares=7)
+        view_r = attr.evolve(alg._ring.event, variance=fresh_var, shares=7)
     curves = [event_rdp_curve(v, ORDERS, run.ledger.neighboring_relation) for v in (view_a, view_r)]
     both = event_rdp_curve(event, ORDERS, run.ledger.neighboring_relation)
     assert np.allclose(both, curves[0] + curves[1], rtol=1e-12)
@@ -476,3 +476,37 @@ def test_a_calibration_the_ring_cannot_hold_is_skipped_and_the_round_books_the_f
     event = alg.mechanism().event
     assert event.shares == 7 and event.variance == alg.client_spec().ring.local_variance
     assert alg.server_views() is None
+
+
+def test_survivors_that_send_no_calibration_term_never_cost_more_than_the_round_was_booked_for():
+    """Survivors that drop before their calibration term leave their first shares D in both views.
+    Given D, the views are X + E and X + F over the senders; given E and F, one view X + D: the
+    ledger books the smaller at each order. So one sender of 70 costs about what no calibration
+    costs (not the two views of one share each), and before the calibration phase the round is
+    booked for the worst number of senders, which none exceeds."""
+    def server_eps(senders):
+        from dpfl_ray.runtime.privacy import RunPrivacy
+
+        sc = scenario_from_dict({
+            "seed": 1, "data": {"source": "synthetic", "num_clients": 400}, "training": {"algorithm": "baek"},
+            "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+            "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp",
+                        "calibration": "baek", "distributed_noise": "skellam"},
+            "secagg": {"enabled": True, "bits": 20}})
+        alg, run = Baek(sc, np.ones(400), 1.0), RunPrivacy(sc, np.ones(400))
+        alg.bind_model(1000)
+        run.bind(alg)
+        assert alg.begin_round(0, list(range(100))) is None
+        alg.after_upload(list(range(70)))
+        planned = alg.mechanism().event
+        if senders is not None:
+            alg.release(RoundOutcome(0, tuple(range(70)), total=np.zeros(1000),
+                                     calibration=CalibrationSum(np.zeros(1000), tuple(range(senders)))))
+        run.account(0, RoundOutcome(0, tuple(range(70)), theta=np.zeros(1000, np.float32)), "")
+        return run.to_dict()["epsilon_vs_server"], planned
+    eps = {s: server_eps(s)[0] for s in (0, 1, 35, 69, 70)}
+    worst, planned = server_eps(None)
+    assert planned.senders is None and planned.survivors == 70
+    assert eps[0] == pytest.approx(5.8242, abs=1e-3) and eps[70] == pytest.approx(7.9451, abs=1e-3)
+    assert eps[1] < eps[70] and eps[69] < 1.1 * eps[70]
+    assert all(e <= worst + 1e-9 for e in eps.values()), (eps, worst)
