@@ -252,6 +252,17 @@ def test_integer_noise_in_a_ring_too_narrow_for_the_cohort_is_refused_before_any
             assert out is None and alg.client_spec().ring.bits == 16
 
 
+def _integer_scenario(calibration, noise, clients=40, bits=20):
+    """Baek with ``noise`` shares inside a ring of ``bits`` bits: ``clients`` synthetic clients, q = 0.25,
+    z = 1, C = 1, rdp, F = 0.5."""
+    return scenario_from_dict({
+        "seed": 1, "data": {"source": "synthetic", "num_clients": clients}, "training": {"algorithm": "baek"},
+        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp", "calibration": calibration,
+                    "min_weight_fraction": 0.5, "distributed_noise": noise},
+        "secagg": {"enabled": True, "bits": bits}})
+
+
 @pytest.mark.parametrize("change, field", [
     ({"privacy": {"calibration": "baek-extended"}}, "privacy.calibration"),
     ({"privacy": {"calibration": "layered", "distributed_noise": "discrete_gaussian"}}, "privacy.calibration"),
@@ -279,12 +290,7 @@ def test_epsilon_against_the_server_composes_each_client_s_integer_releases_unsa
     from dpfl_ray.privacy.discrete_rdp import ORDERS, epsilon, event_rdp_curve
     from dpfl_ray.runtime.privacy import RunPrivacy
 
-    sc = scenario_from_dict({
-        "seed": 1, "data": {"source": "synthetic", "num_clients": 40}, "training": {"algorithm": "baek"},
-        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp", "calibration": "none",
-                    "distributed_noise": "skellam"},
-        "secagg": {"enabled": True, "bits": 20}})
+    sc = _integer_scenario("none", "skellam")
     alg, run = Baek(sc, np.ones(40), 1.0), RunPrivacy(sc, np.ones(40))
     alg.bind_model(50)
     run.bind(alg)
@@ -319,12 +325,7 @@ def test_baek_calibration_with_integer_shares_releases_the_fresh_shares_and_book
     from dpfl_ray.runtime.privacy import RunPrivacy
     from dpfl_ray.secagg.ring import from_ring, ring_sum, rotation_signs, unrotate
 
-    sc = scenario_from_dict({
-        "seed": 1, "data": {"source": "synthetic", "num_clients": 40}, "training": {"algorithm": "baek"},
-        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp", "calibration": "baek",
-                    "distributed_noise": mechanism},
-        "secagg": {"enabled": True, "bits": 20}})
+    sc = _integer_scenario("baek", mechanism)
     dim = 50
     alg, run = Baek(sc, np.ones(40), 1.0), RunPrivacy(sc, np.ones(40))
     alg.bind_model(dim)
@@ -390,12 +391,7 @@ def test_integer_calibration_against_the_server_costs_about_the_gaussian_s_two_v
     def server_eps(mode: str, noise: str) -> float:
         from dpfl_ray.runtime.privacy import RunPrivacy
 
-        raw = {"seed": 1, "data": {"source": "synthetic", "num_clients": 400}, "training": {"algorithm": "baek"},
-               "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-               "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp",
-                           "calibration": mode, "distributed_noise": noise},
-               "secagg": {"enabled": True, "bits": 32 if noise == "gaussian" else 20}}
-        sc = scenario_from_dict(raw)
+        sc = _integer_scenario(mode, noise, clients=400, bits=32 if noise == "gaussian" else 20)
         alg, run = Baek(sc, np.ones(400), 1.0), RunPrivacy(sc, np.ones(400))
         alg.bind_model(1000)
         run.bind(alg)
@@ -420,12 +416,7 @@ def test_layered_with_skellam_layers_removes_them_in_the_ring_and_releases_the_c
     known to the server exactly)."""
     from dpfl_ray.secagg.ring import decode_sum, from_ring, ring_sum, to_ring
 
-    sc = scenario_from_dict({
-        "seed": 1, "data": {"source": "synthetic", "num_clients": 40}, "training": {"algorithm": "baek"},
-        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp",
-                    "calibration": "layered", "min_weight_fraction": 0.5, "distributed_noise": "skellam"},
-        "secagg": {"enabled": True, "bits": 20}})
+    sc = _integer_scenario("layered", "skellam")
     dim = 50
     alg = Baek(sc, np.ones(40), 1.0)
     alg.bind_model(dim)
@@ -460,12 +451,7 @@ def test_a_calibration_the_ring_cannot_hold_is_skipped_and_the_round_books_the_f
         def _calibration_fits(self, survived: int) -> bool:
             return False
 
-    sc = scenario_from_dict({
-        "seed": 1, "data": {"source": "synthetic", "num_clients": 40}, "training": {"algorithm": "baek"},
-        "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-        "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp", "calibration": "baek",
-                    "distributed_noise": "discrete_gaussian"},
-        "secagg": {"enabled": True, "bits": 20}})
+    sc = _integer_scenario("baek", "discrete_gaussian")
     alg = Tight(sc, np.ones(40), 1.0)
     alg.bind_model(50)
     assert alg.begin_round(0, list(range(10))) is None
@@ -487,12 +473,7 @@ def test_survivors_that_send_no_calibration_term_never_cost_more_than_the_round_
     def server_eps(senders):
         from dpfl_ray.runtime.privacy import RunPrivacy
 
-        sc = scenario_from_dict({
-            "seed": 1, "data": {"source": "synthetic", "num_clients": 400}, "training": {"algorithm": "baek"},
-            "sampling": {"mode": "poisson", "rate": 0.25, "clients_per_round": None},
-            "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}, "accountant": "rdp",
-                        "calibration": "baek", "distributed_noise": "skellam"},
-            "secagg": {"enabled": True, "bits": 20}})
+        sc = _integer_scenario("baek", "skellam", clients=400)
         alg, run = Baek(sc, np.ones(400), 1.0), RunPrivacy(sc, np.ones(400))
         alg.bind_model(1000)
         run.bind(alg)
