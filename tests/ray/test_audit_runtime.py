@@ -32,6 +32,15 @@ def _run(raw, path):
                "sampling": {"mode": "fixed", "clients_per_round": 100},
                "privacy": {"clipping": {"norm": 10.0}, "delta": 0.01, "accountant": "rdp",
                            "nbafl": {"epsilon": 60}, "audit": {"canaries": 60}}}),
+    # Baek's calibration with Skellam shares in Z_2^20 (docs/distributed_dp.md): the server's view of
+    # the first aggregate and the release, 30% of the real clients dropping before upload
+    ("baek_skellam", {"training": {"algorithm": "baek", "rounds": 1, "lr": 0.1},
+                      "sampling": {"mode": "poisson", "rate": 1.0, "clients_per_round": None},
+                      "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp",
+                                  "calibration": "baek", "distributed_noise": "skellam",
+                                  "audit": {"canaries": 60, "threat_model": "server_view"}},
+                      "secagg": {"enabled": True, "bits": 20, "threshold": "majority"},
+                      "faults": {"dropout": {"model": "tail", "rate": 0.3, "phase": "upload"}}}),
 ])
 def test_the_empirical_epsilon_never_exceeds_the_ledgers(ray_session, tmp_path, name, raw):
     summary, ledger = _run({**COMMON, "name": f"audit-{name}", **raw}, tmp_path / name)
