@@ -433,7 +433,10 @@ def selection_privacy(sweep_dir: Path, rows: list[dict]) -> dict | None:
 
     accountant, delta = kinds.pop()
     rounds = [{**r, "round": i + 1} for i, r in enumerate(r for lg in ledgers for r in lg["rounds"])]
-    composed = PrivacyLedger.from_dict({"accountant": accountant, "delta": delta, "rounds": rounds})
+    try:
+        composed = PrivacyLedger.from_dict({"accountant": accountant, "delta": delta, "rounds": rounds})
+    except DPFLError as err:  # e.g. a ledger.json this version cannot read: the sweep's other files still get written
+        return {**out, "epsilon_all_runs": None, "why": f"the runs' ledgers cannot be composed here: {err}"}
     return {**out, "accountant": accountant, "delta": delta, "epsilon_all_runs": composed.epsilon()}
 
 

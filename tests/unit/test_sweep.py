@@ -361,3 +361,10 @@ def test_choosing_among_private_runs_is_booked_as_all_of_them_composed(tmp_path)
     sel = sw.selection_privacy(tmp_path, rows)
     assert sel["epsilon_all_runs"] is None and "different accountants or deltas" in sel["why"]
     assert sw.selection_privacy(tmp_path, [{"run": "c", "status": "ok"}]) is None  # nothing private
+    # a ledger with an event this version cannot account: said, not raised (the sweep's other files
+    # are written after this)
+    foreign = _ledger(_gaussian_rounds(2))
+    foreign["rounds"][0]["mechanism"] = {"type": "NoSuchDpEvent"}
+    (tmp_path / "b" / "ledger.json").write_text(json.dumps(foreign))
+    sel = sw.selection_privacy(tmp_path, rows)
+    assert sel["epsilon_all_runs"] is None and "cannot be composed here" in sel["why"]
