@@ -255,7 +255,8 @@ class Mechanism:
     the multipliers under a sensitivity the paper assumes and the code does not enforce, booked
     apart as ``epsilon_assumed`` (never as the run's epsilon); ``assumption`` says what is assumed.
     ``event``: what the round releases under its sampling when that is not Gaussian noise (integer
-    noise inside SecAgg: a privacy.discrete_rdp.DiscreteNoiseSumDpEvent); the ledger books it, and
+    noise inside SecAgg: a privacy.discrete_rdp.DiscreteNoiseSumDpEvent, or CalibratedViewsDpEvent for
+    a calibrated round); the ledger books it, and
     ``noise_multipliers`` are then the Gaussian of the same variance's, for the rows and the
     epsilon against the server.
     """

@@ -86,7 +86,8 @@ class RoundRecord:
     sampling become their single equivalent Gaussian). ``claimed_event`` /
     ``claimed_accounted_event``: the same with the claimed multipliers, ignoring ``covered``.
     ``mechanism``: what the round released under its sampling when that is not Gaussian noise (a
-    :class:`dpfl_ray.privacy.discrete_rdp.DiscreteNoiseSumDpEvent`: integer noise inside SecAgg); the
+    :class:`dpfl_ray.privacy.discrete_rdp.DiscreteNoiseSumDpEvent` or ``CalibratedViewsDpEvent``: integer
+    noise inside SecAgg); the
     multipliers are then the continuous Gaussian's the scenario asked for, which the claim books.
     """
 
