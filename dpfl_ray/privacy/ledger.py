@@ -87,8 +87,8 @@ class RoundRecord:
     ``claimed_accounted_event``: the same with the claimed multipliers, ignoring ``covered``.
     ``mechanism``: what the round released under its sampling when that is not Gaussian noise (a
     :class:`dpfl_ray.privacy.discrete_rdp.DiscreteNoiseSumDpEvent` or ``CalibratedViewsDpEvent``: integer
-    noise inside SecAgg); the
-    multipliers are then the continuous Gaussian's the scenario asked for, which the claim books.
+    noise inside SecAgg); the multipliers are then the continuous Gaussian's the scenario asked for,
+    which the claim books.
     """
 
     round: int
