@@ -146,17 +146,19 @@ def _distributed_dp_round(noise: str, bits: int, clients: int, dim: int, drops: 
     import numpy as np
 
     from dpfl_ray.algorithms.baek import ROUNDING_BETA
-    from dpfl_ray.privacy.discrete import discrete_gaussian, skellam
+    from dpfl_ray.privacy.discrete import draw
     from dpfl_ray.privacy.discrete_rdp import plan_ring, rounded_l2_bound
     from dpfl_ray.secagg import decode, encode, secure_sum
-    from dpfl_ray.secagg.ring import conditional_round, from_ring, rotate, rotation_signs, to_ring, unrotate
+    from dpfl_ray.secagg.config import word_dtype
+    from dpfl_ray.secagg.ring import conditional_round, decode_sum, rotate, rotation_signs, to_ring
 
     rng = np.random.default_rng(seed)
     updates = rng.standard_normal((clients, dim))
     updates /= np.linalg.norm(updates, axis=1, keepdims=True)
     std = 2.0  # 2Cz on the sum, C = 1, z = 1
     plan = plan_ring(noise, bits, clients, dim, 1.0, std, 2.0, 1e-4, ROUNDING_BETA)
-    signs = rotation_signs(hashlib.sha256(f"bench|{seed}".encode()).digest(), dim)
+    rotation_seed = hashlib.sha256(f"bench|{seed}".encode()).digest()
+    signs = rotation_signs(rotation_seed, dim)
     bound = rounded_l2_bound(plan.scale, plan.event.dim, ROUNDING_BETA)
     rows = []
 
@@ -180,12 +182,9 @@ def _distributed_dp_round(noise: str, bits: int, clients: int, dim: int, drops: 
 
     def integer_words(u):
         ints = conditional_round(rotate(u * plan.scale, signs), rng, bound)
-        share = (skellam(rng, plan.local_variance, ints.size) if noise == "skellam"
-                 else discrete_gaussian(rng, int(plan.local_variance), ints.size))
-        return to_ring(ints + share, bits).astype(np.uint32)
+        return to_ring(ints + draw(noise, rng, plan.local_variance, ints.size), bits).astype(word_dtype(bits))
 
-    one(noise, bits, integer_words,
-        lambda total: unrotate(from_ring(total.astype(np.int64), bits).astype(np.float64), signs, dim) / plan.scale)
+    one(noise, bits, integer_words, lambda total: decode_sum(total, bits, plan.scale, rotation_seed, dim))
     share_std = std / math.sqrt(clients)
     one("gaussian", 32, lambda u: encode(u + rng.normal(0.0, share_std, dim), bits=32, scale=2.0 ** 16,
                                           n_summands=clients, rng=rng).data,

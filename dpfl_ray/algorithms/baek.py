@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import attr
 import numpy as np
 
+from ..privacy.discrete import draw
 from ..privacy.dropouts import (
     calibrates, effective_noise_multipliers, layer_variances, planned_noise_multipliers, server_view,
     tolerated_dropouts,
@@ -59,14 +60,6 @@ UNCALIBRATED_CLAIM = ("uncalibrated: the claimed figure is z's, as if no client 
 
 def _normal(generator, std: float, dim: int) -> np.ndarray:
     return generator.standard_normal(dim, dtype=np.float64) * std
-
-
-def _integer_draw(mechanism: str, gen, variance: float, dim: int) -> np.ndarray:
-    from ..privacy.discrete import discrete_gaussian, skellam
-
-    if mechanism == "skellam":
-        return skellam(gen, variance, dim)
-    return discrete_gaussian(gen, int(variance), dim)
 
 
 def calibration_share_variance(ring: RingEncoding, cohort: int, survivors: int) -> float:
@@ -119,7 +112,7 @@ class BaekNoise(ClientNoise):
         """With integer noise: the layer's Skellam vector in the ring's rotated domain, of the layer's
         share of the cohort's total variance; regenerated identically by anyone holding ``seed``."""
         total = self.ring.local_variance * self.cohort
-        return _integer_draw(self.ring.mechanism, self._layer_stream(seed), self.variances[layer] * total,
+        return draw(self.ring.mechanism, self._layer_stream(seed), self.variances[layer] * total,
                              self.ring.dim)
 
     def sample(self, client_id: int, weight: float, dim: int) -> np.ndarray:
@@ -144,7 +137,7 @@ class BaekNoise(ClientNoise):
             from ..secagg.ring import to_ring
 
             share = calibration_share_variance(self.ring, self.cohort, int(round(n_prime)))
-            fresh = _integer_draw(self.ring.mechanism, self.randomness.generator("calibration", self.round, client_id),
+            fresh = draw(self.ring.mechanism, self.randomness.generator("calibration", self.round, client_id),
                                   share, self.ring.dim)
             return to_ring(fresh - self.integer_share(client_id, self.ring), self.ring.bits).astype(
                 word_dtype(self.ring.bits))
@@ -159,12 +152,12 @@ class BaekNoise(ClientNoise):
         1..L, of the cohort's total variance over N, ..., over N - L (Skellams add up to one)."""
         if self.mode == "layered":
             total = ring.local_variance * self.cohort
-            out = _integer_draw(ring.mechanism, self.randomness.generator("layers", self.round, client_id),
+            out = draw(ring.mechanism, self.randomness.generator("layers", self.round, client_id),
                                 self.variances[0] * total, ring.dim)
             for k in range(1, len(self.variances)):
                 out += self.layer_ints(self.layer_seed(client_id, k), k)
             return out
-        return _integer_draw(ring.mechanism, self.randomness.generator("noise", self.round, client_id),
+        return draw(ring.mechanism, self.randomness.generator("noise", self.round, client_id),
                              ring.local_variance, ring.dim)
 
     def rounding_generator(self, client_id: int):
@@ -268,11 +261,6 @@ class Baek(Algorithm):
         return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm, 2.0 * self.clip_norm * self.z,
                          2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA)
 
-    def _shares_event(self, shares: int, local_variance: float):
-        """The release of the sum with ``shares`` integer shares of ``local_variance`` each in it."""
-        variance = local_variance * shares if self.integer == "skellam" else local_variance
-        return attr.evolve(self._ring.event, variance=float(variance), shares=int(shares))
-
     def _released_event(self, survived: int, calibrated: bool = False, senders: int | None = None):
         """What the round hands the server. Without a calibration: the sum of the survivors' shares (a
         dropout's share is simply missing). With one: the first aggregate A and the release R
@@ -284,11 +272,12 @@ class Baek(Algorithm):
             return attr.evolve(self._ring.event, variance=float(self._ring.local_variance * len(self.plan.sampled)),
                                shares=int(survived))
         if not calibrated or senders == 0:  # no calibration term: R = A, one view of the survivors' shares
-            return self._shares_event(survived, self._ring.local_variance)
+            return self._ring.event.with_shares(survived, self._ring.local_variance)
         from ..privacy.discrete_rdp import CalibratedViewsDpEvent
 
         fresh = calibration_share_variance(self.plan.noise.ring, len(self.plan.sampled), survived)
-        return CalibratedViewsDpEvent(self._shares_event(1, self._ring.local_variance), fresh, int(survived), senders)
+        return CalibratedViewsDpEvent(self._ring.event.with_shares(1, self._ring.local_variance), fresh, int(survived),
+                                      senders)
 
     # -- what the ledger books -------------------------------------------------------------------
     def _mechanism(self, z_effective: float, event=None) -> Mechanism:

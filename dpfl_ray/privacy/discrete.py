@@ -136,3 +136,11 @@ def skellam(gen, variance: float, size: int) -> np.ndarray:
         gen = np.random.default_rng([int(w) for w in gen.integers(0, 2 ** 62, size=4)])
     half = float(variance) / 2.0
     return gen.poisson(half, int(size)).astype(np.int64) - gen.poisson(half, int(size)).astype(np.int64)
+
+
+def draw(mechanism: str, gen, variance: float, size: int) -> np.ndarray:
+    """``size`` draws of ``mechanism``'s noise ('skellam' or 'discrete_gaussian', whose variance must
+    be an integer) of this variance."""
+    if mechanism == "skellam":
+        return skellam(gen, variance, size)
+    return discrete_gaussian(gen, int(variance), size)

@@ -151,6 +151,11 @@ class DiscreteNoiseSumDpEvent(dpe.DpEvent):
     shares: int
     dim: int
 
+    def with_shares(self, shares: int, local_variance: float) -> "DiscreteNoiseSumDpEvent":
+        """The same release with ``shares`` shares of ``local_variance`` each in the sum."""
+        total = local_variance * shares if self.mechanism == "skellam" else local_variance
+        return attr.evolve(self, variance=float(total), shares=int(shares))
+
     def rdp(self, order: float) -> float:
         if self.mechanism == "skellam":
             return skellam_rdp(order, self.l1, self.l2, self.variance)
@@ -179,15 +184,11 @@ class CalibratedViewsDpEvent(dpe.DpEvent):
     survivors: int
     senders: int | None = None
 
-    def _shares(self, shares: int, local_variance: float) -> DiscreteNoiseSumDpEvent:
-        total = local_variance * shares if self.first.mechanism == "skellam" else local_variance
-        return attr.evolve(self.first, variance=float(total), shares=int(shares))
-
     def rdp_with(self, order: float, senders: int) -> float:
-        local = self.first.variance
-        two = (self._shares(senders, local).rdp(order) + self._shares(senders, self.fresh_variance).rdp(order)
+        first, local = self.first, self.first.variance
+        two = (first.with_shares(senders, local).rdp(order) + first.with_shares(senders, self.fresh_variance).rdp(order)
                if senders > 0 else math.inf)
-        one = self._shares(self.survivors - senders, local).rdp(order) if senders < self.survivors else math.inf
+        one = first.with_shares(self.survivors - senders, local).rdp(order) if senders < self.survivors else math.inf
         return min(two, one)
 
     def rdp(self, order: float) -> float:

@@ -209,7 +209,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
         if ring is None:  # client-id order: the same float sum for any pool
             calibration = CalibrationSum(sum(terms[c] for c in sorted(terms)) if terms else None, tuple(sorted(terms)))
         else:
-            calibration, sent = _secure_calibration(terms, total, sa, ring, t, sc.seed, dim, record)
+            calibration, sent = _secure_calibration(terms, total, first, sa, ring, t, sc.seed, dim, record)
             for c, b in sent.items():
                 client_bytes[index[c]] = client_bytes.get(index[c], 0) + b
     record.update(
@@ -228,13 +228,14 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
                        rejected=phases.rejected)
 
 
-def _secure_calibration(terms: dict, total: np.ndarray, sa, ring, t: int, seed: int, dim: int,
+def _secure_calibration(terms: dict, total: np.ndarray, first: np.ndarray, sa, ring, t: int, seed: int, dim: int,
                         record: dict) -> tuple[CalibrationSum, dict[int, int]]:
     """Integer calibration terms (Alg. 2 line 22) go through a secure sum of their own among the
     senders, with real keys: the server sees their sum, never one client's term (for integer noise
     the terms one by one would tell it more than their sum; docs/distributed_dp.md). The release is
     decoded whole from A + that sum mod 2^b. A secure sum that cannot finish leaves the round
-    uncalibrated (no term reached the server). Returns the sum and each sender's bytes in it."""
+    uncalibrated (no term reached the server). ``first``: A decoded. Returns the sum and each sender's
+    bytes in it."""
     senders = sorted(terms)
     if not senders:
         return CalibrationSum(None, ()), {}
@@ -249,7 +250,7 @@ def _secure_calibration(terms: dict, total: np.ndarray, sa, ring, t: int, seed: 
     record["secagg_calibration_seconds"] = round(float(sum(out.seconds_by_phase.values())), 4)
     release = decode_sum(ring_sum([np.asarray(total, dtype=np.uint64), out.sum], ring.bits), ring.bits, ring.scale,
                          ring.rotation_seed, dim)
-    return (CalibrationSum(release - _decoded(total, sa, ring, dim), tuple(senders), release=release),
+    return (CalibrationSum(release - first, tuple(senders), release=release),
             {senders[u]: int(b) for u, b in out.bytes_per_client.items()})
 
 

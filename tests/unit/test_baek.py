@@ -320,7 +320,8 @@ def test_baek_calibration_with_integer_shares_releases_the_fresh_shares_and_book
     noises are independent: their RDP curves add, and against the server the epsilon is that sum's."""
     import attr
 
-    from dpfl_ray.algorithms.baek import _integer_draw, calibration_share_variance
+    from dpfl_ray.algorithms.baek import calibration_share_variance
+    from dpfl_ray.privacy.discrete import draw
     from dpfl_ray.privacy.discrete_rdp import ORDERS, CalibratedViewsDpEvent, epsilon, event_rdp_curve
     from dpfl_ray.runtime.privacy import RunPrivacy
     from dpfl_ray.secagg.ring import from_ring, ring_sum, rotation_signs, unrotate
@@ -343,7 +344,7 @@ def test_baek_calibration_with_integer_shares_releases_the_fresh_shares_and_book
     fresh_var = calibration_share_variance(ring, 10, 7)
     assert fresh_var == (ring.local_variance * 10 / 7 if mechanism == "skellam"
                          else math.ceil(ring.local_variance * 10 / 7))
-    fresh = {c: _integer_draw(mechanism, noise.randomness.generator("calibration", 0, c), fresh_var, ring.dim)
+    fresh = {c: draw(mechanism, noise.randomness.generator("calibration", 0, c), fresh_var, ring.dim)
              for c in survivors}
     a = ring_sum([words[c] for c in survivors], ring.bits)
     r = ring_sum([a, *(terms[c] for c in survivors)], ring.bits)
