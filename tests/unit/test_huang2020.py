@@ -188,3 +188,30 @@ def test_laplace_argmax_accounting():
     one = ClientLedgers(1e-5, num_clients=1)
     one.record(0, ev)
     assert np.all(one.rdp(0) >= lap.rdp - 1e-12)
+
+
+def test_dpagd_passes_in_chunks_give_the_one_pass_sums(monkeypatch):
+    """The gradient sum and the candidates' loss sums over a data set larger than a chunk equal one
+    pass over it (to float rounding); a data set of at most one chunk is one pass, to the bit."""
+    import dpfl_ray.algorithms.huang2020_core as core
+
+    model, x, y = problem(n=23, seed=3)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    grads_of = core.per_example_grad_fn(model)
+    one_sum, _ = clip_and_sum(grads_of(params, xt, yt), 0.5)
+    grad = {k: v / len(y) for k, v in one_sum.items()}
+    one_scores = core._candidate_scores(model, params, grad, (0.0, 0.5, 2.0), xt, yt, 1.5)
+
+    assert core.DPAGD_CHUNK >= 600  # the 100- and 1,000-user rows are one chunk a user
+    same = core._clipped_gradient_sum(grads_of, params, xt, yt, 0.5)
+    assert all(torch.equal(same[k], one_sum[k]) for k in one_sum)
+    assert np.array_equal(core._candidate_scores(model, params, grad, (0.0, 0.5, 2.0), xt, yt, 1.5), one_scores)
+
+    monkeypatch.setattr(core, "DPAGD_CHUNK", 5)  # 23 records: chunks of 5, 5, 5, 5, 3
+    assert [(s.start, s.stop) for s in core._chunks(23)] == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
+    chunked = core._clipped_gradient_sum(grads_of, params, xt, yt, 0.5)
+    for k in one_sum:
+        torch.testing.assert_close(chunked[k], one_sum[k], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(core._candidate_scores(model, params, grad, (0.0, 0.5, 2.0), xt, yt, 1.5),
+                               one_scores, rtol=1e-5)
