@@ -98,10 +98,9 @@ def trial(config: dict) -> None:
     if stop.requested:  # started after the sweep was told to stop: nothing to write
         tune.report({"status": "interrupted" if not stop.timed_out else "timeout", "started": False})
         return
-    ran: list[bool] = []
-    status = _run(config, run_dir, stop, t0, tune.report, ran)
+    status, held = _run(config, run_dir, stop, t0, tune.report)
     # only a trial that held the run sends it back (not another attempt's directory it was refused)
-    tune.report({"status": bring_back(config, run_dir, status) if ran else status})
+    tune.report({"status": bring_back(config, run_dir, status) if held else status})
 
 
 def _ask_collector(config: dict) -> Callable[[], bool] | None:
@@ -180,9 +179,10 @@ def start_collector(sweep_dir: Path):
     return actor, name, node
 
 
-def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None],
-         ran: list[bool]) -> str:
-    """The run; ``ran`` gets True once this trial holds the run's lock (runs.sweep.hold_run)."""
+def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None]
+         ) -> tuple[str, bool]:
+    """The run's status, and whether this trial held the run's lock (runs.sweep.hold_run): a trial
+    refused the lock must not send back a directory another attempt is writing."""
     from ..data import build_federation
     from ..errors import DPFLError
     from ..runs.record import RunRecord
@@ -196,10 +196,9 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     try:
         # an earlier attempt's process may still be ending (its node was lost): it holds the run until it is gone
         held = hold_run(run_dir.parent, run_dir.name, wait_s=RETRY_LOCK_WAIT_SECONDS if run_dir.exists() else 0.0)
-        ran.append(True)
         earlier = earlier_attempt(run_dir)
         if earlier == FINISHED:  # the attempt that ended had written every file
-            return "ok"
+            return "ok", True
         checkpoint, sc = earlier or (None, load_scenario(config["scenario"], list(config["overrides"])))
         fed = build_federation(sc)
         startup = {"load_data": time.time() - t0}
@@ -213,20 +212,20 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
         summary = run_scenario(sc, fed, record, on_event=on_event, shutdown=stop, startup=startup, theta0=theta0,
                                started_at=t0, keep_workers=True, workers=int(config["workers"]), resume=checkpoint)
     except DPFLError as err:
-        return f"failed: {err}"
+        return f"failed: {err}", held is not None
     except Exception as err:  # noqa: BLE001 - one line in sweep.csv; the run's files say the rest
         if record is not None and not (run_dir / "summary.json").exists():
             try:
                 write_unstarted(sc, fed, record, time.time() - t0)
             except Exception:  # noqa: BLE001 - the status below is what matters
                 pass
-        return f"failed: {type(err).__name__}: {err}"
+        return f"failed: {type(err).__name__}: {err}", held is not None
     finally:
         if held is not None:
             os.close(held)
     if summary["stop_reason"] == "interrupted":
-        return "timeout" if stop.timed_out else "interrupted"
-    return "ok"
+        return ("timeout" if stop.timed_out else "interrupted"), True
+    return "ok", True
 
 
 def earlier_attempt(run_dir: Path):
