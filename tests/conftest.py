@@ -42,7 +42,42 @@ def ray_session():
                                      logging_level="ERROR"),
                     warn=lambda message: warnings.warn(message, RuntimeWarning))
     yield ray
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
     ray.shutdown()
+    _reap_session_processes(session_dir)
+
+
+def _reap_session_processes(session_dir: str, grace_s: float = 5.0) -> None:
+    """Kill the processes that still hold files of this Ray session ``grace_s`` after ray.shutdown().
+
+    Ray's own exit path can deadlock: a killed actor's worker (seen once in `make test`: a
+    Coordinator) logged a complete shutdown, then hung in its exit handlers on a mutex that Ray's
+    io_context shutdown already held (gdb: CoreWorkerProcess::HandleAtExit -> ~execution_context ->
+    ~Publisher -> pthread_mutex_lock), and outlived the suite with ppid 1."""
+    import time
+
+    import psutil
+
+    def holders() -> list:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid != os.getpid() and any(f.path.startswith(session_dir) for f in proc.open_files()):
+                    found.append(proc)
+            except psutil.Error:
+                continue
+        return found
+
+    deadline = time.monotonic() + grace_s
+    left = holders()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = holders()
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 @pytest.fixture(scope="session")
