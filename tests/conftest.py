@@ -50,10 +50,10 @@ def ray_session():
 def _reap_session_processes(session_dir: str, grace_s: float = 5.0) -> None:
     """Kill the processes that still hold files of this Ray session ``grace_s`` after ray.shutdown().
 
-    Ray's own exit path can deadlock: a killed actor's worker (seen once in `make test`: a
-    Coordinator) logged a complete shutdown, then hung in its exit handlers on a mutex that Ray's
-    io_context shutdown already held (gdb: CoreWorkerProcess::HandleAtExit -> ~execution_context ->
-    ~Publisher -> pthread_mutex_lock), and outlived the suite with ppid 1."""
+    Ray's own exit path can deadlock: a killed actor's worker can finish its core worker's shutdown
+    and then hang in its exit handlers on a mutex that Ray's io_context shutdown already holds
+    (CoreWorkerProcess::HandleAtExit -> ~execution_context -> ~Publisher -> pthread_mutex_lock),
+    and would outlive the suite with ppid 1."""
     import time
 
     import psutil

@@ -112,8 +112,7 @@ class BaekNoise(ClientNoise):
         """With integer noise: the layer's Skellam vector in the ring's rotated domain, of the layer's
         share of the cohort's total variance; regenerated identically by anyone holding ``seed``."""
         total = self.ring.local_variance * self.cohort
-        return draw(self.ring.mechanism, self._layer_stream(seed), self.variances[layer] * total,
-                             self.ring.dim)
+        return draw(self.ring.mechanism, self._layer_stream(seed), self.variances[layer] * total, self.ring.dim)
 
     def sample(self, client_id: int, weight: float, dim: int) -> np.ndarray:
         """e_i of Alg. 2 line 15 (or Alg. 3 line 26, or the layered sum), float64."""
@@ -138,7 +137,7 @@ class BaekNoise(ClientNoise):
 
             share = calibration_share_variance(self.ring, self.cohort, int(round(n_prime)))
             fresh = draw(self.ring.mechanism, self.randomness.generator("calibration", self.round, client_id),
-                                  share, self.ring.dim)
+                         share, self.ring.dim)
             return to_ring(fresh - self.integer_share(client_id, self.ring), self.ring.bits).astype(
                 word_dtype(self.ring.bits))
         fresh = _normal(self.randomness.generator("calibration", self.round, client_id),
@@ -153,12 +152,12 @@ class BaekNoise(ClientNoise):
         if self.mode == "layered":
             total = ring.local_variance * self.cohort
             out = draw(ring.mechanism, self.randomness.generator("layers", self.round, client_id),
-                                self.variances[0] * total, ring.dim)
+                       self.variances[0] * total, ring.dim)
             for k in range(1, len(self.variances)):
                 out += self.layer_ints(self.layer_seed(client_id, k), k)
             return out
         return draw(ring.mechanism, self.randomness.generator("noise", self.round, client_id),
-                             ring.local_variance, ring.dim)
+                    ring.local_variance, ring.dim)
 
     def rounding_generator(self, client_id: int):
         return self.randomness.generator("rounding", self.round, client_id)

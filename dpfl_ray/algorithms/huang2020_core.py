@@ -230,11 +230,11 @@ def _candidate_scores(model: nn.Module, params: dict, grad: dict, candidates: Se
     return -torch.stack(out).double().cpu().numpy()
 
 
-# DPAGD passes over a user's whole data set in chunks of this many records: the per-example
-# gradients and the arg-max's forward passes over 6,000 CNN inputs at once run 2.2x slower than the
-# same work in chunks of 600 (one thread, Intel Xeon: 6.9 s against 3.1 s an iteration), their
-# activations no longer fitting in cache. 600, the paper's batch, leaves a user of at most 600
-# records (the 100- and 1,000-user rows) one chunk: the same sums, to the bit, as one pass.
+# DPAGD passes over a user's whole data set in chunks of this many records: over 6,000 CNN inputs at
+# once, the per-example gradients' and the arg-max's activations no longer fit in cache, and an
+# iteration takes about twice as long as in chunks of 600 (one thread). 600, the paper's batch, leaves
+# a user of at most 600 records (the 100- and 1,000-user rows) one chunk: the same sums, to the bit,
+# as one pass.
 DPAGD_CHUNK = 600
 
 
