@@ -34,6 +34,7 @@ def ray_session():
     import ray
 
     from dpfl_ray.runtime.connect import start_local_ray
+    from dpfl_ray.runtime.private_ray import own_sessions, stop_sessions
 
     # As `dpfl run` does: a second try if Ray's own start-up fails (once in `make test`, the raylet
     # never registered and every test of this process errored at set-up).
@@ -42,42 +43,11 @@ def ray_session():
                                      logging_level="ERROR"),
                     warn=lambda message: warnings.warn(message, RuntimeWarning))
     yield ray
-    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    sessions = own_sessions()
     ray.shutdown()
-    _reap_session_processes(session_dir)
-
-
-def _reap_session_processes(session_dir: str, grace_s: float = 5.0) -> None:
-    """Kill the processes that still hold files of this Ray session ``grace_s`` after ray.shutdown().
-
-    Ray's own exit path can deadlock: a killed actor's worker can finish its core worker's shutdown
-    and then hang in its exit handlers on a mutex that Ray's io_context shutdown already holds
-    (CoreWorkerProcess::HandleAtExit -> ~execution_context -> ~Publisher -> pthread_mutex_lock),
-    and would outlive the suite with ppid 1."""
-    import time
-
-    import psutil
-
-    def holders() -> list:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.pid != os.getpid() and any(f.path.startswith(session_dir) for f in proc.open_files()):
-                    found.append(proc)
-            except psutil.Error:
-                continue
-        return found
-
-    deadline = time.monotonic() + grace_s
-    left = holders()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        left = holders()
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    # Ray's own exit path can deadlock and leave a worker orphaned (private_ray.stop_sessions):
+    # it would outlive the suite with ppid 1.
+    stop_sessions(sessions, grace=5.0)
 
 
 @pytest.fixture(scope="session")

@@ -36,10 +36,12 @@ _HEAD_LOST = False  # set when the head stopped answering: ray.shutdown() would 
 
 def stop_ray() -> None:
     """Disconnect, and stop every process this one spawned: a private Ray's GCS, raylet, agents
-    and workers (also after an interrupted start-up, which ray.shutdown does not know of)."""
+    and workers (also after an interrupted start-up, which ray.shutdown does not know of, and a
+    worker left orphaned by its raylet, which is no longer a descendant)."""
     global _RAY_STOPPED
-    from .private_ray import start_abandoned
+    from .private_ray import own_sessions, start_abandoned, stop_sessions
 
+    sessions = own_sessions()  # a private Ray's: what its processes leave orphaned is found by these
     abandoned = start_abandoned()  # ray.init may still run in its thread: Ray's driver state is not ours to touch
     gone = abandoned or _HEAD_LOST  # nothing left to disconnect from in order
     warm.forget()  # parked workers end with this Ray: their handles must not reach the next one
@@ -48,6 +50,7 @@ def stop_ray() -> None:
         with contextlib.suppress(Exception):
             ray.shutdown()
     kill_descendants()
+    stop_sessions(sessions, grace=2.0)
     _RAY_STOPPED = gone or not ray.is_initialized()
 
 

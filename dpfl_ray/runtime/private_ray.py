@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
+import time
 from typing import Callable
 
 from .shutdown import exit_without_waiting_for, signal_name
@@ -27,6 +29,40 @@ def own_sessions() -> set[int]:
         except OSError:
             pass
     return sessions
+
+
+def session_processes(sessions: set[int]) -> list[int]:
+    """The pids of the live processes (zombies are not) whose session is one of ``sessions``, this
+    one excepted."""
+    import psutil
+
+    found = []
+    if not sessions:
+        return found
+    for proc in psutil.process_iter():
+        if proc.pid != os.getpid():
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.getsid(proc.pid) in sessions and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc.pid)
+    return found
+
+
+def stop_sessions(sessions: set[int], grace: float = 0.0) -> int:
+    """SIGKILL every process of these sessions still alive after ``grace`` seconds; returns how many.
+
+    A process keeps its session when its parent dies, so this finds what a private Ray leaves
+    orphaned: a worker whose raylet is gone can hang in its own exit handlers, on a mutex that Ray's
+    io_context shutdown holds (CoreWorkerProcess::HandleAtExit -> ~Publisher -> pthread_mutex_lock),
+    and would outlive the command with ppid 1."""
+    deadline = time.monotonic() + grace
+    left = session_processes(sessions)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = session_processes(sessions)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return len(left)
 
 
 # Set when a signal ended the wait for a private Ray's start-up: its ray.init may still run in the

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from .recovery import add_pending_row, committed_from_checkpoint, head_unreachable
+from .private_ray import stop_sessions
 
 DONE = b"done\n"
 
@@ -71,7 +72,7 @@ def watch() -> None:
         said += chunk
     if DONE in said:
         return
-    stop_sessions(sessions)
+    stop_sessions(sessions)  # the agents its raylet started would wait a minute and more for a GCS that is gone
     import logging
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's warnings, quiet in the coordinator too
@@ -81,20 +82,6 @@ def watch() -> None:
         print(f"error: the run's process ended before writing its files, and they could not be written from "
               f"{run_dir / 'checkpoint.npz'}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
     os._exit(1)
-
-
-def stop_sessions(sessions: set[int]) -> None:
-    """SIGKILL every process of these sessions. Ray's own processes die with the driver (the kernel
-    kills them), but the agents its raylet started wait a minute and more for a GCS that is gone."""
-    if not sessions:
-        return
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) in sessions:
-                    os.kill(int(entry), signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def rescue(run_dir: Path, head: str | None, started_at: float) -> str:
