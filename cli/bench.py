@@ -222,7 +222,7 @@ def _fmt(stat: dict | None, scale: float = 1.0, digits: int = 2) -> str:
 
 @app.command("workloads")
 def list_workloads() -> None:
-    """List the fixed workloads of ``dpfl bench run``."""
+    """List the fixed workloads of `dpfl bench run`."""
     from benchmarks.workloads import VARIANTS, WORKLOADS
 
     table = Table("workload", "what")

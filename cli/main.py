@@ -24,6 +24,21 @@ app.add_typer(privacy.app, name="privacy")
 app.add_typer(jobs.app, name="jobs")
 
 
+def _one_line_listings(typer_app: typer.Typer) -> None:
+    """A command list shows each command's first paragraph, and Typer keeps its line breaks: give
+    each command the paragraph as one line (``--help`` on the command itself is unchanged)."""
+    import inspect
+
+    for info in typer_app.registered_commands:
+        if info.short_help is None:
+            doc = info.help or inspect.getdoc(info.callback) or ""
+            info.short_help = " ".join(doc.split("\n\n")[0].split())
+    for group in typer_app.registered_groups:
+        _one_line_listings(group.typer_instance)
+
+
+_one_line_listings(app)
+
 
 def main() -> None:
     """Console entry point: like ``app()``, but a malformed command line (unknown option, a value
