@@ -17,6 +17,9 @@ def submit(
     set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
     grid: list[str] = typer.Option([], "--grid", help="a sweep job: an axis, as `dpfl sweep --grid` (repeatable)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="a sweep job: seeds, as `dpfl sweep --seeds`"),
+    search: str = typer.Option("grid", "--search", help="a sweep job: grid or random, as `dpfl sweep --search`"),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="a random search job: points to draw"),
+    search_seed: int = typer.Option(0, "--search-seed", help="a random search job: the seed it draws with"),
     max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
                                                  help="a sweep job: runs at once (default: as many as fit)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="a sweep job: seconds one run may take"),
@@ -36,8 +39,9 @@ def submit(
 
     sc = load_scenario(scenario, set_)  # a bad scenario is one line here, not a failed job
     sweep_args = None
-    if grid or seeds:
-        sweep_args = _sweep_args(scenario, set_, grid, seeds, max_concurrent, timeout)
+    if grid or seeds or search != "grid" or num_samples is not None:
+        sweep_args = _sweep_args(scenario, set_, grid, seeds, max_concurrent, timeout,
+                                 (search, num_samples, search_seed))
     elif max_concurrent is not None or timeout is not None:
         raise DPFLError("--max-concurrent and --timeout are for a sweep job: give --grid or --seeds",
                         field="--max-concurrent" if max_concurrent is not None else "--timeout")
@@ -55,14 +59,19 @@ def submit(
 
 
 def _sweep_args(scenario: Path, set_: list[str], grid: list[str], seeds: str | None, max_concurrent: int | None,
-                timeout: float | None) -> list[str]:
+                timeout: float | None, search: tuple[str, int | None, int] = ("grid", None, 0)) -> list[str]:
     """The `dpfl sweep` options the job runs with, every combination checked here first (a bad grid
     is one line before anything is submitted). The shipped scenario already holds the --set
-    overrides."""
+    overrides. ``search``: --search, --num-samples and --search-seed."""
     from dpfl_ray.runs import sweep as sw
 
-    sw.plan(scenario, grid, seeds, set_)
+    from .sweep import random_search
+
+    drawn = random_search(grid, *search)
+    sw.plan(scenario, grid, seeds, set_, drawn)
     args = [a for axis in grid for a in ("--grid", axis)]
+    if drawn is not None:
+        args += ["--search", "random", "--num-samples", str(drawn.samples), "--search-seed", str(drawn.seed)]
     if seeds:
         args += ["--seeds", seeds]
     if max_concurrent is not None:

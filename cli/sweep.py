@@ -21,7 +21,13 @@ def _num(value, fmt: str) -> str:
 @user_errors
 def sweep(
     scenario: Path = typer.Argument(..., help="scenario YAML file"),
-    grid: list[str] = typer.Option([], "--grid", help="an axis: --grid faults.dropout.rate=0,0.1,0.3 (repeatable)"),
+    grid: list[str] = typer.Option([], "--grid", help="an axis: --grid faults.dropout.rate=0,0.1,0.3 (repeatable); "
+                                   "with --search random also a distribution: loguniform(1e-3,1e-1), uniform(a,b), "
+                                   "randint(a,b)"),
+    search: str = typer.Option("grid", "--search", help="grid: every combination; random: --num-samples points "
+                               "drawn from the axes"),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="how many points a random search draws"),
+    search_seed: int = typer.Option(0, "--search-seed", help="the seed a random search draws its points with"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="seeds to repeat every combination with: 0,1,2"),
     set_: list[str] = typer.Option([], "--set", help="override a field in every run (repeatable)"),
     out: Optional[Path] = typer.Option(None, "--out", help="sweep directory (default: OUTPUT.DIR/NAME-sweep/TIMESTAMP); "
@@ -49,7 +55,8 @@ def sweep(
         if not grid:
             raise
         base = None  # --set alone may be invalid where every grid value completes it (noise + bits)
-    axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_)  # every combination, before anything runs
+    drawn = random_search(grid, search, num_samples, search_seed)
+    axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_, drawn)  # every combination, before anything runs
     base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
         for run in runs:
@@ -58,13 +65,13 @@ def sweep(
         return
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
     with sw.SweepLock(sweep_dir):  # a second sweep on this directory is refused
-        sw.prepare(sweep_dir, scenario, axes, seed_list, set_)
+        sw.prepare(sweep_dir, scenario, axes, seed_list, set_, drawn)
         todo, statuses = sw.set_aside(sweep_dir, runs)
         console.print(f"[bold]sweep[/] {escape(base.name)}: {len(runs)} runs, {len(runs) - len(todo)} finished "
                       f"before -> {escape(str(sweep_dir))}", highlight=False)
         if todo:
             statuses.update(run_on_tune(sweep_dir, todo, scenario, timeout, address, max_concurrent, shutdown))
-        rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses)
+        rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses, drawn=drawn is not None)
     _table(rows, list(axes))
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True, markup=False)
@@ -77,6 +84,25 @@ def sweep(
     if failed:
         console.print(f"{len(failed)} of {len(runs)} runs did not finish; run the same command to retry them")
         raise typer.Exit(1)
+
+
+def random_search(grid: list[str], search: str, num_samples: int | None, search_seed: int):
+    """The random search ``--search``/``--num-samples``/``--search-seed`` ask for (its space is ``--grid``),
+    or None for a grid."""
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.runtime.search import SEARCHES, RandomSearch, parse_space
+
+    if search not in SEARCHES:
+        raise DPFLError(f"{search!r} is not one of {', '.join(SEARCHES)}", field="--search")
+    if search == "grid":
+        if num_samples is not None:
+            raise DPFLError("draws points for --search random; a grid runs every combination", field="--num-samples")
+        return None
+    if num_samples is None:
+        raise DPFLError("--search random needs --num-samples N", field="--num-samples")
+    if not grid:
+        raise DPFLError("--search random draws from the --grid axes: give at least one", field="--grid")
+    return RandomSearch(parse_space(grid), num_samples, search_seed)
 
 
 def _selection_line(sweep_dir: Path) -> None:

@@ -50,8 +50,11 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=+-]", "_", text)
 
 
-def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Sequence[str] = ()) -> list[SweepRun]:
-    """Every combination, seeds outermost (one pass over the grid per seed), grid in order."""
+def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Sequence[str] = (),
+           points: Sequence[Sequence[str]] | None = None) -> list[SweepRun]:
+    """Every combination, seeds outermost (one pass over the grid per seed), grid in order.
+    ``points``: the combinations instead, each its values in the grid's key order (a random
+    search's draws, runtime/search.py)."""
     set_keys = {s.partition("=")[0].strip() for s in base_sets}
     for key in grid:
         if key in set_keys:
@@ -60,7 +63,7 @@ def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Seque
         raise DPFLError("seed is given with both --set and --seeds", field="--seeds")
     runs, names = [], {}
     for seed in (seeds if seeds is not None else [None]):
-        for combo in itertools.product(*grid.values()):
+        for combo in (points if points is not None else itertools.product(*grid.values())):
             values = tuple(zip(grid, combo))
             parts = [f"{k}={v}" for k, v in values] + ([f"seed={seed}"] if seed is not None else [])
             name = _safe("__".join(parts)) or "run"
@@ -219,7 +222,7 @@ def sweep_run_dirs(path: Path) -> list[Path] | None:
         return None
     try:
         m = json.loads(manifest.read_text())
-        runs = expand(m["grid"], m["seeds"], m["sets"])
-    except (ValueError, KeyError, TypeError):
+        runs = expand(m["grid"], m["seeds"], m["sets"], (m.get("search") or {}).get("points"))
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise DPFLError(f"{manifest} is not a sweep manifest", field=str(path)) from None
     return [Path(path) / r.name for r in runs if (Path(path) / r.name / "summary.json").is_file()]

@@ -15,6 +15,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import tarfile
@@ -61,6 +62,9 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
         if key in grid:
             raise DPFLError(f"{key} is given twice", field="--grid")
         vals = split_values(values)
+        if _is_distribution(values):
+            raise DPFLError(f"{key}={values.strip()} is a distribution to draw from: give --search random "
+                            "--num-samples N", field="--grid")
         if any(v == "" for v in vals):
             raise DPFLError(f"{key} has an empty value ({values!r})", field="--grid")
         seen: dict[str, str] = {}
@@ -70,6 +74,15 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
                 raise DPFLError(f"{key} lists one value twice ({same!r} and {v!r})", field="--grid")
         grid[key] = vals
     return grid
+
+
+# A random search's axis (runtime/search.py): ``loguniform(1e-3,1)``, ``uniform(a,b)``, ``randint(a,b)``.
+DISTRIBUTIONS = ("uniform", "loguniform", "randint")
+DISTRIBUTION_SPEC = re.compile(r"^\s*(" + "|".join(DISTRIBUTIONS) + r")\s*\((.*)\)\s*$")
+
+
+def _is_distribution(value: str) -> bool:
+    return DISTRIBUTION_SPEC.match(value) is not None
 
 
 def _as_read(value: str) -> str:
@@ -114,11 +127,19 @@ def validate(scenario: Path | None, runs: Sequence[SweepRun], build_data: bool =
             raise DPFLError(f"{err} ({where})") from None
 
 
-def plan(scenario: Path, grid: Sequence[str], seeds: str | None, base_sets: Sequence[str]):
+def plan(scenario: Path, grid: Sequence[str], seeds: str | None, base_sets: Sequence[str],
+         search=None):
     """(axes, seeds, runs) of ``--grid``/``--seeds``/``--set`` as typed, every combination checked
-    (:func:`validate`): what ``dpfl sweep`` runs and ``dpfl submit --grid`` sends."""
-    axes, seed_list = parse_grid(grid), parse_seeds(seeds)
-    runs = expand(axes, seed_list, base_sets)
+    (:func:`validate`): what ``dpfl sweep`` runs and ``dpfl submit --grid`` sends. ``search``: a
+    random search (runtime/search.RandomSearch): its draws instead of the grid's combinations."""
+    seed_list = parse_seeds(seeds)
+    if search is None:
+        axes = parse_grid(grid)
+        runs = expand(axes, seed_list, base_sets)
+    else:
+        points = search.points()
+        axes = search.axes(points)
+        runs = expand(axes, seed_list, base_sets, points)
     validate(scenario, runs)
     return axes, seed_list, runs
 
@@ -242,12 +263,16 @@ def _pid_alive(owner: dict | None, command: str = "sweep") -> bool:
         return True
 
 
-def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None, base_sets: Sequence[str]) -> None:
+def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None, base_sets: Sequence[str],
+            search=None) -> None:
     """Create or reopen a sweep directory. Reopening needs the same scenario file and ``--set``s
-    (the grid and seeds may grow); ``sweep.json`` records them."""
+    (the grid and seeds may grow; a random search's ``--num-samples`` too, over the same space and
+    ``--search-seed``); ``sweep.json`` records them, and a random search's ``points``."""
     text = scenario.read_bytes()
     manifest = {"scenario": str(scenario), "scenario_sha256": hashlib.sha256(text).hexdigest(),
                 "sets": list(base_sets), "grid": grid, "seeds": seeds}
+    if search is not None:
+        manifest["search"] = search.manifest(search.points())
     old_path = sweep_dir / MANIFEST
     if old_path.is_file():
         try:
@@ -257,6 +282,11 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
         for key, what in (("scenario_sha256", "scenario file"), ("sets", "--set overrides")):
             if old.get(key) != manifest[key]:
                 raise DPFLError(f"{sweep_dir} holds a sweep of another {what}; choose another --out", field="--out")
+        if ("search" in old or search is not None) and not (search is not None and search.same_space(old.get("search"))):
+            theirs = "a random search" if "search" in old else "a grid"
+            ours = "a random search" if search is not None else "a grid"
+            raise DPFLError(f"{sweep_dir} holds {theirs}{' of another space or --search-seed' if theirs == ours else ''}; "
+                            f"this is {ours}: choose another --out", field="--out")
     elif _foreign_files(sweep_dir):
         raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -386,13 +416,14 @@ def write_csv(rows: list[dict], grid_keys: Sequence[str], path: Path) -> Path:
 
 
 def write_outputs(sweep_dir: Path, grid: dict[str, list[str]], runs: Sequence[SweepRun],
-                  statuses: dict[str, str] | None = None) -> tuple[list[dict], list[Path]]:
+                  statuses: dict[str, str] | None = None, drawn: bool = False) -> tuple[list[dict], list[Path]]:
     """``sweep.csv``, the per-axis plots and, for private runs, ``selection.json``
-    (:func:`selection_privacy`); returns the rows and the files written."""
+    (:func:`selection_privacy`); returns the rows and the files written. ``drawn``: the runs are a
+    random search's points, plotted as one cloud per axis (no other axis holds still)."""
     rows = collect(sweep_dir, runs, statuses)
     written = [write_csv(rows, list(grid), sweep_dir / "sweep.csv")]
     for axis in grid:
-        written += plot_axis(rows, grid, axis, sweep_dir)
+        written += plot_axis(rows, {axis: grid[axis]} if drawn else grid, axis, sweep_dir, drawn=drawn)
     selection = selection_privacy(sweep_dir, rows)
     if selection is not None:
         path = sweep_dir / SELECTION
@@ -467,9 +498,11 @@ def axis_series(rows: list[dict], grid: dict[str, list[str]], axis: str, metric:
     return series
 
 
-def plot_axis(rows: list[dict], grid: dict[str, list[str]], axis: str, out_dir: Path) -> list[Path]:
+def plot_axis(rows: list[dict], grid: dict[str, list[str]], axis: str, out_dir: Path, drawn: bool = False) -> list[Path]:
     """``accuracy_vs_<axis>.png`` and, where runs record one, ``epsilon_vs_<axis>.png``: one line
-    per combination of the other axes, mean over seeds with +-1 sd error bars."""
+    per combination of the other axes, mean over seeds with +-1 sd error bars. ``drawn``: a random
+    search's values, as points without lines (mean and sd over the runs that drew the value), on a
+    log scale where they span more than two decades."""
     from .record import plotting_library
 
     plt = plotting_library()
@@ -492,9 +525,12 @@ def plot_axis(rows: list[dict], grid: dict[str, list[str]], axis: str, out_dir: 
                 if label in series:
                     pts = series[label]
                     ax.errorbar([pos[p[0]] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                                fmt=style, color=f"C{i % 10}", capsize=3, label=label + suffix)
+                                fmt=style.lstrip("-") if drawn else style, color=f"C{i % 10}", capsize=3,
+                                label=label + suffix)
         if ticks:
             ax.set_xticks(range(len(ticks)), ticks)
+        elif drawn and min(pos.values()) > 0 and max(pos.values()) > 100 * min(pos.values()):
+            ax.set_xscale("log")
         ax.set_xlabel(axis)
         ax.set_ylabel(ylabel + (f" (mean +- sd over {n_seeds} seeds)" if n_seeds > 1 else ""))
         ax.set_title(f"{ylabel} against {axis}")

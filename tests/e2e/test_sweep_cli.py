@@ -74,6 +74,30 @@ def test_a_real_sweep_writes_runs_csv_and_plots_and_resumes(ray_address, tmp_pat
     assert _timings_aside(trial) == _timings_aside(plain)
 
 
+def test_a_random_search_runs_its_drawn_points_and_more_samples_run_only_the_new_ones(ray_address, tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 1}}))
+    out = tmp_path / "search"
+    args = ("sweep", scenario, "--search", "random", "--grid", "training.lr=loguniform(0.01,0.5)",
+            "--grid", "sampling.clients_per_round=3,6", "--out", out, "--timeout", "240", "--address", ray_address)
+    res = dpfl(*args, "--num-samples", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    points = json.loads((out / "sweep.json").read_text())["search"]["points"]
+    with open(out / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [[r["training.lr"], r["sampling.clients_per_round"]] for r in rows] == points
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    for r, (lr, per_round) in zip(rows, points):  # the drawn values reached the runs
+        ran = yaml.safe_load((out / r["run"] / "scenario.yaml").read_text())
+        assert (ran["training"]["lr"], ran["sampling"]["clients_per_round"]) == (float(lr), int(per_round))
+        assert json.loads((out / r["run"] / "rounds.jsonl").read_text().splitlines()[0])["sampled"] == int(per_round)
+    assert 0.01 <= min(float(p[0]) for p in points) and max(float(p[0]) for p in points) <= 0.5
+
+    more = dpfl(*args, "--num-samples", "3")  # the same space and seed: the first two are kept, one runs
+    assert more.returncode == 0 and "3 runs, 2 finished before" in more.stdout, more.stdout + more.stderr
+    assert json.loads((out / "sweep.json").read_text())["search"]["points"][:2] == points
+
+
 def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(TINY))

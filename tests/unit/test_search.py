@@ -1,0 +1,115 @@
+"""Random search (dpfl_ray.runtime.search): points drawn with Ray Tune's samplers, the same for the same
+command, kept when more are asked for; a sweep directory that records and reads them back. No Ray
+session, no subprocess."""
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.runs import sweep as sw
+from dpfl_ray.runtime.search import RandomSearch, parse_space
+
+from .test_sweep import TINY, fake_run
+
+SPACE = ["training.lr=loguniform(1e-4,1)", "training.local_epochs=randint(1,4)",
+         "privacy.clipping.norm=uniform(0.5,2)", "model.name=logistic,mlp"]
+
+
+def test_the_same_command_draws_the_same_points_and_more_samples_keep_the_first():
+    space = parse_space(SPACE)
+    five = RandomSearch(space, 5, seed=3).points()
+    assert RandomSearch(space, 5, seed=3).points() == five
+    assert RandomSearch(space, 9, seed=3).points()[:5] == five
+    assert RandomSearch(space, 5, seed=4).points() != five
+    assert len(set(five)) == 5 and all(len(p) == 4 for p in five)
+
+
+def test_each_axis_draws_from_its_own_distribution():
+    space = parse_space(SPACE)
+    points = RandomSearch(space, 400, seed=0).points()
+    lr = np.array([float(p[0]) for p in points])
+    epochs = [p[1] for p in points]
+    norm = np.array([float(p[2]) for p in points])
+    assert lr.min() >= 1e-4 and lr.max() <= 1
+    # log-uniform: half the mass below 1e-2 (a uniform draw would put 1% there)
+    assert 0.4 < np.mean(lr < 1e-2) < 0.6
+    assert set(epochs) == {"1", "2", "3"}  # Tune's randint excludes its upper bound
+    assert norm.min() >= 0.5 and norm.max() <= 2 and 0.4 < np.mean(norm < 1.25) < 0.6
+    assert {p[3] for p in points} == {"logistic", "mlp"}
+    # a drawn number is its --set text: 4 significant digits, read back as the same number
+    assert all(len(p[0].replace("0.", "").replace("e-", "").lstrip("0")) <= 6 for p in points)
+    assert all(float(p[0]) == float(format(float(p[0]), ".4g")) for p in points)
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("training.lr=loguniform(0,1)", "needs low > 0"),
+    ("training.lr=uniform(2,1)", "needs low < high"),
+    ("training.lr=uniform(1)", "needs two numbers"),
+    ("training.lr=uniform(0,inf)", "needs finite bounds"),
+    ("training.local_epochs=randint(1,1.5)", "needs integers"),
+    ("seed=randint(0,5)", "--seeds"),
+    ("training.lr=0.1,0.1", "one value twice"),
+])
+def test_bad_spaces_are_one_line(item, needle):
+    with pytest.raises(DPFLError, match=needle.replace("(", r"\(")):
+        parse_space([item])
+
+
+def test_a_space_smaller_than_the_samples_asked_for_is_refused():
+    space = parse_space(["model.name=logistic,mlp", "training.local_epochs=randint(1,3)"])
+    assert len(RandomSearch(space, 4).points()) == 4
+    with pytest.raises(DPFLError, match="fewer than 5"):
+        RandomSearch(space, 5).points()
+
+
+def test_a_grid_without_search_refuses_a_distribution():
+    with pytest.raises(DPFLError, match="give --search random"):
+        sw.parse_grid(["training.lr=loguniform(1e-3,1)"])
+
+
+def test_a_searched_sweep_directory_records_its_points_and_is_read_back(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "sweep"
+    search = RandomSearch(parse_space(["training.lr=loguniform(1e-3,1)", "sampling.clients_per_round=2,4,6"]), 4, 1)
+    axes, seeds, runs = sw.plan(scenario, [], "0,1", [], search)  # the space is the search's
+    assert len(runs) == 8 and [r.seed for r in runs] == [0] * 4 + [1] * 4
+    points = search.points()
+    assert [tuple(v for _, v in r.values) for r in runs[:4]] == points
+    assert runs[0].name == f"training.lr={points[0][0]}__sampling.clients_per_round={points[0][1]}__seed=0"
+    assert axes["training.lr"] == [p[0] for p in points]
+    sw.prepare(out, scenario, axes, seeds, [], search)
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert manifest["search"]["points"] == [list(p) for p in points] and manifest["search"]["seed"] == 1
+    for i, run in enumerate(runs[:5]):
+        fake_run(out / run.name, 0.5 + 0.01 * i, epsilon=2.0, claimed=2.0, stop="completed", seed=run.seed)
+    assert sw.sweep_run_dirs(out) == [out / r.name for r in runs[:5]]  # what `dpfl report` reads
+    rows, written = sw.write_outputs(out, axes, runs, drawn=True)
+    assert [r["training.lr"] for r in rows[:4]] == [p[0] for p in points]
+    assert sorted(p.name for p in written if p.suffix == ".png") == [
+        "accuracy_vs_sampling.clients_per_round.png", "accuracy_vs_training.lr.png",
+        "epsilon_vs_sampling.clients_per_round.png", "epsilon_vs_training.lr.png"]
+
+    more = RandomSearch(search.space, 6, 1)  # more samples over the same space: the same directory goes on
+    sw.prepare(out, scenario, more.axes(more.points()), seeds, [], more)
+    with pytest.raises(DPFLError, match="another space or --search-seed"):
+        sw.prepare(out, scenario, axes, seeds, [], RandomSearch(search.space, 4, 2))
+    with pytest.raises(DPFLError, match="holds a random search.*this is a grid"):
+        sw.prepare(out, scenario, {"training.lr": ["0.1"]}, seeds, [])
+    grid_dir = tmp_path / "grid"
+    sw.prepare(grid_dir, scenario, {"training.lr": ["0.1"]}, seeds, [])
+    with pytest.raises(DPFLError, match="holds a grid.*this is a random search"):
+        sw.prepare(grid_dir, scenario, axes, seeds, [], search)
+
+
+def test_a_random_search_job_ships_the_options_that_draw_the_same_points(tmp_path):
+    from cli.submit import _sweep_args
+
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    grid = ["training.lr=loguniform(1e-3,1)"]
+    args = _sweep_args(scenario, [], grid, None, None, None, ("random", 3, 7))
+    assert args == ["--grid", grid[0], "--search", "random", "--num-samples", "3", "--search-seed", "7"]
+    assert _sweep_args(scenario, [], ["training.lr=0.1,0.2"], None, None, None) == ["--grid", "training.lr=0.1,0.2"]
