@@ -38,8 +38,9 @@ def _list_papers() -> None:
             continue
         quick = spec.quick.runs if spec.quick.runs is not None else [r.name for r in spec.runs]
         _say(f"{spec.paper}  {spec.title}  (data: {spec.data}; {len(spec.runs)} runs, {len(spec.claims)} claims)")
+        width = max(len(r.name) for r in spec.runs)
         for r in spec.runs:
-            _say(f"  {r.name:<28} {r.scenario}{'' if r.name in quick else '  (not in --quick)'}")
+            _say(f"  {r.name:<{width}}  {r.scenario}{'' if r.name in quick else '  (not in --quick)'}")
     if broken:
         raise typer.Exit(2)
 
