@@ -53,6 +53,8 @@ def audit(
     """Empirical epsilon (a lower estimate) of a finished run, beside the ledger's epsilon."""
     from dpfl_ray.privacy.audit import THREAT_MODELS, estimate_epsilon, statistics_from_record
 
+    if not run_dir.is_dir():
+        raise DPFLError(f"{run_dir}: no such run directory", field="run_dir")
     record = _read(run_dir / AUDIT_FILE, required=True)
     summary = _read(run_dir / "summary.json", required=False)
     stats = statistics_from_record(record)

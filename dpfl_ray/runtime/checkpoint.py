@@ -45,6 +45,8 @@ def rows_covered(state: dict) -> int:
 
 def read_checkpoint(run_dir: Path) -> dict:
     path = Path(run_dir) / CHECKPOINT
+    if not Path(run_dir).is_dir():
+        raise DPFLError(f"{run_dir}: no such run directory", field="--resume")
     if not path.is_file():
         raise DPFLError(f"{run_dir} has no {CHECKPOINT}: it was not written by a run with "
                         "output.checkpoint_every > 0, or it stopped before its first round", field="--resume")

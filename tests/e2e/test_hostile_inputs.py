@@ -333,13 +333,18 @@ def _one_line_in_process(res, needle):
      "file names hold 240 here"),
     (("sweep", "{tiny}", "--grid", "training.lr=0.1,0.10,1e-1", "--dry-run"),
      "training.lr lists one value twice ('0.1' and '0.10')"),
+    # a random search's axis without --search random, and a run directory that is not there
+    (("sweep", "{tiny}", "--grid", "training.lr=loguniform(1e-3,1)", "--dry-run"),
+     "is a distribution to draw from: give --search random"),
+    (("run", "--resume", "{tmp}/gone"), "{tmp}/gone: no such run directory"),
+    (("audit", "{tmp}/gone"), "{tmp}/gone: no such run directory"),
 ])
 def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     from tests.helpers import dpfl_in_process
 
     before = files_under(tmp_path)
     res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
-    _one_line_in_process(res, needle)
+    _one_line_in_process(res, needle.format(tmp=tmp_path))
     assert files_under(tmp_path) == before
 
 
