@@ -100,7 +100,23 @@ class _ChannelsLastMaxPool2d(nn.MaxPool2d):
     oneDNN's AVX2 convolution rounds channels-last input differently in the last bits."""
 
     def forward(self, x):
+        if not torch.is_grad_enabled() and self._two_by_two_stride_one():
+            return _max_of_four_shifts(x)
         return super().forward(x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)).contiguous()
+
+    def _two_by_two_stride_one(self) -> bool:
+        return (self.kernel_size in (2, (2, 2)) and self.stride in (1, (1, 1)) and self.padding in (0, (0, 0))
+                and self.dilation in (1, (1, 1)) and not self.ceil_mode and not self.return_indices)
+
+
+def _max_of_four_shifts(x: torch.Tensor) -> torch.Tensor:
+    """A 2x2 max-pool of stride 1 as the maximum of the input's four shifted views: the same values
+    (a maximum is exact, and NaN propagates as in the pool), channels-first like the pool's output,
+    in about half the time of the channels-last kernel on CPU. Only where no gradient is taken
+    (evaluation, DPAGD's step-size arg-max): on ties ``torch.maximum`` splits the gradient, where
+    the pool sends it to one input."""
+    return torch.maximum(torch.maximum(x[..., :-1, :-1], x[..., 1:, :-1]),
+                         torch.maximum(x[..., :-1, 1:], x[..., 1:, 1:]))
 
 
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -260,4 +260,7 @@ def test_cli_audit_recomputes_from_the_run_directory(tmp_path):
     res = runner.invoke(app, ["audit", str(tmp_path), "--threat-model", "all_iterates"])
     assert res.exit_code == 0 and "all_iterates" in res.stdout and "3.200" in res.stdout
     res = runner.invoke(app, ["audit", str(tmp_path / "missing")])
-    assert res.exit_code == 2 and "audit.json" in res.output
+    assert res.exit_code == 2 and "missing: no such run directory" in res.output
+    (tmp_path / "unaudited").mkdir()
+    res = runner.invoke(app, ["audit", str(tmp_path / "unaudited")])
+    assert res.exit_code == 2 and "audit.json not found" in res.output

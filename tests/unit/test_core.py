@@ -218,3 +218,32 @@ def test_evaluation_runs_the_cnns_pools_channels_last_with_the_same_logits():
         set_flat(model, get_flat(model) + np.float32(0.05) * g.standard_normal(get_flat(model).size, dtype=np.float32))
     mlp = build_model(ModelConfig(name="mlp"), (1, 28, 28), 10, seed=1)
     assert pool_twin(mlp) is mlp  # nothing to change: no copy
+
+
+def test_without_gradients_the_twin_pools_by_shifted_maxima_to_the_bit_ties_and_nan_included():
+    """Where no gradient is taken (evaluation, DPAGD's arg-max) the twin's 2x2 pools are the maximum
+    of four shifted views: the model's own logits to the bit, on inputs full of ties (whole
+    windows of one value) and with a NaN; with gradients on, the pool's own kernel runs."""
+    from dpfl_ray.training import models
+    from dpfl_ray.training.models import pool_twin
+
+    model = build_model(ModelConfig(name="cnn"), (1, 28, 28), 10, seed=3)
+    g = np.random.default_rng(4)
+    x = torch.from_numpy(np.round(g.random((64, 1, 28, 28), dtype=np.float32) * 3) / 3)  # 4 levels: ties
+    x[5, 0, 10:14, 10:14] = 0.5
+    x[7, 0, 3, 3] = float("nan")
+    twin = pool_twin(model)
+    calls = []
+    shifted = models._max_of_four_shifts
+    models._max_of_four_shifts = lambda t: calls.append(t.shape) or shifted(t)
+    try:
+        with torch.no_grad():
+            own, fast = model(x), twin(x)
+        assert len(calls) == 2  # both pools took the shifted path
+        assert torch.equal(torch.nan_to_num(own, nan=7.0), torch.nan_to_num(fast, nan=7.0))
+        assert torch.isnan(fast[7]).all() and not torch.isnan(fast[6]).any()
+        calls.clear()
+        slow = twin(x)
+        assert calls == [] and torch.equal(torch.nan_to_num(slow.detach(), nan=7.0), torch.nan_to_num(own, nan=7.0))
+    finally:
+        models._max_of_four_shifts = shifted
