@@ -532,7 +532,9 @@ def plot_axis(rows: list[dict], grid: dict[str, list[str]], axis: str, out_dir: 
         elif drawn and min(pos.values()) > 0 and max(pos.values()) > 100 * min(pos.values()):
             ax.set_xscale("log")
         ax.set_xlabel(axis)
-        ax.set_ylabel(ylabel + (f" (mean +- sd over {n_seeds} seeds)" if n_seeds > 1 else ""))
+        several = any(p[3] > 1 for pts in main.values() for p in pts)
+        ax.set_ylabel(ylabel + (" (mean +- sd over the runs that drew a value)" if drawn and several
+                                else f" (mean +- sd over {n_seeds} seeds)" if n_seeds > 1 and not drawn else ""))
         ax.set_title(f"{ylabel} against {axis}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
