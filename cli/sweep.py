@@ -28,6 +28,12 @@ def sweep(
                                "drawn from the axes"),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="how many points a random search draws"),
     search_seed: int = typer.Option(0, "--search-seed", help="the seed a random search draws its points with"),
+    scheduler: str = typer.Option("none", "--scheduler", help="none, or asha: stop runs whose test accuracy trails "
+                                  "at a milestone round (Ray Tune's ASHA); they end with stop_reason stopped_early"),
+    grace_rounds: int = typer.Option(1, "--grace-rounds", min=1, help="asha: rounds every run gets before it can be "
+                                     "stopped"),
+    reduction_factor: int = typer.Option(4, "--reduction-factor", min=2, help="asha: 1 in this many runs goes on "
+                                         "at each milestone"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="seeds to repeat every combination with: 0,1,2"),
     set_: list[str] = typer.Option([], "--set", help="override a field in every run (repeatable)"),
     out: Optional[Path] = typer.Option(None, "--out", help="sweep directory (default: OUTPUT.DIR/NAME-sweep/TIMESTAMP); "
@@ -56,6 +62,9 @@ def sweep(
             raise
         base = None  # --set alone may be invalid where every grid value completes it (noise + bits)
     drawn = random_search(grid, search, num_samples, search_seed)
+    if scheduler not in ("none", "asha"):
+        raise DPFLError(f"{scheduler!r} is not one of none, asha", field="--scheduler")
+    early_stop = {"grace_rounds": grace_rounds, "reduction_factor": reduction_factor} if scheduler == "asha" else None
     axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_, drawn)  # every combination, before anything runs
     base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
@@ -70,7 +79,8 @@ def sweep(
         console.print(f"[bold]sweep[/] {escape(base.name)}: {len(runs)} runs, {len(runs) - len(todo)} finished "
                       f"before -> {escape(str(sweep_dir))}", highlight=False)
         if todo:
-            statuses.update(run_on_tune(sweep_dir, todo, scenario, timeout, address, max_concurrent, shutdown))
+            statuses.update(run_on_tune(sweep_dir, todo, scenario, timeout, address, max_concurrent, shutdown,
+                                        early_stop))
         rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses, drawn=drawn is not None)
     _table(rows, list(axes))
     for path in written:
@@ -125,9 +135,10 @@ def _selection_line(sweep_dir: Path) -> None:
 
 
 def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: float, address: str | None,
-                max_concurrent: int | None, shutdown) -> dict[str, str]:
+                max_concurrent: int | None, shutdown, early_stop: dict | None = None) -> dict[str, str]:
     """The runs ``todo`` as Tune trials on the cluster ``address`` names (else a private Ray), with
-    rich progress; returns {run name: status}. Shared by ``dpfl sweep`` and ``dpfl reproduce``."""
+    rich progress; returns {run name: status}. Shared by ``dpfl sweep`` and ``dpfl reproduce``.
+    ``early_stop``: ASHA's settings (runtime/trials.early_stopping)."""
     import ray
 
     from dpfl_ray.runtime import trials
@@ -161,7 +172,8 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
                                        soft_wrap=True, markup=False)
                 progress.update(task, status=_running(live))
 
-            return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry)
+            return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry,
+                                     early_stop)
     except KeyboardInterrupt:  # a signal while Ray started: no trial ran
         return {run.name: "interrupted" for run in todo}
     finally:

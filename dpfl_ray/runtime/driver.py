@@ -165,7 +165,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         error = _one_line(err) if isinstance(err, DPFLError) else f"{type(err).__name__}: {_one_line(err)}"
         _stop_between_rounds(coord, run_ref)
     if shutdown.requested:
-        stop_reason = "interrupted"
+        stop_reason = shutdown.stop_reason
     # A coordinator that is lost, or has not answered yet, is not asked (that would wait for it):
     # the state is then the driver's last checkpoint, or the initial one if no round was seen.
     state = _committed(coord, scenario, fed, seen, record) if coord is not None and answered and not lost else None
@@ -178,6 +178,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         add_pending_row(scenario, fed, record, last_checkpoint)
     elif state is None and not record.rounds:
         state = _initial_state(scenario)
+    if stop_reason == "stopped_early" and len(record.rounds) >= scenario.training.rounds:
+        stop_reason = "completed"  # the scheduler's stop came after the last round
     wall = time.time() - (t0 if started_at is None else started_at)
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings)
     if keep_workers and error is None and stop_reason != "interrupted" and not shutdown.requested:

@@ -48,6 +48,9 @@ class Shutdown:
     def requested(self) -> bool:
         return bool(self.received)
 
+    # What a run stopped by this request records as its stop_reason (a scheduler's early stop: trials.py).
+    stop_reason = "interrupted"
+
     @property
     def first(self) -> int:
         """The first signal's number, 0 before any."""

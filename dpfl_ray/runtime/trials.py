@@ -24,15 +24,17 @@ What Tune does not decide here:
   lost node) again, and the new attempt resumes the run from its last checkpoint
   (:func:`earlier_attempt`), not from a Tune checkpoint;
 - how a run stops. A Tune trial that Tune stops is killed with its actor, before the run could write
-  its files; so each trial stops itself: at its ``--timeout``, or when the sweep asks (a signal to
+  its files; so each trial stops itself: at its ``--timeout``, when the sweep asks (a signal to
   the sweep writes ``SWEEP/.stop``, which every trial polls between rounds, as ``dpfl run`` polls
-  its signals) -- it then writes its files for its last committed round and returns. The queue of
+  its signals), or when the sweep's scheduler stops it early (:func:`early_stopping`) -- it then
+  writes its files for its last committed round and returns. The queue of
   runs (``_Queue``, a Tune searcher) hands out no new trial once a stop was asked. Only trials that
   have not returned STOP_GRACE_SECONDS after that are stopped by Tune.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -47,6 +49,8 @@ from .resources import trial_bundles, trial_workers, trials_that_fit
 from .shutdown import Shutdown
 
 STOP_FLAG = ".stop"
+# SWEEP/.early/NAME: the sweep's scheduler (ASHA) stopped run NAME; the trial stops itself between rounds.
+EARLY = ".early"
 FINISHED = "finished"
 # How often Tune starts a trial again after its process ended under it (a lost node); each new
 # attempt resumes the run from its last checkpoint (earlier_attempt).
@@ -62,16 +66,18 @@ ROUND_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "epsilon_clai
 
 
 class TrialStop(Shutdown):
-    """A trial's ``Shutdown``: it is asked to stop when the sweep writes its stop file, or when the
-    run passes its deadline (``timed_out``). Polled where ``dpfl run`` polls its signals.
+    """A trial's ``Shutdown``: it is asked to stop when the sweep writes its stop file, when the
+    sweep's scheduler stops it early (its file under ``SWEEP/.early/``: ``stopped_early``), or when
+    the run passes its deadline (``timed_out``). Polled where ``dpfl run`` polls its signals.
     ``ask``: on a node that may not see the sweep's files, a question to the sweep's collector
-    (does the stop file exist there?), put at most once every ASK_EVERY_S."""
+    (which of those files exist there: "stop", "early" or ""), put at most once every ASK_EVERY_S."""
 
     ASK_EVERY_S = 1.0
 
-    def __init__(self, flag: Path, deadline: float, ask: Callable[[], bool] | None = None):
+    def __init__(self, flag: Path, deadline: float, ask: Callable[[], str] | None = None, early: Path | None = None):
         super().__init__()
         self.flag, self.deadline, self.timed_out, self.ask, self._asked = flag, deadline, False, ask, 0.0
+        self.early, self.stopped_early = early, False
 
     @property
     def requested(self) -> bool:
@@ -79,13 +85,25 @@ class TrialStop(Shutdown):
             if time.monotonic() > self.deadline:
                 self.timed_out = True
                 self.received.append(signal.SIGINT)
-            elif self.flag.exists() or self._answer():
+            elif self.flag.exists():
                 self.received.append(signal.SIGINT)
+            elif self.early is not None and self.early.exists():
+                self.stopped_early = True
+                self.received.append(signal.SIGINT)
+            else:
+                answer = self._answer()
+                if answer:
+                    self.stopped_early = answer == "early"
+                    self.received.append(signal.SIGINT)
         return bool(self.received)
 
-    def _answer(self) -> bool:
+    @property
+    def stop_reason(self) -> str:
+        return "stopped_early" if self.stopped_early else "interrupted"
+
+    def _answer(self) -> str:
         if self.ask is None or time.monotonic() - self._asked < self.ASK_EVERY_S:
-            return False
+            return ""
         self._asked = time.monotonic()
         return self.ask()
 
@@ -94,7 +112,8 @@ def trial(config: dict) -> None:
     """One Tune trial: the run ``config`` names, into its run directory, as ``dpfl run`` would."""
     t0 = time.time()
     sweep_dir, run_dir = Path(config["sweep_dir"]), Path(config["sweep_dir"]) / config["name"]
-    stop = TrialStop(sweep_dir / STOP_FLAG, time.monotonic() + float(config["timeout_s"]), ask=_ask_collector(config))
+    stop = TrialStop(sweep_dir / STOP_FLAG, time.monotonic() + float(config["timeout_s"]), ask=_ask_collector(config),
+                     early=sweep_dir / EARLY / config["name"])
     if stop.requested:  # started after the sweep was told to stop: nothing to write
         tune.report({"status": "interrupted" if not stop.timed_out else "timeout", "started": False})
         return
@@ -103,22 +122,23 @@ def trial(config: dict) -> None:
     tune.report({"status": bring_back(config, run_dir, status) if held else status})
 
 
-def _ask_collector(config: dict) -> Callable[[], bool] | None:
+def _ask_collector(config: dict) -> Callable[[], str] | None:
     """For a trial on another node than the sweep's: asks the sweep's collector whether the sweep
-    was told to stop (its stop file may not be visible here). None on the sweep's node."""
+    was told to stop, or its scheduler stopped this trial ("stop", "early" or "": its files may not
+    be visible here). None on the sweep's node."""
     import ray
 
     if not _elsewhere(config):
         return None
     found = []  # the collector's handle, looked up once
 
-    def ask() -> bool:
+    def ask() -> str:
         try:
             if not found:
                 found.append(ray.get_actor(config["collector"], namespace=COLLECTOR_NAMESPACE))
-            return bool(ray.get(found[0].stopping.remote(), timeout=ASK_TIMEOUT_S))
+            return str(ray.get(found[0].stopping.remote(config["name"]), timeout=ASK_TIMEOUT_S))
         except Exception:  # noqa: BLE001 - no answer is no stop; the sweep's grace ends the trial
-            return False
+            return ""
 
     return ask
 
@@ -156,8 +176,10 @@ class _Collector:
     def __init__(self, sweep_dir: str):
         self.sweep_dir = Path(sweep_dir)
 
-    def stopping(self) -> bool:
-        return (self.sweep_dir / STOP_FLAG).exists()
+    def stopping(self, name: str = "") -> str:
+        if (self.sweep_dir / STOP_FLAG).exists():
+            return "stop"
+        return "early" if name and (self.sweep_dir / EARLY / name).exists() else ""
 
     def write(self, name: str, blob: bytes) -> bool:
         from ..runs.sweep import unpack_run
@@ -268,7 +290,8 @@ def run_configs(sweep_dir: Path, runs: Sequence, scenario: Path | None, timeout_
         workers = trial_workers(sc.resources, sc.data.num_clients, cluster, side_by_side)
         configs.append({"name": run.name, "scenario": str(path), "overrides": list(run.overrides),
                         "sweep_dir": str(Path(sweep_dir).resolve()), "timeout_s": float(timeout_s),
-                        "bundles": trial_bundles(sc.resources, workers), "workers": workers})
+                        "bundles": trial_bundles(sc.resources, workers), "workers": workers,
+                        "rounds": sc.training.rounds})
     return configs
 
 
@@ -280,13 +303,14 @@ def default_concurrency(configs: Sequence[dict], cluster: dict) -> int:
 def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | None, shutdown: Shutdown,
                on_result: Callable[[dict, dict], None] | None = None,
                on_done: Callable[[dict, str], None] | None = None,
-               on_retry: Callable[[dict], None] | None = None) -> dict[str, str]:
+               on_retry: Callable[[dict], None] | None = None, early_stop: dict | None = None) -> dict[str, str]:
     """Run the trials on the connected Ray; returns {run name: status} for each config.
 
     ``on_result(config, metrics)``: a round a trial reported; ``on_done(config, status)``: a trial
     ended; ``on_retry(config)``: a trial's process ended under it and Tune starts it again (it
     resumes from its checkpoint: :func:`earlier_attempt`). All run in this thread (Tune's
-    controller loop)."""
+    controller loop). ``early_stop``: ASHA's settings (``grace_rounds``, ``reduction_factor``:
+    :func:`early_stopping`), or None."""
     import ray
 
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # the sweep's own Shutdown decides (module docstring)
@@ -297,6 +321,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     sweep_dir = Path(sweep_dir).resolve()
     flag = sweep_dir / STOP_FLAG
     flag.unlink(missing_ok=True)
+    shutil.rmtree(sweep_dir / EARLY, ignore_errors=True)  # an earlier command's decisions: its runs are finished
     n = max_concurrent or default_concurrency(configs, ray.cluster_resources())
     collector, collector_name, node = start_collector(sweep_dir)
     configs = [{**c, "collector": collector_name, "driver_node": node} for c in configs]
@@ -309,7 +334,9 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
         tune.with_resources(trial, lambda config: tune.PlacementGroupFactory(config["bundles"])),
         tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n), num_samples=len(configs),
                                     reuse_actors=warm.enabled(), trial_name_creator=_trial_name,
-                                    trial_dirname_creator=_trial_name),
+                                    trial_dirname_creator=_trial_name,
+                                    scheduler=early_stopping(sweep_dir, max(c["rounds"] for c in configs),
+                                                             **early_stop) if early_stop else None),
         run_config=tune.RunConfig(name=time.strftime("%Y%m%d-%H%M%S"), storage_path=str(sweep_dir / "tune"),
                                   verbose=0, callbacks=[watch], stop=grace,
                                   failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_FAILURES)))
@@ -321,9 +348,39 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
         except Exception:  # noqa: BLE001 - Ray is gone (its head was lost): so is the collector
             pass
     flag.unlink(missing_ok=True)
+    shutil.rmtree(sweep_dir / EARLY, ignore_errors=True)
     for name in by_name:
         statuses.setdefault(name, "interrupted" if shutdown.requested else "not run")
     return statuses
+
+
+def early_stopping(sweep_dir: Path, max_rounds: int, grace_rounds: int = 1, reduction_factor: int = 4):
+    """Tune's ASHA scheduler on each trial's reported test accuracy by round, whose stops the trials
+    carry out themselves: a trial that Tune stops is killed before its run writes its files, so a
+    STOP becomes the trial's file under ``SWEEP/.early/`` (polled between rounds, as the sweep's stop
+    file is) and Tune is told to continue. The run then ends after its current round with
+    ``stop_reason`` ``stopped_early``: finished, never run again. A run that reaches its last round
+    is never stopped (ASHA's ``stop_last_trials`` is off)."""
+    from ray.tune.schedulers import ASHAScheduler
+
+    early = Path(sweep_dir) / EARLY
+
+    class _StopsItself(ASHAScheduler):
+        @property
+        def metric(self):
+            # Tune checks every result for a scheduler's metric; a trial's last report (its status)
+            # and a round without evaluation (output.eval_every) have none: ASHA skips those
+            return None
+
+        def on_trial_result(self, tune_controller, trial, result: dict) -> str:
+            if super().on_trial_result(tune_controller, trial, result) == self.STOP:
+                early.mkdir(parents=True, exist_ok=True)
+                (early / trial.config["name"]).touch()
+            return self.CONTINUE
+
+    return _StopsItself(time_attr="round", metric="test_accuracy", mode="max", max_t=max(int(max_rounds), 1),
+                        grace_period=max(int(grace_rounds), 1), reduction_factor=reduction_factor,
+                        stop_last_trials=False)
 
 
 def _trial_name(trial) -> str:

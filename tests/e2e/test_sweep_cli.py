@@ -98,6 +98,32 @@ def test_a_random_search_runs_its_drawn_points_and_more_samples_run_only_the_new
     assert json.loads((out / "sweep.json").read_text())["search"]["points"][:2] == points
 
 
+def test_asha_stops_the_trailing_run_which_ends_with_its_files_and_is_not_run_again(ray_address, tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    # every client straggles 0.3 s (no deadline): a round takes that long, so Tune's decision on round 1
+    # reaches the trial long before its 40th round
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 40},
+                                        "faults": {"stragglers": {"fraction": 1.0,
+                                                                  "latency": {"distribution": "fixed", "seconds": 0.3}}}}))
+    out = tmp_path / "asha"
+    # one at a time: the learning run sets round 1's bar, which the run that cannot learn (lr 1e-9) misses
+    args = ("sweep", scenario, "--grid", "training.lr=0.3,1e-9", "--scheduler", "asha", "--max-concurrent", "1",
+            "--out", out, "--timeout", "240", "--address", ray_address)
+    res = dpfl(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(out / "sweep.csv") as fh:
+        rows = {r["training.lr"]: r for r in csv.DictReader(fh)}
+    assert (rows["0.3"]["stop_reason"], rows["0.3"]["rounds"], rows["0.3"]["status"]) == ("completed", "40", "ok")
+    stopped = rows["1e-9"]
+    assert (stopped["stop_reason"], stopped["status"]) == ("stopped_early", "ok") and 1 <= int(stopped["rounds"]) < 40
+    run_dir = out / stopped["run"]  # its files are those of the rounds it ran
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds_completed"] == int(stopped["rounds"]) == len((run_dir / "rounds.jsonl").read_text().splitlines())
+    assert (run_dir / "model.pt").is_file()
+    again = dpfl(*args)  # a run stopped early is finished: nothing runs again
+    assert again.returncode == 0 and "2 runs, 2 finished before" in again.stdout, again.stdout + again.stderr
+
+
 def test_a_bad_grid_is_one_line_and_runs_nothing(tmp_path):
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(TINY))

@@ -320,6 +320,21 @@ def test_the_trial_queue_and_the_stop_file(tmp_path):
     assert trials.TrialStop(tmp_path / trials.STOP_FLAG, time.monotonic() + 60).requested
     late = trials.TrialStop(tmp_path / "no-such-flag", time.monotonic() - 1)
     assert late.requested and late.timed_out
+    # a scheduler's early stop: the trial's own file, or the collector's answer on another node
+    early = tmp_path / trials.EARLY / "a"
+    mine = trials.TrialStop(tmp_path / "no-such-flag", time.monotonic() + 60, early=early)
+    assert not mine.requested and mine.stop_reason == "interrupted"
+    early.parent.mkdir()
+    early.touch()
+    assert mine.requested and mine.stopped_early and mine.stop_reason == "stopped_early"
+    remote = trials.TrialStop(tmp_path / "no-such-flag", time.monotonic() + 60, ask=lambda: "early")
+    assert remote.requested and remote.stop_reason == "stopped_early"
+    told = trials.TrialStop(tmp_path / "no-such-flag", time.monotonic() + 60, ask=lambda: "stop")
+    assert told.requested and told.stop_reason == "interrupted"
+    collector = trials._Collector(str(tmp_path))
+    assert collector.stopping("a") == "stop"  # the sweep's stop file (written above) comes first
+    (tmp_path / trials.STOP_FLAG).unlink()
+    assert (collector.stopping("a"), collector.stopping("b")) == ("early", "")
 
 
 def _gaussian_rounds(count, z=1.0, q=0.1):
