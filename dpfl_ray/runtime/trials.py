@@ -114,7 +114,9 @@ def trial(config: dict) -> None:
     sweep_dir, run_dir = Path(config["sweep_dir"]), Path(config["sweep_dir"]) / config["name"]
     stop = TrialStop(sweep_dir / STOP_FLAG, time.monotonic() + float(config["timeout_s"]), ask=_ask_collector(config),
                      early=sweep_dir / EARLY / config["name"])
-    if stop.requested:  # started after the sweep was told to stop: nothing to write
+    # started after the sweep was told to stop: nothing to write. A trial started again after its
+    # scheduler had stopped it (its process ended under it) goes on: its run ends at once, with its files.
+    if stop.requested and not stop.stopped_early:
         tune.report({"status": "interrupted" if not stop.timed_out else "timeout", "started": False})
         return
     status, held = _run(config, run_dir, stop, t0, tune.report)
