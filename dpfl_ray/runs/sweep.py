@@ -62,7 +62,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
         if key in grid:
             raise DPFLError(f"{key} is given twice", field="--grid")
         vals = split_values(values)
-        if _is_distribution(values):
+        if is_distribution(values):
             raise DPFLError(f"{key}={values.strip()} is a distribution to draw from: give --search random "
                             "--num-samples N", field="--grid")
         if any(v == "" for v in vals):
@@ -81,7 +81,7 @@ DISTRIBUTIONS = ("uniform", "loguniform", "randint")
 DISTRIBUTION_SPEC = re.compile(r"^\s*(" + "|".join(DISTRIBUTIONS) + r")\s*\((.*)\)\s*$")
 
 
-def _is_distribution(value: str) -> bool:
+def is_distribution(value: str) -> bool:
     return DISTRIBUTION_SPEC.match(value) is not None
 
 

@@ -21,16 +21,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import DPFLError
-from ..runs.sweep import DISTRIBUTION_SPEC, parse_grid
+from ..runs.sweep import DISTRIBUTION_SPEC, is_distribution, parse_grid
 
 SEARCHES = ("grid", "random")
 DIGITS = 4
 # A space with fewer distinct points than asked for is refused after this many draws per point.
 DRAWS_PER_POINT = 50
-
-
-def is_distribution(value: str) -> bool:
-    return DISTRIBUTION_SPEC.match(value) is not None
 
 
 def _bounds(key: str, spec: str) -> tuple[str, float, float]:
