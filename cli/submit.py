@@ -19,7 +19,13 @@ def submit(
     seeds: Optional[str] = typer.Option(None, "--seeds", help="a sweep job: seeds, as `dpfl sweep --seeds`"),
     search: str = typer.Option("grid", "--search", help="a sweep job: grid or random, as `dpfl sweep --search`"),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="a random search job: points to draw"),
-    search_seed: int = typer.Option(0, "--search-seed", help="a random search job: the seed it draws with"),
+    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="a random search job: the seed it draws "
+                                              "with"),
+    scheduler: str = typer.Option("none", "--scheduler", help="a sweep job: none or asha, as `dpfl sweep --scheduler`"),
+    grace_rounds: Optional[int] = typer.Option(None, "--grace-rounds", min=1, help="a sweep job under asha: as "
+                                               "`dpfl sweep --grace-rounds`"),
+    reduction_factor: Optional[int] = typer.Option(None, "--reduction-factor", min=2, help="a sweep job under asha: "
+                                                   "as `dpfl sweep --reduction-factor`"),
     max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
                                                  help="a sweep job: runs at once (default: as many as fit)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="a sweep job: seconds one run may take"),
@@ -39,12 +45,17 @@ def submit(
 
     sc = load_scenario(scenario, set_)  # a bad scenario is one line here, not a failed job
     sweep_args = None
-    if grid or seeds or search != "grid" or num_samples is not None:
+    if grid or seeds:
         sweep_args = _sweep_args(scenario, set_, grid, seeds, max_concurrent, timeout,
-                                 (search, num_samples, search_seed))
-    elif max_concurrent is not None or timeout is not None:
-        raise DPFLError("--max-concurrent and --timeout are for a sweep job: give --grid or --seeds",
-                        field="--max-concurrent" if max_concurrent is not None else "--timeout")
+                                 (search, num_samples, search_seed), (scheduler, grace_rounds, reduction_factor))
+    else:
+        given = {"--search": search != "grid", "--num-samples": num_samples is not None,
+                 "--search-seed": search_seed is not None, "--scheduler": scheduler != "none",
+                 "--grace-rounds": grace_rounds is not None, "--reduction-factor": reduction_factor is not None,
+                 "--max-concurrent": max_concurrent is not None, "--timeout": timeout is not None}
+        for option, present in given.items():
+            if present:
+                raise DPFLError("is for a sweep job: give --grid or --seeds", field=option)
     url = dashboard_address(address)
     jobs = Jobs(url)
     job_id = submission_id(name, sc.name)
@@ -59,19 +70,25 @@ def submit(
 
 
 def _sweep_args(scenario: Path, set_: list[str], grid: list[str], seeds: str | None, max_concurrent: int | None,
-                timeout: float | None, search: tuple[str, int | None, int] = ("grid", None, 0)) -> list[str]:
+                timeout: float | None, search: tuple[str, int | None, int | None] = ("grid", None, None),
+                scheduler: tuple[str, int | None, int | None] = ("none", None, None)) -> list[str]:
     """The `dpfl sweep` options the job runs with, every combination checked here first (a bad grid
     is one line before anything is submitted). The shipped scenario already holds the --set
-    overrides. ``search``: --search, --num-samples and --search-seed."""
+    overrides. ``search``: --search, --num-samples and --search-seed; ``scheduler``: --scheduler,
+    --grace-rounds and --reduction-factor."""
     from dpfl_ray.runs import sweep as sw
 
-    from .sweep import random_search
+    from .sweep import early_stopping, random_search
 
     drawn = random_search(grid, *search)
+    early_stop = early_stopping(*scheduler)
     sw.plan(scenario, grid, seeds, set_, drawn)
     args = [a for axis in grid for a in ("--grid", axis)]
     if drawn is not None:
         args += ["--search", "random", "--num-samples", str(drawn.samples), "--search-seed", str(drawn.seed)]
+    if early_stop is not None:
+        args += ["--scheduler", "asha", "--grace-rounds", str(early_stop["grace_rounds"]),
+                 "--reduction-factor", str(early_stop["reduction_factor"])]
     if seeds:
         args += ["--seeds", seeds]
     if max_concurrent is not None:

@@ -27,13 +27,14 @@ def sweep(
     search: str = typer.Option("grid", "--search", help="grid: every combination; random: --num-samples points "
                                "drawn from the axes"),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="how many points a random search draws"),
-    search_seed: int = typer.Option(0, "--search-seed", help="the seed a random search draws its points with"),
+    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="the seed a random search draws its points "
+                                              "with (default 0)"),
     scheduler: str = typer.Option("none", "--scheduler", help="none, or asha: stop runs whose test accuracy trails "
                                   "at a milestone round (Ray Tune's ASHA); they end with stop_reason stopped_early"),
-    grace_rounds: int = typer.Option(1, "--grace-rounds", min=1, help="asha: rounds every run gets before it can be "
-                                     "stopped"),
-    reduction_factor: int = typer.Option(4, "--reduction-factor", min=2, help="asha: 1 in this many runs goes on "
-                                         "at each milestone"),
+    grace_rounds: Optional[int] = typer.Option(None, "--grace-rounds", min=1, help="asha: rounds every run gets "
+                                               "before it can be stopped (default 1)"),
+    reduction_factor: Optional[int] = typer.Option(None, "--reduction-factor", min=2, help="asha: 1 in this many "
+                                                   "runs goes on at each milestone (default 4)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="seeds to repeat every combination with: 0,1,2"),
     set_: list[str] = typer.Option([], "--set", help="override a field in every run (repeatable)"),
     out: Optional[Path] = typer.Option(None, "--out", help="sweep directory (default: OUTPUT.DIR/NAME-sweep/TIMESTAMP); "
@@ -62,9 +63,7 @@ def sweep(
             raise
         base = None  # --set alone may be invalid where every grid value completes it (noise + bits)
     drawn = random_search(grid, search, num_samples, search_seed)
-    if scheduler not in ("none", "asha"):
-        raise DPFLError(f"{scheduler!r} is not one of none, asha", field="--scheduler")
-    early_stop = {"grace_rounds": grace_rounds, "reduction_factor": reduction_factor} if scheduler == "asha" else None
+    early_stop = early_stopping(scheduler, grace_rounds, reduction_factor)
     axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_, drawn)  # every combination, before anything runs
     base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
@@ -96,7 +95,22 @@ def sweep(
         raise typer.Exit(1)
 
 
-def random_search(grid: list[str], search: str, num_samples: int | None, search_seed: int):
+def early_stopping(scheduler: str, grace_rounds: int | None, reduction_factor: int | None) -> dict | None:
+    """The trial scheduler ``--scheduler``/``--grace-rounds``/``--reduction-factor`` ask for, or None;
+    an option of ASHA's without ``--scheduler asha`` is refused rather than ignored."""
+    from dpfl_ray.errors import DPFLError
+
+    if scheduler not in ("none", "asha"):
+        raise DPFLError(f"{scheduler!r} is not one of none, asha", field="--scheduler")
+    if scheduler == "none":
+        for option, value in (("--grace-rounds", grace_rounds), ("--reduction-factor", reduction_factor)):
+            if value is not None:
+                raise DPFLError("is an option of --scheduler asha", field=option)
+        return None
+    return {"grace_rounds": grace_rounds or 1, "reduction_factor": reduction_factor or 4}
+
+
+def random_search(grid: list[str], search: str, num_samples: int | None, search_seed: int | None):
     """The random search ``--search``/``--num-samples``/``--search-seed`` ask for (its space is ``--grid``),
     or None for a grid."""
     from dpfl_ray.errors import DPFLError
@@ -105,14 +119,15 @@ def random_search(grid: list[str], search: str, num_samples: int | None, search_
     if search not in SEARCHES:
         raise DPFLError(f"{search!r} is not one of {', '.join(SEARCHES)}", field="--search")
     if search == "grid":
-        if num_samples is not None:
-            raise DPFLError("draws points for --search random; a grid runs every combination", field="--num-samples")
+        for option, value in (("--num-samples", num_samples), ("--search-seed", search_seed)):
+            if value is not None:
+                raise DPFLError("is for --search random; a grid runs every combination", field=option)
         return None
     if num_samples is None:
         raise DPFLError("--search random needs --num-samples N", field="--num-samples")
     if not grid:
         raise DPFLError("--search random draws from the --grid axes: give at least one", field="--grid")
-    return RandomSearch(parse_space(grid), num_samples, search_seed)
+    return RandomSearch(parse_space(grid), num_samples, search_seed or 0)
 
 
 def _selection_line(sweep_dir: Path) -> None:

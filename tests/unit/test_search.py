@@ -113,3 +113,27 @@ def test_a_random_search_job_ships_the_options_that_draw_the_same_points(tmp_pat
     args = _sweep_args(scenario, [], grid, None, None, None, ("random", 3, 7))
     assert args == ["--grid", grid[0], "--search", "random", "--num-samples", "3", "--search-seed", "7"]
     assert _sweep_args(scenario, [], ["training.lr=0.1,0.2"], None, None, None) == ["--grid", "training.lr=0.1,0.2"]
+    asha = _sweep_args(scenario, [], ["training.lr=0.1,0.2"], None, None, None, scheduler=("asha", None, 3))
+    assert asha[2:] == ["--scheduler", "asha", "--grace-rounds", "1", "--reduction-factor", "3"]
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["sweep", "--grid", "training.lr=0.1,0.2", "--grace-rounds", "2"], "--grace-rounds"),
+    (["sweep", "--grid", "training.lr=0.1,0.2", "--scheduler", "none", "--reduction-factor", "3"], "--reduction-factor"),
+    (["sweep", "--grid", "training.lr=0.1,0.2", "--search-seed", "5"], "--search-seed"),
+    (["sweep", "--grid", "training.lr=0.1,0.2", "--scheduler", "hyperband"], "--scheduler"),
+    (["submit", "--scheduler", "asha"], "--scheduler"),
+    (["submit", "--search-seed", "1"], "--search-seed"),
+    (["submit", "--grid", "training.lr=0.1,0.2", "--grace-rounds", "2"], "--grace-rounds"),
+])
+def test_an_option_that_would_be_ignored_is_refused_in_one_line(tmp_path, args, culprit):
+    from tests.helpers import dpfl_in_process
+
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    res = dpfl_in_process(args[0], scenario, *args[1:], "--out" if args[0] == "sweep" else "--name",
+                          tmp_path / "out" if args[0] == "sweep" else "job")
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and culprit in lines[0], res.output
+    assert not (tmp_path / "out").exists()
