@@ -104,7 +104,10 @@ class TrainingConfig(_Section):
     prox_mu: float = Field(0.0, ge=0, description="proximal term mu/2 ||w - theta||^2 of local training "
                                                    "(Wei et al. 2020 Alg. 1 line 6; FedProx)")
     round_deadline_s: float | None = Field(
-        None, gt=0, description="local training's deadline: late workers' clients are dropped (default 600 s)")
+        None, gt=0, description="local training's deadline: late workers' clients are dropped")
+    hang_timeout_s: float = Field(
+        600.0, gt=0, description="with no round_deadline_s: a phase still running after this long stops the run "
+                                 "with an error (a hung worker); no client is dropped for the machine's speed")
 
 
 class SamplingConfig(_Section):

@@ -31,7 +31,7 @@ from .chaos import strike
 from .checkpoint import scenario_fingerprint
 from .cluster import placement_summary
 from .messages import WorkerChaos
-from .secagg_round import real_deadline, secagg_round
+from .secagg_round import real_deadline, secagg_round, unplanned_wait
 from . import warm
 from .workers import make_worker_class
 
@@ -445,7 +445,8 @@ class Coordinator:
                 evaluating[w] = w.evaluate_shards.remote(theta_ref, "test", share)
         struck.update({w: (cause, "upload") for w, cause in self._strike(faults, "upload").items()})
         ready, late = ray.wait(list(calls), num_returns=len(calls),
-                               timeout=real_deadline(self.sc.training.round_deadline_s)) if calls else ([], [])
+                               timeout=real_deadline(self.sc.training)) if calls else ([], [])
+        unplanned_wait(self.sc.training, t + 1, "training", [calls[ref][0] for ref in late])
         survivors, sums, updates, rejected, reports = [], {}, {} if spec.per_client else None, {}, {}
         worker_s, dead, evals, eval_s = None, [], {}, 0.0
         for ref in ready:

@@ -409,5 +409,8 @@ def write_unstarted(scenario: Scenario, fed: Federation, record: RunRecord, wall
 
 
 def _one_line(err: Exception) -> str:
+    cause = getattr(err, "cause", None)  # a RayTaskError: the user's mistake the remote task raised, as itself
+    if isinstance(cause, DPFLError):
+        err = cause
     lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else type(err).__name__

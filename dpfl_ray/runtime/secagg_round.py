@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
+from ..errors import DPFLError
 from ..faults.plan import CRASH, SECAGG_PHASE, STRAGGLER
 from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound, secure_sum
 from ..secagg.keys import expand_masks
@@ -24,18 +25,30 @@ from ..secagg.server import MaskExpander
 from .messages import Encoding, PhaseReply, WorkerChaos
 from .resources import deal
 
-# The deadline of a round's phases when the scenario sets none: long enough for any honest round
-# here, short enough that one hung worker never hangs a run.
-DEFAULT_ROUND_TIMEOUT_SECONDS = 600.0
-
-
-def real_deadline(deadline_s: float | None) -> float:
+def real_deadline(training) -> float:
     """How long a phase is really waited for. Who is late is decided by the fault plan (planned
     delays against training.round_deadline_s), so results never depend on timing; the real wait
-    adds room for the computation itself and only cuts off workers that truly hang."""
+    adds room for the computation itself and only cuts off workers that truly hang. With no
+    planned deadline the wait is training.hang_timeout_s, and a worker still at work then stops
+    the run (:func:`unplanned_wait`) instead of losing its clients to the machine's speed."""
+    deadline_s = training.round_deadline_s
     if deadline_s is None:
-        return DEFAULT_ROUND_TIMEOUT_SECONDS
+        return training.hang_timeout_s
     return deadline_s + max(10.0, deadline_s)
+
+
+def unplanned_wait(training, round_no: int, phase: str, late: list) -> None:
+    """Raise if workers outlived a wait that no planned deadline set: who is late must never
+    depend on how fast this machine trains, so the run stops with its committed rounds on disk.
+    The late workers are killed first, so that none goes on computing after the run."""
+    if not late or training.round_deadline_s is not None:
+        return
+    for w in late:
+        ray.kill(w, no_restart=True)
+    raise DPFLError(f"round {round_no}: {len(late)} worker(s) still at work in phase {phase!r} after "
+                    f"{training.hang_timeout_s:g} s, and no training.round_deadline_s is planned; no client is "
+                    "dropped for this machine's speed: raise training.hang_timeout_s above a round's time (a "
+                    "hung worker is what it catches) and run again", field="training.hang_timeout_s")
 
 
 @dataclass
@@ -62,9 +75,10 @@ class _Phases:
     ``strike(phase)`` carries out the crashes and node losses planned for a phase before its call
     and says which workers it took down ({handle: cause})."""
 
-    def __init__(self, assignment: dict, timeout: float | None, strike=None):
+    def __init__(self, assignment: dict, timeout: float | None, strike=None, planned=None):
         self.live = dict(assignment)  # worker handle -> its client ids this round
         self.timeout = timeout
+        self.planned = planned  # (training config, round): a wait no deadline planned stops the run
         self.strike = strike or (lambda phase: {})
         self.lost: dict[int, str] = {}
         self.dead: list = []
@@ -78,6 +92,8 @@ class _Phases:
         where = "upload" if phase == "masked_input" else phase
         refs = {make_call(w, ids): w for w, ids in self.live.items()}
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout) if refs else ([], [])
+        if self.planned is not None:
+            unplanned_wait(*self.planned, phase, [refs[r] for r in late])
         replies = []
         for ref in ready:
             try:
@@ -154,8 +170,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     leave = {c: SECAGG_PHASE[p] for c, p in faults.dropped.items() if p in SECAGG_PHASE and c in index}
     assignment = {w: ids for w, ids in zip(coord.workers, coord.assign(active)) if ids}
     # a phase without a configured deadline still has one: a hung worker never hangs the run
-    phases = _Phases(assignment, sa.phase_timeout_seconds or real_deadline(coord.sc.training.round_deadline_s),
-                     strike)
+    phases = _Phases(assignment, sa.phase_timeout_seconds or real_deadline(coord.sc.training), strike,
+                     None if sa.phase_timeout_seconds else (coord.sc.training, t + 1))
     chaos = chaos or {}
     encoding = Encoding(sa.resolved_scale, sa.overflow, n)
     seconds, record = {}, {"secagg_protocol": sa.protocol, "secagg_threshold": server_threshold(config)}

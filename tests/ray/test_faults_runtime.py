@@ -5,9 +5,11 @@ import json
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from dpfl_ray.data import build_federation
+from dpfl_ray.errors import DPFLError
 from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.coordinator import make_coordinator
 from dpfl_ray.runtime.driver import put_federation, run_scenario
@@ -92,6 +94,22 @@ def test_a_hung_worker_is_cut_off_by_the_deadline_in_plain_fedavg(ray_session):
     after = [i["pid"] for i in ray_session.get(coord.worker_info.remote())]
     assert after[0] == before[0] and after[1] != before[1]
     ray_session.kill(coord)
+
+
+@pytest.mark.parametrize("secagg", [False, True])
+def test_without_a_planned_deadline_a_slow_round_stops_the_run_and_drops_no_client(ray_session, tmp_path, secagg):
+    # every client sleeps 4 s for real and no deadline is planned: the 1 s wait is not a deadline, so
+    # the run must stop with the field to raise, never record the clients as stragglers
+    sc = tiny_scenario(training={"rounds": 2, "hang_timeout_s": 1.0}, secagg={"enabled": secagg},
+                       faults={"stragglers": {"fraction": 1.0, "latency": {"distribution": "fixed", "seconds": 4.0}}})
+    with pytest.raises(DPFLError) as err:
+        run_scenario(sc, build_federation(sc), RunRecord(tmp_path / "slow"))
+    message = str(err.value)
+    assert "\n" not in message and "training.hang_timeout_s" in message and "round 1:" in message, message
+    assert "run failed after 0 rounds" in message
+    summary = json.loads((tmp_path / "slow" / "summary.json").read_text())
+    assert summary["stop_reason"] == "error" and summary["rounds_completed"] == 0
+    assert (tmp_path / "slow" / "rounds.jsonl").read_text() == ""
 
 
 def test_nan_inf_and_wrong_shape_updates_never_reach_the_model(ray_session, tmp_path):
