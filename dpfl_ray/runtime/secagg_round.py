@@ -75,10 +75,11 @@ class _Phases:
     ``strike(phase)`` carries out the crashes and node losses planned for a phase before its call
     and says which workers it took down ({handle: cause})."""
 
-    def __init__(self, assignment: dict, timeout: float | None, strike=None, planned=None):
+    def __init__(self, assignment: dict, timeout: float | None, strike=None, unplanned=None):
         self.live = dict(assignment)  # worker handle -> its client ids this round
         self.timeout = timeout
-        self.planned = planned  # (training config, round): a wait no deadline planned stops the run
+        # (training config, round) when no phase deadline is configured: a worker still at work stops the run
+        self.unplanned = unplanned
         self.strike = strike or (lambda phase: {})
         self.lost: dict[int, str] = {}
         self.dead: list = []
@@ -92,8 +93,8 @@ class _Phases:
         where = "upload" if phase == "masked_input" else phase
         refs = {make_call(w, ids): w for w, ids in self.live.items()}
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout) if refs else ([], [])
-        if self.planned is not None:
-            unplanned_wait(*self.planned, phase, [refs[r] for r in late])
+        if self.unplanned is not None:
+            unplanned_wait(*self.unplanned, phase, [refs[r] for r in late])
         replies = []
         for ref in ready:
             try:
