@@ -6,9 +6,8 @@ from typing import Optional
 
 import typer
 
-from dpfl_ray.errors import DPFLError
-
 from .common import ADDRESS_HELP, err_console, follow_job, user_errors
+from .sweep import refuse_given
 
 
 @user_errors
@@ -53,9 +52,7 @@ def submit(
                  "--search-seed": search_seed is not None, "--scheduler": scheduler != "none",
                  "--grace-rounds": grace_rounds is not None, "--reduction-factor": reduction_factor is not None,
                  "--max-concurrent": max_concurrent is not None, "--timeout": timeout is not None}
-        for option, present in given.items():
-            if present:
-                raise DPFLError("is for a sweep job: give --grid or --seeds", field=option)
+        refuse_given(given, "is for a sweep job: give --grid or --seeds")
     url = dashboard_address(address)
     jobs = Jobs(url)
     job_id = submission_id(name, sc.name)

@@ -95,6 +95,16 @@ def sweep(
         raise typer.Exit(1)
 
 
+def refuse_given(given: dict[str, bool], why: str) -> None:
+    """One error line naming the first option in ``given`` ({option: given?}) that was given where it
+    would be ignored."""
+    from dpfl_ray.errors import DPFLError
+
+    for option, present in given.items():
+        if present:
+            raise DPFLError(why, field=option)
+
+
 def early_stopping(scheduler: str, grace_rounds: int | None, reduction_factor: int | None) -> dict | None:
     """The trial scheduler ``--scheduler``/``--grace-rounds``/``--reduction-factor`` ask for, or None;
     an option of ASHA's without ``--scheduler asha`` is refused rather than ignored."""
@@ -103,9 +113,8 @@ def early_stopping(scheduler: str, grace_rounds: int | None, reduction_factor: i
     if scheduler not in ("none", "asha"):
         raise DPFLError(f"{scheduler!r} is not one of none, asha", field="--scheduler")
     if scheduler == "none":
-        for option, value in (("--grace-rounds", grace_rounds), ("--reduction-factor", reduction_factor)):
-            if value is not None:
-                raise DPFLError("is an option of --scheduler asha", field=option)
+        refuse_given({"--grace-rounds": grace_rounds is not None, "--reduction-factor": reduction_factor is not None},
+                     "is an option of --scheduler asha")
         return None
     return {"grace_rounds": grace_rounds or 1, "reduction_factor": reduction_factor or 4}
 
@@ -119,9 +128,8 @@ def random_search(grid: list[str], search: str, num_samples: int | None, search_
     if search not in SEARCHES:
         raise DPFLError(f"{search!r} is not one of {', '.join(SEARCHES)}", field="--search")
     if search == "grid":
-        for option, value in (("--num-samples", num_samples), ("--search-seed", search_seed)):
-            if value is not None:
-                raise DPFLError("is for --search random; a grid runs every combination", field=option)
+        refuse_given({"--num-samples": num_samples is not None, "--search-seed": search_seed is not None},
+                     "is for --search random; a grid runs every combination")
         return None
     if num_samples is None:
         raise DPFLError("--search random needs --num-samples N", field="--num-samples")
