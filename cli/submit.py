@@ -75,17 +75,17 @@ def _sweep_args(scenario: Path, set_: list[str], grid: list[str], seeds: str | N
     --grace-rounds and --reduction-factor."""
     from dpfl_ray.runs import sweep as sw
 
-    from .sweep import early_stopping, random_search
+    from .sweep import asha_options, random_search
 
     drawn = random_search(grid, *search)
-    early_stop = early_stopping(*scheduler)
+    early_stop = asha_options(*scheduler)
     sw.plan(scenario, grid, seeds, set_, drawn)
     args = [a for axis in grid for a in ("--grid", axis)]
     if drawn is not None:
         args += ["--search", "random", "--num-samples", str(drawn.samples), "--search-seed", str(drawn.seed)]
     if early_stop is not None:
-        args += ["--scheduler", "asha", "--grace-rounds", str(early_stop["grace_rounds"]),
-                 "--reduction-factor", str(early_stop["reduction_factor"])]
+        args += ["--scheduler", "asha"]
+        args += [a for key, value in early_stop.items() for a in (f"--{key.replace('_', '-')}", str(value))]
     if seeds:
         args += ["--seeds", seeds]
     if max_concurrent is not None:

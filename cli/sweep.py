@@ -63,7 +63,7 @@ def sweep(
             raise
         base = None  # --set alone may be invalid where every grid value completes it (noise + bits)
     drawn = random_search(grid, search, num_samples, search_seed)
-    early_stop = early_stopping(scheduler, grace_rounds, reduction_factor)
+    early_stop = asha_options(scheduler, grace_rounds, reduction_factor)
     axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_, drawn)  # every combination, before anything runs
     base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
@@ -105,9 +105,10 @@ def refuse_given(given: dict[str, bool], why: str) -> None:
             raise DPFLError(why, field=option)
 
 
-def early_stopping(scheduler: str, grace_rounds: int | None, reduction_factor: int | None) -> dict | None:
-    """The trial scheduler ``--scheduler``/``--grace-rounds``/``--reduction-factor`` ask for, or None;
-    an option of ASHA's without ``--scheduler asha`` is refused rather than ignored."""
+def asha_options(scheduler: str, grace_rounds: int | None, reduction_factor: int | None) -> dict | None:
+    """None without ``--scheduler asha``, else the ASHA options given (runtime/trials.early_stopping
+    holds the defaults of those left out); an option of ASHA's without ``--scheduler asha`` is
+    refused rather than ignored."""
     from dpfl_ray.errors import DPFLError
 
     if scheduler not in ("none", "asha"):
@@ -116,7 +117,8 @@ def early_stopping(scheduler: str, grace_rounds: int | None, reduction_factor: i
         refuse_given({"--grace-rounds": grace_rounds is not None, "--reduction-factor": reduction_factor is not None},
                      "is an option of --scheduler asha")
         return None
-    return {"grace_rounds": grace_rounds or 1, "reduction_factor": reduction_factor or 4}
+    given = {"grace_rounds": grace_rounds, "reduction_factor": reduction_factor}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def random_search(grid: list[str], search: str, num_samples: int | None, search_seed: int | None):

@@ -338,7 +338,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
                                     reuse_actors=warm.enabled(), trial_name_creator=_trial_name,
                                     trial_dirname_creator=_trial_name,
                                     scheduler=early_stopping(sweep_dir, max(c["rounds"] for c in configs),
-                                                             **early_stop) if early_stop else None),
+                                                             **early_stop) if early_stop is not None else None),
         run_config=tune.RunConfig(name=time.strftime("%Y%m%d-%H%M%S"), storage_path=str(sweep_dir / "tune"),
                                   verbose=0, callbacks=[watch], stop=grace,
                                   failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_FAILURES)))

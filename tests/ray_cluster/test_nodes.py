@@ -170,11 +170,10 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
     finally:
         proc.kill()
         stop_sessions({proc.pid}, grace=5.0)
-    r = subprocess.CompletedProcess(proc.args, proc.wait(), stdout, stderr)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert proc.returncode == 0, (stdout[-3000:], stderr[-3000:])
 
     # 1. spread: one worker on each node, each holding a fraction of one GPU
-    out = _result(r.stdout, "SPREAD")
+    out = _result(stdout, "SPREAD")
     assert out["summary"]["rounds_completed"] == 3 and len(out["nodes"]) == 3
     assert sorted(w["node"] for w in out["pool"]) == out["nodes"]  # one worker on each node
     for w in out["pool"]:
@@ -188,7 +187,7 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
 
     # 2. a sweep on the cluster: one trial on each node, every run directory in --out; the node lost
     # mid-sweep costs its trial only the rounds after its run's last checkpoint
-    out = _result(r.stdout, "SWEEP")
+    out = _result(stdout, "SWEEP")
     assert out["rc"] == 0, out["tail"]
     assert [len(nodes) for nodes in out["spread"]] == [3], out["spread"]  # the three trials ran one on each node
     assert out["lost"] in out["spread"][0], out
@@ -218,7 +217,7 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
     assert out["lost"] not in {n for nodes in placed for n in nodes}  # the trial started again ran elsewhere
 
     # 3. node loss: the lost node held a worker, its clients are node_lost in round 2, the run completes
-    out = _result(r.stdout, "LOSS")
+    out = _result(stdout, "LOSS")
     rows = [json.loads(line) for line in (tmp_path / "node_loss" / "rounds.jsonl").read_text().splitlines()]
     assert out["summary"]["stop_reason"] == "completed" and out["summary"]["rounds_completed"] == 3
     assert len(out["before"]) == 3 and len(out["after"]) == 2

@@ -114,7 +114,9 @@ def test_a_random_search_job_ships_the_options_that_draw_the_same_points(tmp_pat
     assert args == ["--grid", grid[0], "--search", "random", "--num-samples", "3", "--search-seed", "7"]
     assert _sweep_args(scenario, [], ["training.lr=0.1,0.2"], None, None, None) == ["--grid", "training.lr=0.1,0.2"]
     asha = _sweep_args(scenario, [], ["training.lr=0.1,0.2"], None, None, None, scheduler=("asha", None, 3))
-    assert asha[2:] == ["--scheduler", "asha", "--grace-rounds", "1", "--reduction-factor", "3"]
+    assert asha[2:] == ["--scheduler", "asha", "--reduction-factor", "3"]  # the sweep's own default grace
+    asha = _sweep_args(scenario, [], ["training.lr=0.1,0.2"], None, None, None, scheduler=("asha", 2, None))
+    assert asha[2:] == ["--scheduler", "asha", "--grace-rounds", "2"]
 
 
 @pytest.mark.parametrize("args, culprit", [
