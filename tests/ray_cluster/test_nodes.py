@@ -161,7 +161,7 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
     script = tmp_path / "nodes.py"
     script.write_text(SCRIPT)
     # A session of its own: a worker on a node the test kills can outlive its raylet, hung in Ray's exit
-    # handlers with ppid 1 (seen once after a suite); whatever of the cluster is left is stopped here.
+    # handlers with ppid 1 (private_ray.stop_sessions); whatever of the cluster is left is stopped here.
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(SWEEP_ROUNDS)], cwd=ROOT,
                             env=client_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
