@@ -104,6 +104,7 @@ class Coordinator:
         self._settle_lock = threading.Lock()
         self.rounds_done = 0
         self.replacements = 0
+        self._running = False
         self._nodes: dict = {}
         plan = plan_pool(self.sc.resources, ray.cluster_resources(), len(self.sizes))
         self._worker_cls = make_worker_class(plan.num_cpus, plan.num_gpus)
@@ -118,6 +119,23 @@ class Coordinator:
             self._restore(resume)
         self._snapshot_algorithm()
         _one_torch_thread()  # an algorithm may have brought torch in; it runs on one core here
+
+    def rebind(self, scenario: dict, data: dict, theta0: np.ndarray, workers: list | None = None,
+               resume: dict | None = None, fault_plan: FaultPlan | None = None) -> bool:
+        """Serve another run (runtime/warm.py): every attribute the last run set is dropped and
+        ``__init__`` runs anew, so the coordinator is the one a fresh process would be; only the
+        imports (dp_accounting, torch where it evaluated) and the process stay."""
+        self.__dict__.clear()
+        self.__init__(scenario, data, theta0, workers, resume, fault_plan)
+        return True
+
+    def release(self) -> bool:
+        """Drop the finished run's state (its model, ledgers, worker handles) while parked; False,
+        and nothing dropped, while a run is still in ``run``."""
+        if getattr(self, "_running", False):
+            return False
+        self.__dict__.clear()
+        return True
 
     # -- checkpoints ------------------------------------------------------------------------------
     def checkpoint(self) -> dict:
@@ -250,6 +268,13 @@ class Coordinator:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
+        self._running = True
+        try:
+            return self._run()
+        finally:
+            self._running = False
+
+    def _run(self) -> dict:
         infos = self.start_pool()
         self.pool = placement_summary(infos, self._worker_cls_resources[0], self._worker_cls_resources[1])
         self._emit({"event": "start", "workers": len(self.workers), "pool": infos, "num_params": int(self.theta.size)})
@@ -541,18 +566,26 @@ def _one_torch_thread() -> None:
         sys.modules["torch"].set_num_threads(1)
 
 
-def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None):
-    """``theta0``: the initial model, flat (models.initial_theta), if the caller built it already;
-    built here otherwise. The driver builds it, so that the coordinator never loads torch."""
+def coordinator_args(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None) -> tuple:
+    """The arguments of ``Coordinator.__init__`` (and ``rebind``). ``theta0``: the initial model,
+    flat (models.initial_theta), if the caller built it already; built here otherwise. The driver
+    builds it, so that the coordinator never loads torch."""
     if theta0 is None:
         from ..training.models import initial_theta
 
         theta0 = initial_theta(scenario.model, data["input_shape"], data["num_classes"], scenario.seed)
-    if workers is None:  # the coordinator starts its own pool: workers parked for a run here give their CPUs back
+    return scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan
+
+
+def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None, args: tuple | None = None):
+    """A fresh Coordinator actor; ``args``: ``coordinator_args``' result, if the caller has it."""
+    args = args or coordinator_args(scenario, data, workers, resume, fault_plan, theta0)
+    if args[3] is None:  # the coordinator starts its own pool: workers parked for a run here give their CPUs back
         warm.clear()
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
-    return cls.remote(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan)
+    return cls.remote(*args)
 
 
 def start_workers(scenario: Scenario, data: dict, num_clients: int,

@@ -16,7 +16,7 @@ from ..faults.plan import FaultPlan
 from ..runs.record import RunRecord, versions
 from ..scenario import Scenario
 from . import warm
-from .coordinator import make_coordinator, start_workers
+from .coordinator import coordinator_args, make_coordinator, start_workers
 from .checkpoint import rows_covered, write_checkpoint
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
 
@@ -130,7 +130,11 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         if callable(theta0):  # the caller's model thread, awaited while the workers start
             theta0 = theta0()
             timings.mark("initial_model_ready")
-        coord = make_coordinator(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0)
+        args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0)
+        # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one
+        coord = warm.take_coordinator(args, lambda ref: _ask(ref, shutdown=shutdown))
+        if coord is None:
+            coord = make_coordinator(scenario, data, args=args)
         timings.mark("actors_requested")
         run_ref = coord.run.remote()
         every = scenario.output.checkpoint_every
@@ -184,6 +188,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings)
     if keep_workers and error is None and stop_reason != "interrupted" and not shutdown.requested:
         warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)
+        warm.park_coordinator(coord)
     if lost is not None and last_checkpoint is not None:
         raise DPFLError(f"{error}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json "
                         f"and summary.json are for that round; resume with: dpfl run --resume {record.path}")

@@ -1,4 +1,4 @@
-"""Warm workers: ClientWorker processes kept between runs of one driver process.
+"""Warm actors: ClientWorker and Coordinator processes kept between runs of one driver process.
 
 A worker's start is mostly its process and torch's import (about 1.7 s of CPU, several seconds of
 wall time on a loaded machine); its run-specific work (the scenario, the data refs, the model) is a
@@ -6,6 +6,9 @@ few milliseconds. A driver that runs several scenarios in one Ray session (the t
 run in-process) parks the workers of a run that ended cleanly and hands them to the next run of the
 same worker shape, which rebinds them (``ClientWorker.rebind``: every attribute is set anew, so a
 rebound worker trains exactly as a fresh one; tests/ray compare runs on fresh and rebound workers).
+The run's Coordinator is parked too (``Coordinator.rebind`` runs its ``__init__`` anew): its start
+is a process and the imports of the runtime, dp_accounting and scipy (about 2 s of CPU), and it
+reserves no CPU, so a parked one holds nothing another run needs.
 
 What is never reused: a worker of a run that failed or was interrupted (it may be mid-call), one
 that does not answer ``release`` within RELEASE_SECONDS or ``rebind`` within REBIND_SECONDS (hung,
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Callable
 
 import ray
+import ray.exceptions
 
 RELEASE_SECONDS = 5.0
 REBIND_SECONDS = 10.0  # a rebind is milliseconds of work: a worker that takes longer is not reused
@@ -28,6 +33,7 @@ REBIND_SECONDS = 10.0  # a rebind is milliseconds of work: a worker that takes l
 IDLE_SECONDS = 30.0
 
 _parked: dict[tuple, list] = {}
+_coordinators: dict[tuple, list] = {}  # this driver's session -> parked coordinators (one at most)
 _lock = threading.Lock()
 _idle: threading.Timer | None = None
 
@@ -81,13 +87,18 @@ def forget() -> None:
     with _lock:
         _cancel_idle()
         _parked.clear()
+        _coordinators.clear()
 
 
 def clear() -> None:
-    """Kill every parked worker of this session; forget those of earlier sessions."""
+    """Kill every parked worker and coordinator of this session; forget those of earlier sessions."""
     with _lock:
         _cancel_idle()
         _clear()
+        session = _session() if ray.is_initialized() else None
+        for h in _coordinators.pop(session, []):
+            _kill(h)
+        _coordinators.clear()
 
 
 def _clear() -> None:
@@ -129,10 +140,51 @@ def park(num_cpus: float, num_gpus: float, handles: list) -> None:
     # one the coordinator replaced (killed), that died, or that is still busy is killed
     keep = _answering(handles, [h.release.remote() for h in handles], RELEASE_SECONDS)
     if keep:
-        global _idle  # noqa: PLW0603
         with _lock:
             _parked.setdefault(_key(num_cpus, num_gpus), []).extend(keep)
-            _cancel_idle()
-            _idle = threading.Timer(IDLE_SECONDS, clear)
-            _idle.daemon = True
-            _idle.start()
+            _restart_idle()
+
+
+def park_coordinator(handle) -> None:
+    """Keep the coordinator of a run that ended cleanly (its run returned) for the next run."""
+    if not enabled() or handle is None:
+        return
+    keep = _answering([handle], [handle.release.remote()], RELEASE_SECONDS)
+    if keep:
+        with _lock:
+            session = _session()
+            for h in _coordinators.pop(session, []):  # one is enough: runs of a driver follow each other
+                _kill(h)
+            _coordinators[session] = keep
+            _restart_idle()
+
+
+def take_coordinator(args: tuple, wait: Callable[[object], object]):
+    """A parked coordinator rebound to ``args`` (those of ``Coordinator.__init__``), or None.
+    ``wait(ref)``: the caller's wait for the rebind, which may be long (a coordinator that
+    calibrates its noise does it in ``__init__``) and must end on a signal: its interruption
+    propagates. One that fails to rebind is killed, and the caller starts a fresh one, which
+    then meets the same condition the way a fresh run would."""
+    with _lock:
+        handles = _coordinators.pop(_session(), []) if enabled() else []
+    if not handles:
+        return None
+    handle = handles[0]
+    try:
+        wait(handle.rebind.remote(*args))
+    except ray.exceptions.RayError:
+        _kill(handle)
+        return None
+    except BaseException:
+        _kill(handle)
+        raise
+    return handle
+
+
+def _restart_idle() -> None:
+    """With _lock held: what is parked is given back after IDLE_SECONDS without a run."""
+    global _idle  # noqa: PLW0603
+    _cancel_idle()
+    _idle = threading.Timer(IDLE_SECONDS, clear)
+    _idle.daemon = True
+    _idle.start()

@@ -190,3 +190,40 @@ def test_a_warm_worker_trains_as_a_fresh_one(ray_session, tmp_path):
     assert all(torch.equal(fresh[k], again[k]) for k in fresh)
     warm.clear()
     assert parked() == []
+
+
+def test_a_parked_coordinator_runs_the_next_run_as_a_fresh_one(ray_session, tmp_path):
+    """runtime/warm.py: the coordinator of a clean run serves the driver's next run, rebound; after
+    serving a run of another algorithm (SecAgg, its own accountant), it gives a private run the
+    fresh coordinator's model, rows and ledger to the bit."""
+    from dpfl_ray.runtime import warm
+
+    def private():
+        return tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 3},
+                             sampling={"mode": "poisson", "rate": 0.3, "clients_per_round": None},
+                             privacy={"target_epsilon": 4.0, "accountant": "rdp", "clipping": {"norm": 0.5}})
+
+    def parked():
+        return [h._actor_id.hex() for handles in warm._coordinators.values() for h in handles]
+
+    def figures(rows):
+        return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
+
+    warm.clear()
+    fresh_summary, rounds_fresh, fresh = _run(private(), tmp_path, "fresh")
+    (first,) = parked()
+    other = tiny_scenario(training={"algorithm": "baek", "rounds": 2},
+                          sampling={"mode": "poisson", "rate": 0.5, "clients_per_round": None},
+                          privacy={"noise_multiplier": 1.0, "accountant": "pld", "clipping": {"norm": 0.5}},
+                          secagg={"enabled": True})
+    assert _run(other, tmp_path, "other")[0]["rounds_completed"] == 2
+    assert parked() == [first]  # the same process served the other run
+    warm_summary, rounds_warm, again = _run(private(), tmp_path, "warm")
+    assert parked() == [first]
+    assert figures(rounds_warm) == figures(rounds_fresh)
+    assert all(torch.equal(fresh[k], again[k]) for k in fresh)
+    assert (tmp_path / "warm" / "ledger.json").read_bytes() == (tmp_path / "fresh" / "ledger.json").read_bytes()
+    assert warm_summary["epsilon"] == fresh_summary["epsilon"] and warm_summary["noise_multiplier"] == \
+        fresh_summary["noise_multiplier"]
+    warm.clear()
+    assert parked() == []
