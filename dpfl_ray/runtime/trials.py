@@ -12,9 +12,9 @@ logger callbacks (TensorBoard event files under ``SWEEP/tune/``, or MLflow / W&B
 curves.
 
 A trial's actor is reused by the next trial of the same shape (Tune's ``reuse_actors``), and with
-it the placement group and the workers the last run parked there (runtime/warm.py: a rebound worker
-trains exactly as a fresh one), so only a sweep's first trials pay for the processes' start and
-torch's import. ``DPFL_WARM_WORKERS=0`` turns both off.
+it the placement group and the workers and coordinator the last run parked there (runtime/warm.py:
+a rebound actor serves its run exactly as a fresh one), so only a sweep's first trials pay for the
+processes' start and their imports. ``DPFL_WARM_WORKERS=0`` turns all of it off.
 
 What Tune does not decide here:
 - which runs are left to do (``runs.sweep.set_aside``: finished run directories are never run again;

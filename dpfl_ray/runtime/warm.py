@@ -15,7 +15,7 @@ that does not answer ``release`` within RELEASE_SECONDS or ``rebind`` within REB
 or dead: the coordinator kills the stragglers it replaces), and workers of another Ray session
 (``stop_ray`` forgets them before ``ray.shutdown``). Parked workers hold their CPU and GPU
 reservation, so a run that needs another shape first kills every parked worker, and an idle driver
-gives them back after IDLE_SECONDS. ``dpfl run``, one run per process, parks nothing
+gives them (and the coordinator) back after IDLE_SECONDS. ``dpfl run``, one run per process, parks nothing
 (``run_scenario(keep_workers=False)``); ``DPFL_WARM_WORKERS=0`` turns parking off everywhere.
 """
 from __future__ import annotations
@@ -163,8 +163,9 @@ def take_coordinator(args: tuple, wait: Callable[[object], object]):
     """A parked coordinator rebound to ``args`` (those of ``Coordinator.__init__``), or None.
     ``wait(ref)``: the caller's wait for the rebind, which may be long (a coordinator that
     calibrates its noise does it in ``__init__``) and must end on a signal: its interruption
-    propagates. One that fails to rebind is killed, and the caller starts a fresh one, which
-    then meets the same condition the way a fresh run would."""
+    propagates, as does a wait that timed out or a head that is gone. One that died while parked,
+    or whose ``__init__`` raised, is killed, and the caller starts a fresh one, which then meets
+    the same condition the way a fresh run would."""
     with _lock:
         handles = _coordinators.pop(_session(), []) if enabled() else []
     if not handles:
@@ -172,7 +173,7 @@ def take_coordinator(args: tuple, wait: Callable[[object], object]):
     handle = handles[0]
     try:
         wait(handle.rebind.remote(*args))
-    except ray.exceptions.RayError:
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
         _kill(handle)
         return None
     except BaseException:

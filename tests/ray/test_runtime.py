@@ -225,5 +225,10 @@ def test_a_parked_coordinator_runs_the_next_run_as_a_fresh_one(ray_session, tmp_
     assert (tmp_path / "warm" / "ledger.json").read_bytes() == (tmp_path / "fresh" / "ledger.json").read_bytes()
     assert warm_summary["epsilon"] == fresh_summary["epsilon"] and warm_summary["noise_multiplier"] == \
         fresh_summary["noise_multiplier"]
+    # one that died while parked is not handed over: the next run starts a fresh coordinator
+    ray_session.kill(next(iter(warm._coordinators.values()))[0])
+    _, rounds_after, after = _run(private(), tmp_path, "after_death")
+    assert figures(rounds_after) == figures(rounds_fresh) and all(torch.equal(fresh[k], after[k]) for k in fresh)
+    assert len(parked()) == 1 and parked() != [first]
     warm.clear()
     assert parked() == []
