@@ -13,6 +13,7 @@ import dataclasses
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import ray
@@ -566,23 +567,37 @@ def _one_torch_thread() -> None:
         sys.modules["torch"].set_num_threads(1)
 
 
+class CoordinatorArgs(NamedTuple):
+    """The arguments of ``Coordinator.__init__`` and ``Coordinator.rebind``, in their order."""
+    scenario: dict
+    data: dict
+    theta0: np.ndarray
+    workers: list | None
+    resume: dict | None
+    fault_plan: FaultPlan | None
+
+
 def coordinator_args(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None) -> tuple:
-    """The arguments of ``Coordinator.__init__`` (and ``rebind``). ``theta0``: the initial model,
-    flat (models.initial_theta), if the caller built it already; built here otherwise. The driver
-    builds it, so that the coordinator never loads torch."""
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None) -> CoordinatorArgs:
+    """``theta0``: the initial model, flat (models.initial_theta), if the caller built it already;
+    built here otherwise. The driver builds it, so that the coordinator never loads torch."""
     if theta0 is None:
         from ..training.models import initial_theta
 
         theta0 = initial_theta(scenario.model, data["input_shape"], data["num_classes"], scenario.seed)
-    return scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan
+    return CoordinatorArgs(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan)
 
 
 def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None, args: tuple | None = None):
-    """A fresh Coordinator actor; ``args``: ``coordinator_args``' result, if the caller has it."""
-    args = args or coordinator_args(scenario, data, workers, resume, fault_plan, theta0)
-    if args[3] is None:  # the coordinator starts its own pool: workers parked for a run here give their CPUs back
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None):
+    """A fresh Coordinator actor (``coordinator_args`` says what the arguments are)."""
+    return start_coordinator(coordinator_args(scenario, data, workers, resume, fault_plan, theta0))
+
+
+def start_coordinator(args: CoordinatorArgs):
+    """A fresh Coordinator actor for arguments already made (the driver's, which a parked
+    coordinator did not take: runtime/warm.py)."""
+    if args.workers is None:  # the coordinator starts its own pool: workers parked for a run here give their CPUs back
         warm.clear()
     cls = ray.remote(num_cpus=0, max_concurrency=4)(Coordinator)
     return cls.remote(*args)

@@ -16,7 +16,7 @@ from ..faults.plan import FaultPlan
 from ..runs.record import RunRecord, versions
 from ..scenario import Scenario
 from . import warm
-from .coordinator import coordinator_args, make_coordinator, start_workers
+from .coordinator import coordinator_args, start_coordinator, start_workers
 from .checkpoint import rows_covered, write_checkpoint
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
 
@@ -134,7 +134,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one
         coord = warm.take_coordinator(args, lambda ref: _ask(ref, shutdown=shutdown))
         if coord is None:
-            coord = make_coordinator(scenario, data, args=args)
+            coord = start_coordinator(args)
         timings.mark("actors_requested")
         run_ref = coord.run.remote()
         every = scenario.output.checkpoint_every

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import ray
 import ray.exceptions
@@ -33,7 +33,7 @@ REBIND_SECONDS = 10.0  # a rebind is milliseconds of work: a worker that takes l
 IDLE_SECONDS = 30.0
 
 _parked: dict[tuple, list] = {}
-_coordinators: dict[tuple, list] = {}  # this driver's session -> parked coordinators (one at most)
+_coordinators: dict[tuple, object] = {}  # this driver's session -> its parked coordinator
 _lock = threading.Lock()
 _idle: threading.Timer | None = None
 
@@ -95,9 +95,9 @@ def clear() -> None:
     with _lock:
         _cancel_idle()
         _clear()
-        session = _session() if ray.is_initialized() else None
-        for h in _coordinators.pop(session, []):
-            _kill(h)
+        parked = _coordinators.pop(_session(), None) if ray.is_initialized() else None
+        if parked is not None:
+            _kill(parked)
         _coordinators.clear()
 
 
@@ -149,17 +149,17 @@ def park_coordinator(handle) -> None:
     """Keep the coordinator of a run that ended cleanly (its run returned) for the next run."""
     if not enabled() or handle is None:
         return
-    keep = _answering([handle], [handle.release.remote()], RELEASE_SECONDS)
-    if keep:
+    if _answering([handle], [handle.release.remote()], RELEASE_SECONDS):
         with _lock:
             session = _session()
-            for h in _coordinators.pop(session, []):  # one is enough: runs of a driver follow each other
-                _kill(h)
-            _coordinators[session] = keep
+            earlier = _coordinators.get(session)
+            if earlier is not None:  # one is enough: the runs of a driver follow each other
+                _kill(earlier)
+            _coordinators[session] = handle
             _restart_idle()
 
 
-def take_coordinator(args: tuple, wait: Callable[[object], object]):
+def take_coordinator(args: Sequence, wait: Callable[[object], object]):
     """A parked coordinator rebound to ``args`` (those of ``Coordinator.__init__``), or None.
     ``wait(ref)``: the caller's wait for the rebind, which may be long (a coordinator that
     calibrates its noise does it in ``__init__``) and must end on a signal: its interruption
@@ -167,10 +167,9 @@ def take_coordinator(args: tuple, wait: Callable[[object], object]):
     or whose ``__init__`` raised, is killed, and the caller starts a fresh one, which then meets
     the same condition the way a fresh run would."""
     with _lock:
-        handles = _coordinators.pop(_session(), []) if enabled() else []
-    if not handles:
+        handle = _coordinators.pop(_session(), None) if enabled() else None
+    if handle is None:
         return None
-    handle = handles[0]
     try:
         wait(handle.rebind.remote(*args))
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
