@@ -16,10 +16,12 @@ def submit(
     set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
     grid: list[str] = typer.Option([], "--grid", help="a sweep job: an axis, as `dpfl sweep --grid` (repeatable)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="a sweep job: seeds, as `dpfl sweep --seeds`"),
-    search: str = typer.Option("grid", "--search", help="a sweep job: grid or random, as `dpfl sweep --search`"),
-    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="a random search job: points to draw"),
-    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="a random search job: the seed it draws "
+    search: str = typer.Option("grid", "--search", help="a sweep job: grid, random or optuna, as `dpfl sweep "
+                               "--search`"),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="a search job: points to draw"),
+    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="a search job: the seed it draws "
                                               "with"),
+    metric: Optional[str] = typer.Option(None, "--metric", help="an optuna search job: as `dpfl sweep --metric`"),
     scheduler: str = typer.Option("none", "--scheduler", help="a sweep job: none or asha, as `dpfl sweep --scheduler`"),
     grace_rounds: Optional[int] = typer.Option(None, "--grace-rounds", min=1, help="a sweep job under asha: as "
                                                "`dpfl sweep --grace-rounds`"),
@@ -46,10 +48,12 @@ def submit(
     sweep_args = None
     if grid or seeds:
         sweep_args = _sweep_args(scenario, set_, grid, seeds, max_concurrent, timeout,
-                                 (search, num_samples, search_seed), (scheduler, grace_rounds, reduction_factor))
+                                 (search, num_samples, search_seed, metric),
+                                 (scheduler, grace_rounds, reduction_factor))
     else:
         given = {"--search": search != "grid", "--num-samples": num_samples is not None,
-                 "--search-seed": search_seed is not None, "--scheduler": scheduler != "none",
+                 "--search-seed": search_seed is not None, "--metric": metric is not None,
+                 "--scheduler": scheduler != "none",
                  "--grace-rounds": grace_rounds is not None, "--reduction-factor": reduction_factor is not None,
                  "--max-concurrent": max_concurrent is not None, "--timeout": timeout is not None}
         refuse_given(given, "is for a sweep job: give --grid or --seeds")
@@ -67,22 +71,30 @@ def submit(
 
 
 def _sweep_args(scenario: Path, set_: list[str], grid: list[str], seeds: str | None, max_concurrent: int | None,
-                timeout: float | None, search: tuple[str, int | None, int | None] = ("grid", None, None),
+                timeout: float | None, search: tuple[str, int | None, int | None, str | None] = ("grid", None, None, None),
                 scheduler: tuple[str, int | None, int | None] = ("none", None, None)) -> list[str]:
     """The `dpfl sweep` options the job runs with, every combination checked here first (a bad grid
     is one line before anything is submitted). The shipped scenario already holds the --set
-    overrides. ``search``: --search, --num-samples and --search-seed; ``scheduler``: --scheduler,
-    --grace-rounds and --reduction-factor."""
+    overrides. ``search``: --search, --num-samples, --search-seed and --metric (an optuna search's first
+    batch is checked; the job asks the rest); ``scheduler``: --scheduler, --grace-rounds and
+    --reduction-factor."""
     from dpfl_ray.runs import sweep as sw
 
-    from .sweep import asha_options, random_search
+    from dpfl_ray.runtime.search import OptunaSearch
 
-    drawn = random_search(grid, *search)
+    from .sweep import asha_options, make_search
+
+    kind, num_samples, search_seed, metric = (*search, None)[:4]
+    drawn = make_search(grid, kind, num_samples, search_seed, metric, max_concurrent)
     early_stop = asha_options(*scheduler)
+    if isinstance(drawn, OptunaSearch):
+        drawn.ask([])
     sw.plan(scenario, grid, seeds, set_, drawn)
     args = [a for axis in grid for a in ("--grid", axis)]
     if drawn is not None:
-        args += ["--search", "random", "--num-samples", str(drawn.samples), "--search-seed", str(drawn.seed)]
+        args += ["--search", kind, "--num-samples", str(drawn.samples), "--search-seed", str(drawn.seed)]
+    if isinstance(drawn, OptunaSearch):
+        args += ["--metric", drawn.metric]
     if early_stop is not None:
         args += ["--scheduler", "asha"]
         args += [a for key, value in early_stop.items() for a in (f"--{key.replace('_', '-')}", str(value))]

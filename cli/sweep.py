@@ -25,10 +25,13 @@ def sweep(
                                    "with --search random also a distribution: loguniform(1e-3,1e-1), uniform(a,b), "
                                    "randint(a,b)"),
     search: str = typer.Option("grid", "--search", help="grid: every combination; random: --num-samples points "
-                               "drawn from the axes"),
-    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="how many points a random search draws"),
-    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="the seed a random search draws its points "
+                               "drawn from the axes; optuna: --num-samples points asked of Optuna's TPE, "
+                               "--max-concurrent (default 2) at a time, each batch from the results before it"),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="how many points a search draws"),
+    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="the seed a search draws its points "
                                               "with (default 0)"),
+    metric: Optional[str] = typer.Option(None, "--metric", help="optuna: what it optimises, final_accuracy "
+                                         "(the default, maximised) or final_loss (minimised)"),
     scheduler: str = typer.Option("none", "--scheduler", help="none, or asha: stop runs whose test accuracy trails "
                                   "at a milestone round (Ray Tune's ASHA); they end with stop_reason stopped_early"),
     grace_rounds: Optional[int] = typer.Option(None, "--grace-rounds", min=1, help="asha: rounds every run gets "
@@ -53,6 +56,7 @@ def sweep(
     from dpfl_ray.runs import sweep as sw
     from dpfl_ray.runs.record import default_run_dir
     from dpfl_ray.errors import DPFLError
+    from dpfl_ray.runtime.search import OptunaSearch
     from dpfl_ray.scenario import load_scenario
 
     shutdown = Shutdown().install()  # a signal is recorded; the trials are told to stop (runtime/trials.py)
@@ -62,26 +66,43 @@ def sweep(
         if not grid:
             raise
         base = None  # --set alone may be invalid where every grid value completes it (noise + bits)
-    drawn = random_search(grid, search, num_samples, search_seed)
+    drawn = make_search(grid, search, num_samples, search_seed, metric, max_concurrent)
     early_stop = asha_options(scheduler, grace_rounds, reduction_factor)
+    if isinstance(drawn, OptunaSearch):  # the points an earlier run of this command asked, else the first batch
+        drawn.adopt(sw.read_manifest(out).get("search") if out is not None else None)
+        if not drawn.asked:
+            drawn.ask([])
     axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_, drawn)  # every combination, before anything runs
     base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
         for run in runs:
             console.print(run.name, highlight=False, soft_wrap=True)
-        console.print(f"ok: {len(runs)} combinations")
+        later = (f"; optuna asks the other {drawn.samples - len(drawn.points())} points from these runs' results"
+                 if isinstance(drawn, OptunaSearch) and len(drawn.points()) < drawn.samples else "")
+        console.print(f"ok: {len(runs)} combinations{later}")
         return
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
     with sw.SweepLock(sweep_dir):  # a second sweep on this directory is refused
         sw.prepare(sweep_dir, scenario, axes, seed_list, set_, drawn)
         todo, statuses = sw.set_aside(sweep_dir, runs)
-        console.print(f"[bold]sweep[/] {escape(base.name)}: {len(runs)} runs, {len(runs) - len(todo)} finished "
+        asking = (f" (optuna: {len(drawn.points())} of {drawn.samples} points asked)"
+                  if isinstance(drawn, OptunaSearch) else "")
+        console.print(f"[bold]sweep[/] {escape(base.name)}: {len(runs)} runs{asking}, {len(runs) - len(todo)} finished "
                       f"before -> {escape(str(sweep_dir))}", highlight=False)
+        plan = {"axes": axes, "runs": runs}
+        more = None
+        if isinstance(drawn, OptunaSearch):
+            more = _next_batches(drawn, plan, sweep_dir, scenario, (grid, seeds, set_), seed_list, shutdown)
+            if not todo:
+                todo = more(statuses)
         if todo:
             statuses.update(run_on_tune(sweep_dir, todo, scenario, timeout, address, max_concurrent, shutdown,
-                                        early_stop))
+                                        early_stop, more=more))
+        axes, runs = plan["axes"], plan["runs"]
         rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses, drawn=drawn is not None)
     _table(rows, list(axes))
+    if isinstance(drawn, OptunaSearch):
+        _best_line(drawn, sweep_dir, runs)
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True, markup=False)
     _selection_line(sweep_dir)
@@ -93,6 +114,32 @@ def sweep(
     if failed:
         console.print(f"{len(failed)} of {len(runs)} runs did not finish; run the same command to retry them")
         raise typer.Exit(1)
+
+
+def _next_batches(search, plan: dict, sweep_dir: Path, scenario: Path, options: tuple, seed_list, shutdown):
+    """``more`` for :func:`run_on_tune`: an optuna search's next batch of runs, asked from the results
+    of every run so far once all of them finished (none if one did not: the command then ends, and
+    the same command retries it). ``plan`` ({"axes", "runs"}) is updated to the search's points;
+    ``options``: --grid, --seeds and --set as typed."""
+    from dpfl_ray.runs import sweep as sw
+
+    grid, seeds, set_ = options
+
+    def more(done: dict[str, str]) -> list:
+        while len(search.points()) < search.samples and not shutdown.requested:
+            if any(done.get(run.name, "ok") not in ("ok", "skipped") for run in plan["runs"]):
+                return []
+            search.ask(search.results(sweep_dir, sw.runs_by_point(plan["runs"])))
+            plan["axes"], _, plan["runs"] = sw.plan(scenario, grid, seeds, set_, search)
+            sw.prepare(sweep_dir, scenario, plan["axes"], seed_list, set_, search)
+            batch, skipped = sw.set_aside(sweep_dir, plan["runs"])
+            done.update(skipped)
+            if batch:
+                console.print(f"optuna: {len(search.points())} of {search.samples} points asked", highlight=False)
+                return batch
+        return []
+
+    return more
 
 
 def refuse_given(given: dict[str, bool], why: str) -> None:
@@ -121,23 +168,57 @@ def asha_options(scheduler: str, grace_rounds: int | None, reduction_factor: int
     return {key: value for key, value in given.items() if value is not None}
 
 
-def random_search(grid: list[str], search: str, num_samples: int | None, search_seed: int | None):
-    """The random search ``--search``/``--num-samples``/``--search-seed`` ask for (its space is ``--grid``),
-    or None for a grid."""
+def make_search(grid: list[str], search: str, num_samples: int | None, search_seed: int | None,
+                metric: str | None = None, max_concurrent: int | None = None):
+    """The search ``--search``/``--num-samples``/``--search-seed``/``--metric`` ask for (its space is
+    ``--grid``): a RandomSearch, an OptunaSearch (its batch ``--max-concurrent``, default 2), or None
+    for a grid."""
     from dpfl_ray.errors import DPFLError
-    from dpfl_ray.runtime.search import SEARCHES, RandomSearch, parse_space
+    from dpfl_ray.runtime.search import SEARCHES, OptunaSearch, RandomSearch, parse_space
 
     if search not in SEARCHES:
         raise DPFLError(f"{search!r} is not one of {', '.join(SEARCHES)}", field="--search")
+    if search != "optuna":
+        refuse_given({"--metric": metric is not None}, "is for --search optuna")
     if search == "grid":
         refuse_given({"--num-samples": num_samples is not None, "--search-seed": search_seed is not None},
-                     "is for --search random; a grid runs every combination")
+                     "is for --search random or optuna; a grid runs every combination")
         return None
     if num_samples is None:
-        raise DPFLError("--search random needs --num-samples N", field="--num-samples")
+        raise DPFLError(f"--search {search} needs --num-samples N", field="--num-samples")
     if not grid:
-        raise DPFLError("--search random draws from the --grid axes: give at least one", field="--grid")
-    return RandomSearch(parse_space(grid), num_samples, search_seed or 0)
+        raise DPFLError(f"--search {search} draws from the --grid axes: give at least one", field="--grid")
+    if search == "random":
+        return RandomSearch(parse_space(grid), num_samples, search_seed or 0)
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        raise DPFLError("needs Optuna: pip install optuna (or dpfl-ray[search])", field="--search") from None
+    return OptunaSearch(parse_space(grid), num_samples, search_seed or 0, metric or "final_accuracy",
+                        max_concurrent or OPTUNA_BATCH)
+
+
+# Points Optuna asks at a time when --max-concurrent is not given: a batch is recorded before it runs,
+# so the same command asks the same points on any cluster.
+OPTUNA_BATCH = 2
+
+
+def _best_line(search, sweep_dir: Path, runs: list) -> None:
+    """The best point an optuna search found so far, by its metric (mean over seeds), in one line."""
+    from dpfl_ray.runs.sweep import runs_by_point
+    from dpfl_ray.runtime.search import METRICS
+
+    points = search.points()
+    results = search.results(sweep_dir, runs_by_point(runs))[:len(points)]
+    scored = [(value, point) for value, point in zip(results, points) if isinstance(value, float)]
+    if not scored:
+        return
+    pick = max if METRICS[search.metric] == "maximize" else min
+    value, point = pick(scored, key=lambda vp: vp[0])
+    seeds = len(runs_by_point(runs)[point])
+    where = " ".join(f"{key}={text}" for key, text in zip(search.space, point))
+    console.print(f"best of {len(scored)} points by {search.metric}: {where}: {value:.4f}"
+                  + (f" (mean of {seeds} seeds)" if seeds > 1 else ""), highlight=False, soft_wrap=True, markup=False)
 
 
 def _selection_line(sweep_dir: Path) -> None:
@@ -152,6 +233,10 @@ def _selection_line(sweep_dir: Path) -> None:
     sel = json.loads(path.read_text())
     if sel.get("epsilon_all_runs") is None:
         line = f"choosing among these {sel['runs']} private runs is not accounted here: {sel.get('why')}"
+    elif sel.get("adaptive"):
+        line = (f"optuna chose each point from the runs before it: any of these {sel['runs']} private runs, and "
+                f"choosing among them, is covered by epsilon {sel['epsilon_all_runs']:.4g} at delta "
+                f"{sel['delta']:g}, their ledgers composed, not by its row's epsilon ({SELECTION})")
     else:
         line = (f"each row's epsilon covers its run alone; choosing among these {sel['runs']} private runs "
                 f"(say, the most accurate) is covered by epsilon {sel['epsilon_all_runs']:.4g} at delta "
@@ -160,10 +245,11 @@ def _selection_line(sweep_dir: Path) -> None:
 
 
 def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: float, address: str | None,
-                max_concurrent: int | None, shutdown, early_stop: dict | None = None) -> dict[str, str]:
+                max_concurrent: int | None, shutdown, early_stop: dict | None = None, more=None) -> dict[str, str]:
     """The runs ``todo`` as Tune trials on the cluster ``address`` names (else a private Ray), with
     rich progress; returns {run name: status}. Shared by ``dpfl sweep`` and ``dpfl reproduce``.
-    ``early_stop``: ASHA's settings (runtime/trials.early_stopping)."""
+    ``early_stop``: ASHA's settings (runtime/trials.early_stopping). ``more(statuses)``: the runs to
+    run next on the same Ray once these ended (an adaptive search's next batch), or an empty list."""
     import ray
 
     from dpfl_ray.runtime import trials
@@ -175,8 +261,9 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
             ensure_ray(address, pending_signal=lambda: shutdown.first)
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
+        total = len(configs)
         with _progress() as progress:
-            task = progress.add_task("runs", total=len(configs), status="starting")
+            task = progress.add_task("runs", total=total, status="starting")
             live: dict[str, str] = {}
 
             def on_result(config: dict, m: dict) -> None:
@@ -197,8 +284,19 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
                                        soft_wrap=True, markup=False)
                 progress.update(task, status=_running(live))
 
-            return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry,
-                                     early_stop)
+            statuses = trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry,
+                                         early_stop)
+            while more is not None and not shutdown.requested:
+                todo = more(statuses)
+                if not todo:
+                    break
+                configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(),
+                                             max_concurrent)
+                total += len(configs)
+                progress.update(task, total=total)
+                statuses.update(trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done,
+                                                  on_retry, early_stop))
+            return statuses
     except KeyboardInterrupt:  # a signal while Ray started: no trial ran
         return {run.name: "interrupted" for run in todo}
     finally:

@@ -131,7 +131,7 @@ def plan(scenario: Path, grid: Sequence[str], seeds: str | None, base_sets: Sequ
          search=None):
     """(axes, seeds, runs) of ``--grid``/``--seeds``/``--set`` as typed, every combination checked
     (:func:`validate`): what ``dpfl sweep`` runs and ``dpfl submit --grid`` sends. ``search``: a
-    random search (runtime/search.RandomSearch): its draws instead of the grid's combinations."""
+    search (runtime/search.py: RandomSearch, OptunaSearch): its points instead of the grid's combinations."""
     seed_list = parse_seeds(seeds)
     if search is None:
         axes = parse_grid(grid)
@@ -142,6 +142,24 @@ def plan(scenario: Path, grid: Sequence[str], seeds: str | None, base_sets: Sequ
         runs = expand(axes, seed_list, base_sets, points)
     validate(scenario, runs)
     return axes, seed_list, runs
+
+
+def read_manifest(sweep_dir: Path) -> dict:
+    """A sweep directory's ``sweep.json``, or {} where there is none (or none that parses: ``prepare``
+    then says so)."""
+    try:
+        old = json.loads((Path(sweep_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return old if isinstance(old, dict) else {}
+
+
+def runs_by_point(runs: Sequence[SweepRun]) -> dict[tuple[str, ...], list[str]]:
+    """{a search's point (its values in the axes' order): the names of its runs, one per seed}."""
+    out: dict[tuple[str, ...], list[str]] = {}
+    for run in runs:
+        out.setdefault(tuple(value for _, value in run.values), []).append(run.name)
+    return out
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -266,8 +284,8 @@ def _pid_alive(owner: dict | None, command: str = "sweep") -> bool:
 def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None, base_sets: Sequence[str],
             search=None) -> None:
     """Create or reopen a sweep directory. Reopening needs the same scenario file and ``--set``s
-    (the grid and seeds may grow; a random search's ``--num-samples`` too, over the same space and
-    ``--search-seed``); ``sweep.json`` records them, and a random search's ``points``."""
+    (the grid and seeds may grow; a search's ``--num-samples`` too, over the same space and
+    ``--search-seed``); ``sweep.json`` records them, and a search's ``points``."""
     text = scenario.read_bytes()
     manifest = {"scenario": str(scenario), "scenario_sha256": hashlib.sha256(text).hexdigest(),
                 "sets": list(base_sets), "grid": grid, "seeds": seeds}
@@ -283,9 +301,11 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
             if old.get(key) != manifest[key]:
                 raise DPFLError(f"{sweep_dir} holds a sweep of another {what}; choose another --out", field="--out")
         if ("search" in old or search is not None) and not (search is not None and search.same_space(old.get("search"))):
-            theirs = "a random search" if "search" in old else "a grid"
-            ours = "a random search" if search is not None else "a grid"
-            raise DPFLError(f"{sweep_dir} holds {theirs}{' of another space or --search-seed' if theirs == ours else ''}; "
+            theirs = _what_search(old.get("search"))
+            ours = _what_search(search.manifest([]) if search is not None else None)
+            other = (" of another space, --search-seed, --metric or --max-concurrent" if ours == "an optuna search"
+                     else " of another space or --search-seed")
+            raise DPFLError(f"{sweep_dir} holds {theirs}{other if theirs == ours else ''}; "
                             f"this is {ours}: choose another --out", field="--out")
     elif _foreign_files(sweep_dir):
         raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
@@ -295,6 +315,12 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, old_path)
     (sweep_dir / "scenario.yaml").write_bytes(text)
+
+
+def _what_search(manifest: dict | None) -> str:
+    if not manifest:
+        return "a grid"
+    return "an optuna search" if manifest.get("kind") == "optuna" else "a random search"
 
 
 RUNNING = ".running"
@@ -439,6 +465,9 @@ SELECTION_NOTE = ("each run's epsilon covers that run alone. Choosing among the 
                   "ledger composed, a bound for any such choice. Papernot & Steinke 2022 (Hyperparameter "
                   "tuning with Renyi DP) bound a tuning run over a random number of runs more tightly; "
                   "that bound is not applied here.")
+ADAPTIVE_NOTE = ("An optuna search chose each point from the results of the runs before it, so every run after its "
+                 "first batch depends on the earlier runs' data too: epsilon_all_runs, not a run's own epsilon, "
+                 "covers any run of it.")
 
 
 def selection_privacy(sweep_dir: Path, rows: list[dict]) -> dict | None:
@@ -452,8 +481,9 @@ def selection_privacy(sweep_dir: Path, rows: list[dict]) -> dict | None:
             ledgers.append(json.loads(path.read_text()))
     if not ledgers:
         return None
+    adaptive = (read_manifest(sweep_dir).get("search") or {}).get("kind") == "optuna"
     out = {"runs": len(ledgers), "epsilon_max_single_run": max((lg.get("epsilon") or 0.0) for lg in ledgers),
-           "note": SELECTION_NOTE}
+           "adaptive": adaptive, "note": SELECTION_NOTE + (" " + ADAPTIVE_NOTE if adaptive else "")}
     if any("rounds" not in lg for lg in ledgers):
         return {**out, "epsilon_all_runs": None,
                 "why": "record-level runs keep one ledger per client; composing them across runs is not built"}

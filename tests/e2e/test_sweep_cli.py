@@ -99,6 +99,36 @@ def test_a_random_search_runs_its_drawn_points_and_more_samples_run_only_the_new
         assert 0.01 <= float(lr) <= 0.5
 
 
+def test_an_optuna_search_asks_each_batch_from_the_runs_before_it_and_resumes(ray_address, tmp_path):
+    from dpfl_ray.runtime.search import OptunaSearch, parse_space
+
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 1}}))
+    out = tmp_path / "optuna"
+    grid = ["training.lr=loguniform(0.01,0.5)", "sampling.clients_per_round=3,6"]
+    args = ("sweep", scenario, "--search", "optuna", *(a for axis in grid for a in ("--grid", axis)),
+            "--num-samples", "3", "--max-concurrent", "2", "--out", out, "--timeout", "240", "--address", ray_address)
+    res = dpfl(*args)  # a batch of two, then one asked from their results, on the same Ray
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "2 of 3 points asked" in res.stdout and "optuna: 3 of 3 points asked" in res.stdout, res.stdout
+    points = [tuple(p) for p in json.loads((out / "sweep.json").read_text())["search"]["points"]]
+    with open(out / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["training.lr"], r["sampling.clients_per_round"]) for r in rows] == points
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    accuracy = [float(r["final_accuracy"]) for r in rows]
+    # the third point is what TPE asks when told the first two runs' final accuracies
+    assert OptunaSearch(parse_space(grid), 3, batch=2, asked=points[:2]).ask(accuracy[:2]) == [points[2]]
+    best = max(range(3), key=lambda i: accuracy[i])
+    assert (f"best of 3 points by final_accuracy: training.lr={points[best][0]} "
+            f"sampling.clients_per_round={points[best][1]}: {accuracy[best]:.4f}") in res.stdout
+
+    again = dpfl(*args)  # every point asked and run: nothing runs again
+    assert again.returncode == 0 and "3 runs (optuna: 3 of 3 points asked), 3 finished before" in again.stdout, \
+        again.stdout + again.stderr
+    assert "points asked\n" not in again.stdout.split("finished before", 1)[1]
+
+
 def test_asha_stops_the_trailing_run_which_ends_with_its_files_and_is_not_run_again(ray_address, tmp_path):
     scenario = tmp_path / "tiny.yaml"
     # every client straggles 0.3 s (no deadline): a round takes that long, so Tune's decision on round 1

@@ -1,6 +1,7 @@
-"""Random search (dpfl_ray.runtime.search): points drawn with Ray Tune's samplers, the same for the same
-command, kept when more are asked for; a sweep directory that records and reads them back. No Ray
-session, no subprocess."""
+"""Searches (dpfl_ray.runtime.search): random points drawn with Ray Tune's samplers, and Optuna's TPE
+asked in batches from the results so far; the same points for the same command (and results), kept
+when more are asked for; a sweep directory that records and reads them back. No Ray session, no
+subprocess."""
 import json
 
 import numpy as np
@@ -9,9 +10,9 @@ import yaml
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.runs import sweep as sw
-from dpfl_ray.runtime.search import RandomSearch, parse_space
+from dpfl_ray.runtime.search import OptunaSearch, RandomSearch, parse_space
 
-from .test_sweep import TINY, fake_run
+from .test_sweep import TINY, _gaussian_rounds, _ledger, fake_run
 
 SPACE = ["training.lr=loguniform(1e-4,1)", "training.local_epochs=randint(1,4)",
          "privacy.clipping.norm=uniform(0.5,2)", "model.name=logistic,mlp"]
@@ -126,6 +127,10 @@ def test_a_random_search_job_ships_the_options_that_draw_the_same_points(tmp_pat
     (["sweep", "--grid", "training.lr=0.1,0.2", "--scheduler", "hyperband"], "--scheduler"),
     (["submit", "--scheduler", "asha"], "--scheduler"),
     (["submit", "--search-seed", "1"], "--search-seed"),
+    (["sweep", "--grid", "training.lr=0.1,0.2", "--metric", "final_loss"], "--metric"),
+    (["sweep", "--grid", "training.lr=uniform(0.1,0.2)", "--search", "optuna", "--num-samples", "2", "--metric",
+      "epsilon"], "--metric"),
+    (["submit", "--metric", "final_loss"], "--metric"),
     (["submit", "--grid", "training.lr=0.1,0.2", "--grace-rounds", "2"], "--grace-rounds"),
 ])
 def test_an_option_that_would_be_ignored_is_refused_in_one_line(tmp_path, args, culprit):
@@ -139,3 +144,115 @@ def test_an_option_that_would_be_ignored_is_refused_in_one_line(tmp_path, args, 
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and culprit in lines[0], res.output
     assert not (tmp_path / "out").exists()
+
+
+# --- --search optuna: TPE asked in batches, from the results so far ------------------------------
+
+def _peak(point) -> float:
+    """A made-up final accuracy that peaks at lr = 1e-2."""
+    return 1 - abs(np.log10(float(point[0])) + 2)
+
+
+def _run_search(search: OptunaSearch, score=_peak) -> list:
+    while len(search.asked) < search.samples:
+        search.ask([score(p) for p in search.asked])
+    return search.asked
+
+
+def test_optuna_asks_the_same_points_from_the_same_results_and_resumes_from_any_prefix():
+    space = parse_space(["training.lr=loguniform(1e-4,1)", "model.name=logistic,mlp"])
+    full = _run_search(OptunaSearch(space, 9, seed=2, batch=2))
+    assert len(set(full)) == 9 and all(1e-4 <= float(lr) <= 1 for lr, _ in full)
+    assert _run_search(OptunaSearch(space, 9, seed=2, batch=2)) == full
+    for cut in (2, 6):  # a search stopped after any batch asks the same points from the runs on disk
+        resumed = OptunaSearch(space, 9, seed=2, batch=2)
+        resumed.adopt(OptunaSearch(space, 9, seed=2, batch=2, asked=full[:cut]).manifest(full[:cut]))
+        assert resumed.asked == full[:cut]
+        assert _run_search(resumed) == full
+    assert _run_search(OptunaSearch(space, 9, seed=3, batch=2)) != full
+    assert OptunaSearch(space, 4, seed=2, batch=2).ask([]) == full[:2]  # the first batch needs no results
+
+
+def test_optuna_models_the_results_once_its_random_start_is_over():
+    space = parse_space(["training.lr=loguniform(1e-4,1)"])
+    best = OptunaSearch(space, 16, seed=0, metric="final_accuracy", batch=2)
+    worst = OptunaSearch(space, 16, seed=0, metric="final_loss", batch=2)  # the same numbers, minimised
+    assert best.startup() == worst.startup() == 8
+    _run_search(best), _run_search(worst)
+    assert best.asked[:8] == worst.asked[:8]  # drawn at random, whatever the results
+
+    def distance(points):
+        return float(np.mean([abs(np.log10(float(p[0])) + 2) for p in points]))
+
+    # then toward the peak when it is maximised, away from it when minimised
+    assert distance(best.asked[8:]) < distance(worst.asked[8:]) - 0.3
+
+
+def test_optuna_is_told_failed_and_early_stopped_runs_and_refuses_a_space_too_small():
+    space = parse_space(["model.name=logistic,mlp,cnn"])
+    search = OptunaSearch(space, 3, batch=1)
+    search.ask([])
+    search.ask([None])  # the first run failed: TPE is told, and asks another point
+    search.ask([None, "stopped_early"])
+    assert sorted(p[0] for p in search.asked) == ["cnn", "logistic", "mlp"]
+    assert search.ask([0.5, None, 0.7]) == []  # every sample asked
+    bigger = OptunaSearch(space, 4, batch=2, asked=list(search.asked))
+    with pytest.raises(DPFLError, match="fewer than 4") as err:
+        bigger.ask([0.1, 0.2, 0.3])
+    assert err.value.field == "--num-samples"
+
+
+def test_optuna_results_are_the_runs_metric_averaged_over_seeds(tmp_path):
+    space = parse_space(["training.lr=uniform(0.1,0.5)"])
+    search = OptunaSearch(space, 4, batch=3, metric="final_loss", asked=[("0.2",), ("0.3",), ("0.4",)])
+    runs = sw.expand(search.axes(search.points()), [0, 1], [], search.points())
+    values = iter([0.5, 0.7, 0.9, 0.25, 0.1, 0.3])  # seed 0's three runs, then seed 1's
+    for run in runs[:5]:
+        fake_run(tmp_path / run.name, 0.8, stop="stopped_early" if run.name == runs[4].name else "completed",
+                 seed=run.seed, final_loss=next(values))
+    # 0.2: both seeds; 0.3: seed 1 was stopped early by ASHA; 0.4: seed 1 never ran
+    assert search.results(tmp_path, sw.runs_by_point(runs)) == [pytest.approx(0.375), "stopped_early", None]
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (("grid", None, None, "final_loss"), "--metric"),
+    (("random", 3, None, "final_loss"), "--metric"),
+    (("optuna", None, None, None), "--num-samples"),
+    (("optuna", 3, None, "epsilon"), "--metric"),
+])
+def test_optuna_options_out_of_place_are_one_line(args, culprit):
+    from cli.sweep import make_search
+
+    with pytest.raises(DPFLError) as err:
+        make_search(["training.lr=uniform(0.1,0.5)"], *args)
+    assert err.value.field == culprit
+
+
+def test_an_optuna_search_directory_refuses_another_metric_or_batch_and_books_the_adaptive_choice(tmp_path):
+    from cli.submit import _sweep_args
+
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "sweep"
+    search = OptunaSearch(parse_space(["training.lr=uniform(0.1,0.5)"]), 4, batch=2)
+    search.ask([])
+    axes, seeds, runs = sw.plan(scenario, [], None, [], search)
+    assert len(runs) == 2
+    sw.prepare(out, scenario, axes, seeds, [], search)
+    assert sw.read_manifest(out)["search"] == {"kind": "optuna", "space": search.space, "seed": 0, "samples": 4,
+                                               "metric": "final_accuracy", "batch": 2,
+                                               "points": [list(p) for p in search.asked]}
+    for other in (OptunaSearch(search.space, 4, batch=3), OptunaSearch(search.space, 4, metric="final_loss", batch=2)):
+        with pytest.raises(DPFLError, match="--metric or --max-concurrent"):
+            sw.prepare(out, scenario, axes, seeds, [], other)
+    for count, run in zip((3, 2), runs):
+        fake_run(out / run.name, 0.6, epsilon=1.5, claimed=1.5, stop="completed")
+        (out / run.name / "ledger.json").write_text(json.dumps(_ledger(_gaussian_rounds(count))))
+    sw.write_outputs(out, axes, runs, drawn=True)
+    selection = json.loads((out / sw.SELECTION).read_text())
+    assert selection["adaptive"] is True and "optuna" in selection["note"]
+    assert selection["epsilon_all_runs"] > selection["epsilon_max_single_run"]
+
+    args = _sweep_args(scenario, [], ["training.lr=uniform(0.1,0.5)"], None, 3, None, ("optuna", 4, 5, None))
+    assert args == ["--grid", "training.lr=uniform(0.1,0.5)", "--search", "optuna", "--num-samples", "4",
+                    "--search-seed", "5", "--metric", "final_accuracy", "--max-concurrent", "3"]

@@ -87,7 +87,7 @@ def test_every_combination_is_validated_before_anything_runs(scenario):
 
 # --- fake runs ----------------------------------------------------------------------------------
 
-def fake_run(run_dir: Path, accuracy: float, epsilon=None, claimed=None, stop="completed", seed=0):
+def fake_run(run_dir: Path, accuracy: float, epsilon=None, claimed=None, stop="completed", seed=0, final_loss=None):
     """A run directory as `dpfl run` leaves it."""
     run_dir.mkdir(parents=True)
     rounds = [{"round": i, "sampled": 6, "survived": 5, "test_accuracy": accuracy - 0.1 * (3 - i),
@@ -95,6 +95,8 @@ def fake_run(run_dir: Path, accuracy: float, epsilon=None, claimed=None, stop="c
     (run_dir / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     summary = {"name": "tiny", "final_accuracy": accuracy, "rounds_completed": 3, "rounds_planned": 3,
                "stop_reason": stop, "wall_seconds": 1.5, "seed": seed}
+    if final_loss is not None:
+        summary["final_loss"] = final_loss
     if epsilon is not None:
         summary.update(epsilon=epsilon, delta=1e-5, epsilon_claimed=claimed)
     (run_dir / "summary.json").write_text(json.dumps(summary))
