@@ -93,6 +93,9 @@ class ModelConfig(_Section):
         default_factory=lambda: [200, 200], max_length=MAX_HIDDEN_LAYERS, description="mlp hidden sizes")
 
 
+HANG_TIMEOUT_S = 600.0
+
+
 class TrainingConfig(_Section):
     algorithm: Literal["fedavg", "dp_fedavg", "baek", "nbafl", "huang2020", "adap_dpfl"] = "fedavg"
     rounds: int = Field(50, ge=1)
@@ -106,8 +109,18 @@ class TrainingConfig(_Section):
     round_deadline_s: float | None = Field(
         None, gt=0, description="local training's deadline: late workers' clients are dropped")
     hang_timeout_s: float = Field(
-        600.0, gt=0, description="with no round_deadline_s: a phase still running after this long stops the run "
-                                 "with an error (a hung worker); no client is dropped for the machine's speed")
+        HANG_TIMEOUT_S, gt=0, description="with no round_deadline_s: a phase still running after this long stops "
+                                          "the run with an error (a hung worker); no client is dropped for the "
+                                          "machine's speed")
+
+    @model_validator(mode="after")
+    def _one_wait(self):
+        # A planned deadline sets the real wait itself (runtime/secagg_round.real_deadline): a hang
+        # timeout beside it would be ignored, so it is refused (the default is what a dump carries).
+        if self.round_deadline_s is not None and self.hang_timeout_s != HANG_TIMEOUT_S:
+            raise ValueError("training.hang_timeout_s is for runs without training.round_deadline_s: a planned "
+                             "deadline sets the wait (deadline + max(10 s, deadline)); give one of the two")
+        return self
 
 
 class SamplingConfig(_Section):

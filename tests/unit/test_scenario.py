@@ -156,3 +156,14 @@ def test_yaml_aliases_and_deep_nesting_are_refused_at_once(tmp_path):
         tracemalloc.stop()
         assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
         assert seconds < 1.0 and peak < 50 * 2**20, (needle, seconds, peak)
+
+
+def test_a_hang_timeout_beside_a_planned_deadline_is_refused_and_a_dumped_scenario_loads_again():
+    """With a planned round deadline the runtime waits deadline + max(10 s, deadline), whatever
+    hang_timeout_s says: a hang timeout given beside it would be ignored, so it is refused. The
+    default that every dumped scenario.yaml carries is not a choice, and loads again."""
+    with pytest.raises(DPFLError, match="training.hang_timeout_s is for runs without training.round_deadline_s"):
+        scenario_from_dict({"name": "a", "training": {"round_deadline_s": 5.0, "hang_timeout_s": 30.0}})
+    planned = scenario_from_dict({"name": "a", "training": {"round_deadline_s": 5.0}})
+    assert scenario_from_dict(planned.model_dump(mode="json")).training == planned.training
+    assert scenario_from_dict({"name": "a", "training": {"hang_timeout_s": 30.0}}).training.hang_timeout_s == 30.0
