@@ -118,6 +118,36 @@ def test_round_trip_through_json_keeps_every_epsilon():
     assert back.rounds(3) == [3] and data["summary"]["num_clients"] == 6
 
 
+def test_a_checkpointed_ledger_of_many_distinct_events_restores_its_sums_and_goes_on_to_the_bit():
+    """Fu et al.'s sigma decays round by round: every round books a new event. A checkpoint's state
+    keeps each client's summed curve, so a restored ledger computes no past curve and goes on
+    exactly as the uninterrupted one; without the sums (an older state) every curve is recomputed."""
+    def book(led, rounds):
+        for r in rounds:
+            sigma = 4.0 * 0.999 ** r
+            led.record_many([0, 1, 2], P(0.0144, G(sigma)), round=r)
+            led.record(1, P(0.0144, G(6 * sigma)), round=r)  # a second query on one client
+    led = ClientLedgers(1e-5, num_clients=4, orders=FU_EQ10_ORDERS, conversion="classic")
+    book(led, range(60))
+    state = json.loads(json.dumps(led.to_dict(include_epsilon=False)))  # as a checkpoint keeps it
+    assert sorted(state["rdp"]) == ["0", "1", "2"] and len(state["rdp"]["1"]) == len(FU_EQ10_ORDERS)
+    back = ClientLedgers.from_dict(state)
+    assert len(back._curves) == 0 and back.num_distinct_events == led.num_distinct_events == 120
+    assert back.epsilons() == led.epsilons() and back.to_dict() == led.to_dict()
+    book(led, range(60, 70)), book(back, range(60, 70))  # both go on: the same bits
+    assert back.epsilons() == led.epsilons() and back.rounds(1) == list(range(70))
+
+    older = {k: v for k, v in state.items() if k != "rdp"}  # recomputed, event by event
+    assert ClientLedgers.from_dict(older).epsilons() == pytest.approx(ClientLedgers.from_dict(state).epsilons(),
+                                                                       rel=1e-12)
+    few = ClientLedgers(1e-5, num_clients=1000)  # fewer events than clients: nothing extra is kept
+    few.record_many(range(1000), P(0.01, G(1.0)), 5)
+    assert "rdp" not in few.to_dict(include_epsilon=False) and "rdp" not in led.to_dict()
+    state["rdp"]["1"] = state["rdp"]["1"][:-1]
+    with pytest.raises(DPFLError, match="client 1's saved RDP curve"):
+        ClientLedgers.from_dict(state)
+
+
 def test_events_round_trip_through_dicts():
     ev = dp_accounting.SelfComposedDpEvent(P(0.1, dp_accounting.ComposedDpEvent([G(1.0), G(2.0)])), 7)
     assert event_from_dict(json.loads(json.dumps(event_to_dict(ev)))) == ev
