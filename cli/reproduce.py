@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .common import console, user_errors
-from .sweep import run_on_tune
+from .sweep import resumable, resuming, run_on_tune
 
 
 def _say(text: str) -> None:
@@ -102,10 +102,10 @@ def reproduce(
     command = shlex.join(["dpfl", *sys.argv[1:]])
     with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction"):
         rp.prepare(out_dir, spec, quick, runs)
-        todo, statuses = sw.set_aside(out_dir, runs)
+        todo, statuses = sw.set_aside(out_dir, runs, resumable)
         plural = "" if len(runs) == 1 else "s"
         _say(f"reproduce {spec.paper}{' (quick)' if quick else ''}: {len(runs)} run{plural}, "
-             f"{len(runs) - len(todo)} finished before -> {out_dir}")
+             f"{len(runs) - len(todo)} finished before{resuming(out_dir, todo)} -> {out_dir}")
         if todo:
             statuses.update(run_on_tune(out_dir, todo, None, timeout, address, max_concurrent, shutdown))
         rep, written = rp.write_outputs(out_dir, spec, quick, statuses, command=command,

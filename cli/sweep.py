@@ -84,11 +84,11 @@ def sweep(
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
     with sw.SweepLock(sweep_dir):  # a second sweep on this directory is refused
         sw.prepare(sweep_dir, scenario, axes, seed_list, set_, drawn)
-        todo, statuses = sw.set_aside(sweep_dir, runs)
+        todo, statuses = sw.set_aside(sweep_dir, runs, resumable)
         asking = (f" (optuna: {len(drawn.points())} of {drawn.samples} points asked)"
                   if isinstance(drawn, OptunaSearch) else "")
         console.print(f"[bold]sweep[/] {escape(base.name)}: {len(runs)} runs{asking}, {len(runs) - len(todo)} finished "
-                      f"before -> {escape(str(sweep_dir))}", highlight=False)
+                      f"before{resuming(sweep_dir, todo)} -> {escape(str(sweep_dir))}", highlight=False)
         plan = {"axes": axes, "runs": runs}
         more = None
         if isinstance(drawn, OptunaSearch):
@@ -132,7 +132,7 @@ def _next_batches(search, plan: dict, sweep_dir: Path, scenario: Path, options: 
             search.ask(search.results(sweep_dir, sw.runs_by_point(plan["runs"])))
             plan["axes"], _, plan["runs"] = sw.plan(scenario, grid, seeds, set_, search)
             sw.prepare(sweep_dir, scenario, plan["axes"], seed_list, set_, search)
-            batch, skipped = sw.set_aside(sweep_dir, plan["runs"])
+            batch, skipped = sw.set_aside(sweep_dir, plan["runs"], resumable)
             done.update(skipped)
             if batch:
                 console.print(f"optuna: {len(search.points())} of {search.samples} points asked", highlight=False)
@@ -140,6 +140,27 @@ def _next_batches(search, plan: dict, sweep_dir: Path, scenario: Path, options: 
         return []
 
     return more
+
+
+def resumable(run_dir: Path) -> bool:
+    """Can an unfinished run directory of a sweep be continued from its checkpoint (as ``dpfl run
+    --resume`` would: the checkpoint, the rows it covers and scenario.yaml all whole)?"""
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.runtime.checkpoint import open_for_resume
+
+    try:
+        return open_for_resume(run_dir) is not None
+    except DPFLError:
+        return False
+
+
+def resuming(sweep_dir: Path, todo: list) -> str:
+    """``, N go on from their checkpoints`` for the header line, or nothing."""
+    from dpfl_ray.runs.sweep import resumed
+
+    n = resumed(sweep_dir, todo)
+    return f", {n} go{'es' if n == 1 else ''} on from {'its' if n == 1 else 'their'} checkpoint{'' if n == 1 else 's'}" \
+        if n else ""
 
 
 def refuse_given(given: dict[str, bool], why: str) -> None:

@@ -4,7 +4,8 @@ against each grid axis, with error bars over seeds. The logic behind ``dpfl swee
 
 The runs themselves are Ray Tune trials (runtime/trials.py); nothing here imports Ray. A sweep
 directory is resumable: a run whose ``summary.json`` says it finished is skipped, an unfinished one
-is moved to ``.incomplete/`` and run again (``set_aside``).
+goes on from its last checkpoint, or, with none, is moved to ``.incomplete/`` and run again
+(``set_aside``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import socket
 import tarfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..errors import DPFLError
 # The grid's expansion and the manifest live in load.py (report reads sweeps through it too);
@@ -344,9 +345,12 @@ def hold_run(sweep_dir: Path, name: str, wait_s: float = 0.0) -> int:
     return fd
 
 
-def set_aside(sweep_dir: Path, runs: Sequence[SweepRun]) -> tuple[list[SweepRun], dict[str, str]]:
+def set_aside(sweep_dir: Path, runs: Sequence[SweepRun], resumable: Callable[[Path], bool] | None = None
+              ) -> tuple[list[SweepRun], dict[str, str]]:
     """The runs still to do, and {name: 'skipped'} for the finished ones. An unfinished try's
-    directory is moved to ``.incomplete/NAME.N``, never overwritten: the run starts afresh. A
+    directory stays where it is when ``resumable(run_dir)`` says its checkpoint can be continued
+    (its trial then resumes it, as ``dpfl run --resume`` would: runtime/trials.earlier_attempt);
+    any other is moved to ``.incomplete/NAME.N``, never overwritten, and the run starts afresh. A
     run that some process still runs (``hold_run``) is refused with one line."""
     todo, statuses = [], {}
     for run in runs:
@@ -357,9 +361,16 @@ def set_aside(sweep_dir: Path, runs: Sequence[SweepRun]) -> tuple[list[SweepRun]
         if _held(sweep_dir / RUNNING / f"{run.name}.lock"):
             raise DPFLError(f"run {run.name} of an earlier sweep is still stopping in {sweep_dir}; wait a few "
                             "seconds and run the command again", field="--out")
-        move_aside(sweep_dir, run.name)
+        if not (resumable is not None and run_dir.exists() and resumable(run_dir)):
+            move_aside(sweep_dir, run.name)
         todo.append(run)
     return todo, statuses
+
+
+def resumed(sweep_dir: Path, todo: Sequence[SweepRun]) -> int:
+    """How many of ``todo`` (after :func:`set_aside`) go on from a checkpoint: those whose
+    directory was left in place."""
+    return sum(1 for run in todo if (Path(sweep_dir) / run.name).exists())
 
 
 def move_aside(sweep_dir: Path, name: str) -> Path | None:

@@ -260,8 +260,9 @@ def earlier_attempt(run_dir: Path):
 
     None: no earlier attempt, or one that left nothing to continue from (its directory is moved to
     ``.incomplete/`` and the run starts afresh); FINISHED: it had written every file; else
-    (checkpoint, scenario). A new sweep command never gets here with an unfinished directory:
-    ``runs.sweep.set_aside`` moved it aside before the trials started."""
+    (checkpoint, scenario). A new sweep command gets here with an unfinished directory only when
+    ``runs.sweep.set_aside`` found its checkpoint resumable (else it moved it aside): the same
+    command after a Ctrl-C, a crash or a ``kill -9`` continues its runs from their checkpoints."""
     from ..errors import DPFLError
     from ..runs.sweep import move_aside
     from .checkpoint import finished, open_for_resume

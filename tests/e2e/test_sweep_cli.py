@@ -197,22 +197,27 @@ def test_ctrl_c_stops_every_trial_with_its_files_and_the_same_command_resumes(ra
     assert "interrupted; resume with: dpfl sweep" in stdout and stderr.strip() == "", stdout + stderr
     with open(out / "sweep.csv") as fh:
         assert [r["status"] for r in csv.DictReader(fh)] == ["interrupted", "interrupted"]
+    before = {}
     for run in runs:  # each stopped between rounds and wrote its files for its last committed round
         summary = json.loads((run / "summary.json").read_text())
         rows = (run / "rounds.jsonl").read_text().splitlines()
         assert summary["stop_reason"] == "interrupted" and summary["rounds_completed"] == len(rows) > 0
+        before[run] = rows
     assert not (out / ".stop").exists()
-    # the same command resumes: the unfinished runs are set aside and run again, here with a 1 s
-    # timeout, past which each run stops itself with its files
+    # the same command resumes: each unfinished run goes on from its checkpoint (every round is one
+    # here), its rows kept, until a 1 s timeout, past which each run stops itself with its files
     res = dpfl(*args[:-4], "--timeout", "1", "--address", ray_address)
-    assert res.returncode == 1 and "0 finished before" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 1 and "0 finished before, 2 go on from their checkpoints" in res.stdout, \
+        res.stdout + res.stderr
     assert "2 of 2 runs did not finish" in res.stdout
-    assert sorted(p.name for p in (out / ".incomplete").iterdir()) == ["training.lr=0.1.1", "training.lr=0.2.1"]
+    assert not (out / ".incomplete").exists()
     with open(out / "sweep.csv") as fh:
         assert [r["status"] for r in csv.DictReader(fh)] == ["timeout", "timeout"]
     for run in runs:
         summary = json.loads((run / "summary.json").read_text())
-        assert summary["stop_reason"] == "interrupted" and summary["rounds_completed"] < 100000
+        rows = (run / "rounds.jsonl").read_text().splitlines()
+        assert summary["stop_reason"] == "interrupted" and len(before[run]) <= summary["rounds_completed"] < 100000
+        assert rows[:len(before[run])] == before[run] and summary["rounds_completed"] == len(rows)
 
 
 def test_a_live_sweep_directory_is_refused_and_a_killed_sweeps_runs_are_set_aside(ray_address, tmp_path):

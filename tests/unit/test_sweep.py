@@ -262,6 +262,26 @@ def test_a_run_still_stopping_is_not_set_aside_until_its_process_lets_go(scenari
     assert sorted(p.name for p in (out / ".incomplete").iterdir()) == [f"{runs[0].name}.1"]
 
 
+def test_an_unfinished_run_with_a_checkpoint_to_go_on_from_stays_in_place(scenario, tmp_path):
+    """The same sweep command after a stop: a run the predicate finds resumable keeps its directory
+    (its trial resumes it), one it does not is set aside and starts afresh; finished runs are skipped.
+    A directory without checkpoint.npz is not resumable (cli.sweep.resumable, as `dpfl run --resume`)."""
+    from cli.sweep import resumable
+
+    out = tmp_path / "sweep"
+    runs = sw.expand({"faults.dropout.rate": ["0", "0.3", "0.5"]}, None)
+    sw.prepare(out, scenario, {}, None, [])
+    fake_run(out / runs[0].name, 0.5, stop="interrupted")
+    fake_run(out / runs[1].name, 0.5, stop="interrupted")
+    fake_run(out / runs[2].name, 0.5)
+    assert not resumable(out / runs[0].name)  # fake_run writes no checkpoint
+    todo, done = sw.set_aside(out, runs, resumable=lambda d: d.name == runs[0].name)
+    assert [r.name for r in todo] == [runs[0].name, runs[1].name] and done == {runs[2].name: "skipped"}
+    assert (out / runs[0].name / "summary.json").exists() and not (out / runs[1].name).exists()
+    assert sorted(p.name for p in (out / ".incomplete").iterdir()) == [f"{runs[1].name}.1"]
+    assert sw.resumed(out, todo) == 1
+
+
 def test_a_trial_started_again_waits_for_its_last_attempt_then_goes_on_from_what_it_left(scenario, tmp_path):
     """Tune starts a trial again when its process ended under it (a lost node): the new attempt waits
     for the old process to let go of the run, skips a run it had finished, and starts afresh one that
