@@ -1,4 +1,5 @@
-"""What Baek's calibration and the layered (Dordis XNoise) mode cost with integer noise, against
+"""What Baek's calibrations (Alg. 2, and Alg. 3's baek-extended) and the layered (Dordis XNoise) mode
+cost with integer noise, against
 the continuous Gaussian, at 10% and 30% dropout (docs/distributed_dp.md):
 python docs/experiments/distributed_dp_dropouts.py
 
@@ -34,7 +35,7 @@ def ledger(noise: str, mode: str, dropout: float) -> dict:
     for t in range(ROUNDS):
         assert alg.begin_round(t, sampled) is None
         alg.after_upload(survivors)
-        if mode == "baek":  # every survivor's calibration term arrives
+        if mode in ("baek", "baek-extended"):  # every survivor's calibration term arrives
             alg.release(RoundOutcome(t, tuple(survivors), total=np.zeros(DIM),
                                      calibration=CalibrationSum(np.zeros(DIM), tuple(survivors))))
         run.account(t, RoundOutcome(t, tuple(survivors), theta=np.zeros(DIM, np.float32)), "")
@@ -46,7 +47,7 @@ def main() -> None:
           "against the server, Skellam 20 bits |")
     print("|--:|---|--:|--:|--:|--:|")
     for dropout in (0.1, 0.3):
-        for mode in ("none", "baek", "layered"):
+        for mode in ("none", "baek", "baek-extended", "layered"):
             g, s = ledger("gaussian", mode, dropout), ledger("skellam", mode, dropout)
             print(f"| {dropout:.0%} | {mode} | {g['epsilon']:.4f} | {s['epsilon']:.4f} | {g['epsilon_vs_server']:.3f} | "
                   f"{s['epsilon_vs_server']:.3f} |")

@@ -62,11 +62,13 @@ def _normal(generator, std: float, dim: int) -> np.ndarray:
     return generator.standard_normal(dim, dtype=np.float64) * std
 
 
-def calibration_share_variance(ring: RingEncoding, cohort: int, survivors: int) -> float:
-    """Each calibrating survivor's fresh share when ``survivors`` of ``cohort`` clients delivered: the
-    cohort's total noise variance over the survivors (integer units), so that their fresh shares sum
-    to it (Alg. 2 line 22 with a share per client); the discrete Gaussian's rounded up to an integer."""
-    share = ring.local_variance * cohort / survivors
+def calibration_share_variance(ring: RingEncoding, first_shares: float, survivors: int) -> float:
+    """Each calibrating survivor's fresh share when ``survivors`` clients delivered: the cohort's total
+    noise variance over the survivors (integer units), so that their fresh shares sum to it (Alg. 2
+    line 22 with a share per client); the discrete Gaussian's rounded up to an integer.
+    ``first_shares``: how many first shares make the total (the cohort for ``baek``; n_0, the floor's
+    count, for ``baek-extended``, whose first shares each carry total / n_0)."""
+    share = ring.local_variance * first_shares / survivors
     return float(math.ceil(share)) if ring.mechanism == "discrete_gaussian" else share
 
 
@@ -94,6 +96,7 @@ class BaekNoise(ClientNoise):
     variances: tuple[float, ...] = ()  # layered: variances of layers 0..L, in units of T^2
     ring: RingEncoding | None = None  # integer noise inside SecAgg's ring (privacy.distributed_noise)
     cohort: int = 0  # the number of sampled clients (integer noise: every client's share is the same)
+    first_shares: float = 0.0  # integer noise: how many first shares make the cohort's total (cohort, or n_0)
 
     def layer_seed(self, client_id: int, layer: int) -> bytes:
         """32-byte PRG seed of one noise layer; the server only ever uses reconstructed seeds."""
@@ -135,7 +138,7 @@ class BaekNoise(ClientNoise):
             from ..secagg.config import word_dtype
             from ..secagg.ring import to_ring
 
-            share = calibration_share_variance(self.ring, self.cohort, int(round(n_prime)))
+            share = calibration_share_variance(self.ring, self.first_shares or self.cohort, int(round(n_prime)))
             fresh = draw(self.ring.mechanism, self.randomness.generator("calibration", self.round, client_id),
                          share, self.ring.dim)
             return to_ring(fresh - self.integer_share(client_id, self.ring), self.ring.bits).astype(
@@ -212,10 +215,6 @@ class Baek(Algorithm):
             raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
                              "relies on; use 'error' (the default) with baek")
         if p.distributed_noise != "gaussian":
-            if p.calibration not in ("none", "baek", "layered"):
-                raise ValueError(f"privacy.calibration: {p.distributed_noise} noise runs with calibration none, baek "
-                                 f"or layered; {p.calibration} with integer shares is not built "
-                                 "(docs/distributed_dp.md)")
             if p.calibration == "layered" and p.distributed_noise != "skellam":
                 raise ValueError("privacy.calibration: layered integer noise needs skellam: the layers' unequal "
                                  "discrete Gaussians do not sum to one, and their sum has no bound built here")
@@ -247,6 +246,9 @@ class Baek(Algorithm):
         self.bits, self.max_wrap = int(scenario.secagg.bits), float(scenario.secagg.max_wrap_probability)
         self.seed = int(scenario.seed)
         self.expected_count = frac * len(self.weights)
+        # baek-extended with integer shares counts clients, as the shares do: n_0 = F * expected cohort
+        self.n0_count = (self.min_fraction * self.expected_count
+                         if self.mode == "baek-extended" and self.integer is not None else None)
         self.dim: int | None = None
         self._ring = None  # this round's privacy.discrete_rdp.RingPlan
         self._planned_event = None
@@ -254,11 +256,20 @@ class Baek(Algorithm):
     def bind_model(self, dim: int) -> None:
         self.dim = int(dim)
 
+    def _first_shares(self, cohort: int) -> float:
+        """How many first shares make the cohort's total variance: the cohort, or baek-extended's n_0
+        (Alg. 3 line 26: each user starts from the noise of the floor, more than its part)."""
+        return self.n0_count if self.n0_count is not None else float(cohort)
+
     def _ring_plan(self, shares: int):
+        """The round's ring for ``shares`` sampled clients, each first share carrying the cohort's
+        total over :meth:`_first_shares`: the first aggregate then holds shares / n_0 times the total,
+        which the wrap bound must cover."""
         from ..privacy.discrete_rdp import plan_ring
 
-        return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm, 2.0 * self.clip_norm * self.z,
-                         2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA)
+        spread = math.sqrt(shares / self._first_shares(shares))
+        return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm,
+                         2.0 * self.clip_norm * self.z * spread, 2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA)
 
     def _released_event(self, survived: int, calibrated: bool = False, senders: int | None = None):
         """What the round hands the server. Without a calibration: the sum of the survivors' shares (a
@@ -274,7 +285,7 @@ class Baek(Algorithm):
             return self._ring.event.with_shares(survived, self._ring.local_variance)
         from ..privacy.discrete_rdp import CalibratedViewsDpEvent
 
-        fresh = calibration_share_variance(self.plan.noise.ring, len(self.plan.sampled), survived)
+        fresh = calibration_share_variance(self.plan.noise.ring, self.plan.noise.first_shares, survived)
         return CalibratedViewsDpEvent(self._ring.event.with_shares(1, self._ring.local_variance), fresh, int(survived),
                                       senders)
 
@@ -299,6 +310,14 @@ class Baek(Algorithm):
             shares = max(1, round(self.expected_count))
             plan = self._ring_plan(shares)
             self._planned_event = plan.event
+            if self.mode == "baek-extended":  # it always calibrates: the server's two views, every client sending
+                from ..privacy.discrete_rdp import CalibratedViewsDpEvent
+
+                fresh = plan.local_variance * self._first_shares(shares) / shares
+                if self.integer == "discrete_gaussian":
+                    fresh = float(math.ceil(fresh))
+                self._planned_event = CalibratedViewsDpEvent(plan.event.with_shares(1, plan.local_variance), fresh,
+                                                             shares, shares)
         return self._mechanism(z, event=self._planned_event)
 
     def mechanism(self) -> Mechanism:
@@ -339,13 +358,16 @@ class Baek(Algorithm):
                                     rounded_l2_bound(self.clip_norm * self._ring.scale, self._ring.event.dim,
                                                      ROUNDING_BETA), self._ring.event.dim)
         noise = BaekNoise(self.mode, self.randomness, round_idx, 2.0 * self.clip_norm * self.z, n, self.n0, variances,
-                          ring, cohort=len(sampled))
+                          ring, cohort=len(sampled), first_shares=self._first_shares(len(sampled)) if ring else 0.0)
         self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated)
         if not sampled:
             return Abort("no client sampled")
         if refusal is not None:
             return Abort(refusal)
-        if self.mode == "baek-extended" and n < self.n0:
+        if self.n0_count is not None and len(sampled) < self.n0_count:
+            return Abort(f"{len(sampled)} clients sampled, below n_0 = {self.n0_count:.4g} (baek-extended with integer "
+                         "shares counts clients; Alg. 3 line 17)")
+        if self.mode == "baek-extended" and self.n0_count is None and n < self.n0:
             return Abort(f"sampled weight {n:.4g} is below n_0 = {self.n0:.4g} (baek-extended, Alg. 3 line 17)")
         return None
 
@@ -392,7 +414,7 @@ class Baek(Algorithm):
 
         if self.integer != "discrete_gaussian":
             return True
-        fresh = calibration_share_variance(self.plan.noise.ring, len(self.plan.sampled), survived)
+        fresh = calibration_share_variance(self.plan.noise.ring, self.plan.noise.first_shares, survived)
         if fresh > MAX_DISCRETE_GAUSSIAN_VARIANCE:
             return False
         bound = wrap_probability(self.bits, self._ring.event.dim, survived * self.clip_norm * self._ring.scale,
@@ -406,9 +428,10 @@ class Baek(Algorithm):
         discrete event the ledger books."""
         mode = "none" if self.plan.calibration_skipped else self.mode
         if self.integer is not None:
-            if mode == "none":  # the survivors' shares alone
-                return self.z * math.sqrt(survived / len(self.plan.sampled))
+            if mode == "none":  # the survivors' first shares alone
+                return self.z * math.sqrt(survived / self._first_shares(len(self.plan.sampled)))
             n, n_prime = float(len(self.plan.sampled)), float(survived)
+            return effective_noise_multipliers(self.z, mode, n, n_prime, w_cal_dropped, self.n0_count)[1]
         return effective_noise_multipliers(self.z, mode, n, n_prime, w_cal_dropped, self.n0)[1]
 
     def release(self, outcome: RoundOutcome) -> tuple[np.ndarray, dict]:
@@ -453,7 +476,7 @@ class Baek(Algorithm):
                 raise RuntimeError(f"layered: {removed} layers reconstructed, {expected} needed")
             info["layers_removed"] = removed
             info["layers_tolerated"] = plan.tolerated
-        claimed = effective_noise_multipliers(self.z, self.mode, plan.n, n_prime, max(w_cal_dropped, 0.0), self.n0)[0]
+        claimed = self.z
         effective = self._effective(plan.n, n_prime, max(w_cal_dropped, 0.0), len(outcome.survivors))
         self._current = self._mechanism(effective, event=self._released_event(
             len(outcome.survivors), senders is not None, None if senders is None else len(senders)))
@@ -462,7 +485,7 @@ class Baek(Algorithm):
                         ring_wrap_bound=self._ring.wrap_probability)
         counted = (float(len(plan.sampled)), float(len(outcome.survivors))) if self.integer else (plan.n, n_prime)
         view = server_view("none" if plan.calibration_skipped else self.mode, *counted, max(w_cal_dropped, 0.0),
-                           self.n0)
+                           self.n0 if self.n0_count is None else self.n0_count)
         if view.cov.shape[0] == 2:  # the server also saw the first aggregate
             self._views = ([np.asarray(total, dtype=np.float64) / n_prime, released / n_prime], view.cov)
         info.update(calibration=self.mode, noise_multiplier=claimed, noise_multiplier_effective=effective,

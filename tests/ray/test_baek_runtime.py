@@ -201,14 +201,15 @@ def test_integer_noise_inside_secagg_releases_the_sum_and_books_its_own_mechanis
     assert summary["epsilon_claimed"] == gaussian["epsilon_claimed"]
 
 
-@pytest.mark.parametrize("calibration", ["baek", "layered"])
+@pytest.mark.parametrize("calibration", ["baek", "baek-extended", "layered"])
 def test_calibration_with_integer_shares_runs_through_secagg_and_books_what_the_server_sees(ray_session, tmp_path,
                                                                                            calibration):
     """Calibration with Skellam shares in Z_2^24, z = 1e-4, beside the continuous Gaussian's run of
-    the same mode: the release is the Gaussian run's sum up to the rounding. ``baek``: every
-    survivor's integer term reaches the server, and each round books the server's two views of the
-    sum. ``layered``: the seeded layers are removed in the ring, and each round books the one view
-    left, the cohort's whole Skellam total over the survivors' shares."""
+    the same mode: the release is the Gaussian run's sum up to the rounding. ``baek`` (and
+    ``baek-extended``, whose first shares start from the floor n_0): every survivor's integer term
+    reaches the server, and each round books the server's two views of the sum. ``layered``: the
+    seeded layers are removed in the ring, and each round books the one view left, the cohort's
+    whole Skellam total over the survivors' shares."""
     paths = {noise: tmp_path / noise for noise in ("gaussian", "skellam")}
     runs = {noise: _run(_integer_scenario(noise, 24, z=1e-4, calibration=calibration), path)
             for noise, path in paths.items()}
@@ -217,7 +218,7 @@ def test_calibration_with_integer_shares_runs_through_secagg_and_books_what_the_
     assert summary["stop_reason"] == "completed" and len(rows) == 3
     for row, entry in zip(rows, ledger["rounds"]):
         event = entry["mechanism"]
-        if calibration == "baek":  # 30% dropout at upload: every round calibrates, its terms securely summed
+        if calibration != "layered":  # 30% dropout at upload: every round calibrates, its terms securely summed
             assert row["calibration_senders"] == row["survived"] and row["secagg_calibration_seconds"] > 0
             assert event["type"] == "CalibratedViewsDpEvent"
             assert event["survivors"] == event["senders"] == row["survived"]

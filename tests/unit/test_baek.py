@@ -264,7 +264,6 @@ def _integer_scenario(calibration, noise, clients=40, bits=20):
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"privacy": {"calibration": "baek-extended"}}, "privacy.calibration"),
     ({"privacy": {"calibration": "layered", "distributed_noise": "discrete_gaussian"}}, "privacy.calibration"),
     ({"privacy": {"accountant": "pld"}}, "privacy.accountant"),
     ({"sampling": {"mode": "fixed", "clients_per_round": 10, "rate": None}}, "privacy.distributed_noise"),
@@ -381,6 +380,66 @@ def test_baek_calibration_with_integer_shares_releases_the_fresh_shares_and_book
     from dpfl_ray.privacy.ledger import PrivacyLedger
     again = PrivacyLedger.from_dict(run.ledger.to_dict())
     assert again.rounds[0].mechanism == event and again.epsilon() == pytest.approx(run.ledger.epsilon(), rel=1e-12)
+
+
+@pytest.mark.parametrize("mechanism", ["skellam", "discrete_gaussian"])
+def test_baek_extended_with_integer_shares_starts_from_the_floor_and_always_calibrates(mechanism):
+    """Alg. 3 with integer shares, by count: q = 0.25 of 40 clients expects 10, so n_0 = F * 10 = 5.
+    Each first share carries the cohort's total over n_0 (twice a baek share's, at the same scale),
+    and the ring is sized for the first aggregate's 10 / 5 times the total; every survivor's fresh
+    share is the total over the survivors. A round of 10 that nobody leaves still calibrates and
+    books both views; a round of 4 sampled, below n_0, is aborted before anyone trains."""
+    from dpfl_ray.algorithms.base import Abort
+    from dpfl_ray.algorithms.baek import calibration_share_variance
+    from dpfl_ray.privacy.discrete import draw
+    from dpfl_ray.privacy.discrete_rdp import CalibratedViewsDpEvent
+    from dpfl_ray.runtime.privacy import RunPrivacy
+    from dpfl_ray.secagg.ring import from_ring, ring_sum
+
+    dim, total = 50, lambda alg: (alg._ring.scale * 2.0) ** 2  # (scale * 2 C z)^2, C = z = 1
+    base = Baek(_integer_scenario("baek", mechanism), np.ones(40), 1.0)
+    sc = _integer_scenario("baek-extended", mechanism)
+    alg, run = Baek(sc, np.ones(40), 1.0), RunPrivacy(sc, np.ones(40))
+    for a in (base, alg):
+        a.bind_model(dim)
+    run.bind(alg)
+    assert alg.n0_count == pytest.approx(5.0)
+    assert base.begin_round(0, list(range(10))) is None and alg.begin_round(0, list(range(10))) is None
+    local = alg._ring.local_variance
+    if mechanism == "skellam":
+        assert local == pytest.approx(total(alg) / 5) and base._ring.local_variance == pytest.approx(total(base) / 10)
+    else:
+        assert local == math.ceil(total(alg) / 5)
+    assert alg._ring.scale < base._ring.scale  # twice the first aggregate's noise in the same ring
+
+    survivors = list(range(10))  # nobody drops: the calibration runs all the same
+    assert alg.after_upload(survivors) == UnmaskPlan(calibration_n_prime=10.0)
+    spec = alg.client_spec()
+    ring, noise = spec.ring, spec.noise
+    fresh_var = calibration_share_variance(ring, noise.first_shares, 10)
+    assert noise.first_shares == pytest.approx(5.0) and fresh_var == pytest.approx(
+        local * 5 / 10 if mechanism == "skellam" else math.ceil(local * 5 / 10))
+    rng = np.random.default_rng(1)
+    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
+             for c in survivors}
+    first = {c: noise.integer_share(c, ring) for c in survivors}
+    fresh = {c: draw(mechanism, noise.randomness.generator("calibration", 0, c), fresh_var, ring.dim) for c in survivors}
+    a = ring_sum(list(words.values()), ring.bits)
+    r = ring_sum([a, *(noise.calibration_term(c, 1.0, ring.dim, 10.0) for c in survivors)], ring.bits)
+    assert np.array_equal(from_ring(r, ring.bits),
+                          sum(from_ring(words[c], ring.bits) - first[c] + fresh[c] for c in survivors))
+    alg.release(RoundOutcome(0, tuple(survivors), total=np.zeros(dim),
+                             calibration=CalibrationSum(np.zeros(dim), tuple(survivors))))
+    run.account(0, RoundOutcome(0, tuple(survivors), theta=np.zeros(dim, np.float32)), "")
+    event = run.ledger.rounds[0].mechanism
+    assert isinstance(event, CalibratedViewsDpEvent) and (event.survivors, event.senders) == (10, 10)
+    assert event.fresh_variance == fresh_var and event.first.shares == 1
+    assert isinstance(alg.planned_mechanism().event, CalibratedViewsDpEvent)  # the budget check books both views too
+
+    aborted = Baek(sc, np.ones(40), 1.0)
+    aborted.bind_model(dim)
+    refusal = aborted.begin_round(1, list(range(4)))
+    assert isinstance(refusal, Abort) and "below n_0 = 5" in refusal.reason
 
 
 def test_integer_calibration_against_the_server_costs_about_the_gaussian_s_two_views():

@@ -288,7 +288,7 @@ def test_docs_distributed_dp_shows_what_its_script_prints(capsys):
 
 
 def test_docs_distributed_dp_shows_the_dropout_table_its_script_prints(capsys):
-    """Every line docs/experiments/distributed_dp_dropouts.py prints (Baek's calibration and the
+    """Every line docs/experiments/distributed_dp_dropouts.py prints (Baek's calibrations and the
     layered mode with Skellam shares against the Gaussian, at 10% and 30% dropout) stands in
     docs/distributed_dp.md; and the layered mode's epsilon does not move with the dropout."""
     import importlib.util
@@ -302,7 +302,7 @@ def test_docs_distributed_dp_shows_the_dropout_table_its_script_prints(capsys):
     module.main()
     doc = (root / "docs" / "distributed_dp.md").read_text()
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 8  # the header, its rule, 2 dropout rates x 3 modes
+    assert len(printed) == 10  # the header, its rule, 2 dropout rates x 4 modes
     for line in printed:
         assert line in doc, line
     layered = [line.split("|")[3:] for line in printed if "| layered |" in line]
