@@ -22,7 +22,7 @@ def _num(value, fmt: str) -> str:
 def sweep(
     scenario: Path = typer.Argument(..., help="scenario YAML file"),
     grid: list[str] = typer.Option([], "--grid", help="an axis: --grid faults.dropout.rate=0,0.1,0.3 (repeatable); "
-                                   "with --search random also a distribution: loguniform(1e-3,1e-1), uniform(a,b), "
+                                   "with --search random or optuna also a distribution: loguniform(1e-3,1e-1), uniform(a,b), "
                                    "randint(a,b)"),
     search: str = typer.Option("grid", "--search", help="grid: every combination; random: --num-samples points "
                                "drawn from the axes; optuna: --num-samples points asked of Optuna's TPE, "
@@ -46,12 +46,13 @@ def sweep(
     address: Optional[str] = typer.Option(None, "--address", help="the Ray cluster every run joins: HOST:PORT, "
                                           "ray://HOST:10001 or auto (default: RAY_ADDRESS, else a private local Ray)"),
     max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
-                                                 help="runs at once (default: as many as the cluster's resources fit)"),
+                                                 help="runs at once (default: as many as the cluster's resources fit; "
+                                                      "an optuna search's batch, default 2)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the combinations, run nothing"),
 ) -> None:
     """Run every combination of the grid (x seeds) as Ray Tune trials in one Ray session, side by
     side; write sweep.csv and plots of final accuracy and epsilon against each axis. Finished runs
-    are skipped: the same command resumes."""
+    are skipped and unfinished ones go on from their checkpoints: the same command resumes."""
     from dpfl_ray.runtime.shutdown import Shutdown
     from dpfl_ray.runs import sweep as sw
     from dpfl_ray.runs.record import default_run_dir
