@@ -107,6 +107,8 @@ def sweep(
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True, markup=False)
     _selection_line(sweep_dir)
+    if plan.get("error") is not None:
+        raise plan["error"]
     if shutdown.requested:
         again = ["dpfl", *sys.argv[1:]] + ([] if out else ["--out", str(sweep_dir)])
         console.print(f"interrupted; resume with: {shlex.join(again)}", highlight=False, soft_wrap=True, markup=False)
@@ -122,6 +124,7 @@ def _next_batches(search, plan: dict, sweep_dir: Path, scenario: Path, options: 
     of every run so far once all of them finished (none if one did not: the command then ends, and
     the same command retries it). ``plan`` ({"axes", "runs"}) is updated to the search's points;
     ``options``: --grid, --seeds and --set as typed."""
+    from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs import sweep as sw
 
     grid, seeds, set_ = options
@@ -130,7 +133,11 @@ def _next_batches(search, plan: dict, sweep_dir: Path, scenario: Path, options: 
         while len(search.points()) < search.samples and not shutdown.requested:
             if any(done.get(run.name, "ok") not in ("ok", "skipped") for run in plan["runs"]):
                 return []
-            search.ask(search.results(sweep_dir, sw.runs_by_point(plan["runs"])))
+            try:
+                search.ask(search.results(sweep_dir, sw.runs_by_point(plan["runs"])))
+            except DPFLError as err:  # said after the finished runs' files are written
+                plan["error"] = err
+                return []
             plan["axes"], _, plan["runs"] = sw.plan(scenario, grid, seeds, set_, search)
             sw.prepare(sweep_dir, scenario, plan["axes"], seed_list, set_, search)
             batch, skipped = sw.set_aside(sweep_dir, plan["runs"], resumable)

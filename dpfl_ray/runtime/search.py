@@ -159,6 +159,12 @@ class RandomSearch:
                 and json.dumps(old.get("space"), sort_keys=True) == json.dumps(self.space, sort_keys=True))
 
 
+def _finite_size(key: str, axis: str) -> float:
+    """How many values a distribution axis can give: randint's count, else unbounded."""
+    kind, low, high = _bounds(key, axis)
+    return int(high - low) if kind == "randint" else math.inf
+
+
 def _tpe_seed(*entropy: int) -> int:
     """A 32-bit seed for an Optuna sampler from the search's seed and where it is."""
     import numpy as np
@@ -186,6 +192,11 @@ class OptunaSearch:
             raise DPFLError(f"{self.metric!r} is not one of {', '.join(METRICS)}", field="--metric")
         if self.batch < 1:
             raise DPFLError(f"must be at least 1 (got {self.batch})", field="--max-concurrent")
+        size = math.prod(len(axis) if isinstance(axis, list) else _finite_size(key, axis)
+                         for key, axis in self.space.items())
+        if size < self.samples:
+            raise DPFLError(f"the search space holds {size} points, fewer than {self.samples} (widen it or ask for "
+                            "fewer)", field="--num-samples")
 
     def points(self) -> list[tuple[str, ...]]:
         """The points asked so far (at most ``samples``), in order."""

@@ -196,10 +196,11 @@ def test_optuna_is_told_failed_and_early_stopped_runs_and_refuses_a_space_too_sm
     search.ask([None, "stopped_early"])
     assert sorted(p[0] for p in search.asked) == ["cnn", "logistic", "mlp"]
     assert search.ask([0.5, None, 0.7]) == []  # every sample asked
-    bigger = OptunaSearch(space, 4, batch=2, asked=list(search.asked))
-    with pytest.raises(DPFLError, match="fewer than 4") as err:
-        bigger.ask([0.1, 0.2, 0.3])
+    with pytest.raises(DPFLError, match="holds 3 points, fewer than 4") as err:  # before anything runs
+        OptunaSearch(space, 4, batch=2)
     assert err.value.field == "--num-samples"
+    with pytest.raises(DPFLError, match="holds 6 points"):  # randint excludes its upper bound, as in Tune
+        OptunaSearch(parse_space(["model.name=logistic,mlp", "training.local_epochs=randint(1,4)"]), 7)
 
 
 def test_optuna_results_are_the_runs_metric_averaged_over_seeds(tmp_path):
