@@ -237,14 +237,14 @@ def _best_line(search, sweep_dir: Path, runs: list) -> None:
     from dpfl_ray.runs.sweep import runs_by_point
     from dpfl_ray.runtime.search import METRICS
 
-    points = search.points()
-    results = search.results(sweep_dir, runs_by_point(runs))[:len(points)]
+    points, runs_of = search.points(), runs_by_point(runs)
+    results = search.results(sweep_dir, runs_of)[:len(points)]
     scored = [(value, point) for value, point in zip(results, points) if isinstance(value, float)]
     if not scored:
         return
     pick = max if METRICS[search.metric] == "maximize" else min
     value, point = pick(scored, key=lambda vp: vp[0])
-    seeds = len(runs_by_point(runs)[point])
+    seeds = len(runs_of[point])
     where = " ".join(f"{key}={text}" for key, text in zip(search.space, point))
     console.print(f"best of {len(scored)} points by {search.metric}: {where}: {value:.4f}"
                   + (f" (mean of {seeds} seeds)" if seeds > 1 else ""), highlight=False, soft_wrap=True, markup=False)

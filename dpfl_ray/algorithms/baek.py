@@ -62,12 +62,13 @@ def _normal(generator, std: float, dim: int) -> np.ndarray:
     return generator.standard_normal(dim, dtype=np.float64) * std
 
 
-def calibration_share_variance(ring: RingEncoding, first_shares: float, survivors: int) -> float:
+def calibration_share_variance(ring, first_shares: float, survivors: int) -> float:
     """Each calibrating survivor's fresh share when ``survivors`` clients delivered: the cohort's total
     noise variance over the survivors (integer units), so that their fresh shares sum to it (Alg. 2
     line 22 with a share per client); the discrete Gaussian's rounded up to an integer.
     ``first_shares``: how many first shares make the total (the cohort for ``baek``; n_0, the floor's
-    count, for ``baek-extended``, whose first shares each carry total / n_0)."""
+    count, for ``baek-extended``, whose first shares each carry total / n_0). ``ring``: the clients'
+    RingEncoding or the server's RingPlan (its ``mechanism`` and ``local_variance``)."""
     share = ring.local_variance * first_shares / survivors
     return float(math.ceil(share)) if ring.mechanism == "discrete_gaussian" else share
 
@@ -138,7 +139,7 @@ class BaekNoise(ClientNoise):
             from ..secagg.config import word_dtype
             from ..secagg.ring import to_ring
 
-            share = calibration_share_variance(self.ring, self.first_shares or self.cohort, int(round(n_prime)))
+            share = calibration_share_variance(self.ring, self.first_shares, int(round(n_prime)))
             fresh = draw(self.ring.mechanism, self.randomness.generator("calibration", self.round, client_id),
                          share, self.ring.dim)
             return to_ring(fresh - self.integer_share(client_id, self.ring), self.ring.bits).astype(
@@ -313,9 +314,7 @@ class Baek(Algorithm):
             if self.mode == "baek-extended":  # it always calibrates: the server's two views, every client sending
                 from ..privacy.discrete_rdp import CalibratedViewsDpEvent
 
-                fresh = plan.local_variance * self._first_shares(shares) / shares
-                if self.integer == "discrete_gaussian":
-                    fresh = float(math.ceil(fresh))
+                fresh = calibration_share_variance(plan, self._first_shares(shares), shares)
                 self._planned_event = CalibratedViewsDpEvent(plan.event.with_shares(1, plan.local_variance), fresh,
                                                              shares, shares)
         return self._mechanism(z, event=self._planned_event)

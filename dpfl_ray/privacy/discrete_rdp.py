@@ -238,6 +238,10 @@ class RingPlan:
     event: DiscreteNoiseSumDpEvent
     wrap_probability: float
 
+    @property
+    def mechanism(self) -> str:
+        return self.event.mechanism
+
 
 def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float, noise_std: float,
               sensitivity: float, max_wrap_probability: float = 1e-4, beta: float = math.exp(-0.5)) -> RingPlan:
