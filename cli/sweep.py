@@ -151,15 +151,10 @@ def _next_batches(search, plan: dict, sweep_dir: Path, scenario: Path, options: 
 
 
 def resumable(run_dir: Path) -> bool:
-    """Can an unfinished run directory of a sweep be continued from its checkpoint (as ``dpfl run
-    --resume`` would: the checkpoint, the rows it covers and scenario.yaml all whole)?"""
-    from dpfl_ray.errors import DPFLError
-    from dpfl_ray.runtime.checkpoint import open_for_resume
+    """runtime/checkpoint.resumable, imported when a sweep sets its runs aside."""
+    from dpfl_ray.runtime.checkpoint import resumable as can_resume
 
-    try:
-        return open_for_resume(run_dir) is not None
-    except DPFLError:
-        return False
+    return can_resume(run_dir)
 
 
 def resuming(sweep_dir: Path, todo: list) -> str:

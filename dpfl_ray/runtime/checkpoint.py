@@ -119,6 +119,15 @@ def finished(run_dir: Path) -> dict | None:
     return None
 
 
+def resumable(run_dir: Path) -> bool:
+    """Could ``dpfl run --resume`` continue this unfinished run directory (:func:`open_for_resume`
+    finds its checkpoint, the rows it covers and scenario.yaml whole)? What a sweep's set_aside asks."""
+    try:
+        return open_for_resume(run_dir) is not None
+    except DPFLError:
+        return False
+
+
 def open_for_resume(run_dir: Path):
     """(checkpoint, scenario) of a run directory to continue, every file it rests on checked before
     Ray starts: the checkpoint whole, the rows it covers whole, scenario.yaml unedited. None when
