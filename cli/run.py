@@ -38,7 +38,7 @@ def run(
     # check, never in the middle of an import or of a library's own code.
     shutdown = Shutdown().install()
     sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
-    model = _InitialModel(sc, fed)  # torch loads while Ray starts
+    plotting = _Plotting()  # matplotlib loads while Ray starts
     import ray
 
     from dpfl_ray.runs.record import RunRecord
@@ -47,7 +47,7 @@ def run(
     from dpfl_ray.runtime.rescue import Watcher
     from dpfl_ray.runtime.resources import plan_pool
     if shutdown.requested:
-        model.wait()
+        plotting.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)
         raise typer.Exit(shutdown.exit_code)
 
@@ -70,14 +70,13 @@ def run(
             task = progress.add_task("rounds", total=sc.training.rounds, status="starting workers",
                                      completed=len(record.rounds))
             summary = run_scenario(sc, fed, record, on_event=_on_event(progress, task), shutdown=shutdown,
-                                   resume=checkpoint, startup=startup, theta0=model.result, started_at=t0,
+                                   resume=checkpoint, startup=startup, started_at=t0,
                                    keep_workers=False)  # one run per process: nothing would take them
     except KeyboardInterrupt:
         if checkpoint is not None and record is None:  # the directory is as the last stop left it
             stop_ray()
             raise typer.Exit(shutdown.exit_code)
         # interrupted while Ray or the run was starting: leave a consistent run of 0 rounds
-        model.built()  # its torch import finishes before the summary's model is built here
         record = record or RunRecord(run_dir)
         summary = write_unstarted(sc, fed, record, time.time() - t0)
     finally:
@@ -85,7 +84,7 @@ def run(
             watcher.done()
         stop_ray()
         if not ray_stopped():  # else the process leaves by os._exit (cli/main.py): no import to finish
-            model.wait()
+            plotting.wait()
         shutdown.done()
     _print_summary(summary, record)
     if summary["stop_reason"] == "interrupted":
@@ -99,7 +98,7 @@ def _prepare(scenario, set_, out, address, resume):
     """Everything that can be wrong with the scenario, found before a file is written or Ray
     starts: (scenario, federation, run directory, checkpoint or None, start-up seconds). The
     scenario is read before the data code loads: a mistake in it answers at once. Torch is not
-    needed here: the model's fit to the data is checked without it (_InitialModel builds it)."""
+    needed here: the model's fit to the data is checked without it (a worker builds it)."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs.record import RunRecord, default_run_dir
     from dpfl_ray.runtime.checkpoint import finished, open_for_resume
@@ -140,44 +139,33 @@ def _prepare(scenario, set_, out, address, resume):
     return sc, fed, run_dir, checkpoint, startup
 
 
-# Modules the model thread loads (torch imports both) that register an at-fork hook run in the
-# parent, os.register_at_fork(before=..., after_in_parent=...): imported in the main thread before
-# the thread starts. ray.init starts Ray's processes with a preexec_fn, so each fork runs the
+# Modules the plotting thread loads (matplotlib imports both) that register an at-fork hook run in
+# the parent, os.register_at_fork(before=..., after_in_parent=...): imported in the main thread
+# before the thread starts. ray.init starts Ray's processes with a preexec_fn, so each fork runs the
 # parent's "before" hooks, then the "after" ones; a hook the thread registered in between ran only
 # its second half, and concurrent.futures' `lock.release` printed "Exception ignored ... RuntimeError:
 # release unlocked lock" with a traceback on the user's stderr (seen in the signal tests, rarely).
-# tests/e2e/test_cli.py reads the installed torch's and matplotlib's source for any others.
+# tests/e2e/test_cli.py reads the installed matplotlib's source for any others.
 PARENT_FORK_HOOK_MODULES = ("logging", "concurrent.futures.thread")
 
 
-class _InitialModel:
-    """The run's initial model (models.initial_theta), built in a thread while ``ray.init`` runs;
-    then matplotlib is loaded for the plots the run ends with.
-
-    Importing torch and building the model take about a second of CPU, matplotlib another 0.35 s;
-    Ray's start-up spends most of its 3-5 s waiting for its own processes, which leaves a core idle
-    on a 2-core machine. The model's fit to the data was checked before Ray started
-    (model_inputs.check_model_input), so nothing the user wrote can fail here. Signals go to the
+class _Plotting:
+    """matplotlib, loaded in a thread while ``ray.init`` runs, for the plots the run ends with
+    (about 0.7 s of CPU; Ray's start-up spends most of its 3-5 s waiting for its own processes,
+    which leaves a core idle on a 2-core machine). The driver loads no torch: the run's workers
+    build the initial model and write model.pt (runtime/driver.run_scenario). Signals go to the
     main thread, as before."""
 
     DEADLINE_SECONDS = 120.0
 
-    def __init__(self, sc, fed):
-        self._theta, self._error, self._built = None, None, threading.Event()
+    def __init__(self):
         for name in PARENT_FORK_HOOK_MODULES:
             importlib.import_module(name)
-        self._thread = threading.Thread(target=self._build, args=(sc, fed.dataset.input_shape, fed.dataset.num_classes),
-                                        name="dpfl-initial-model", daemon=True)
+        self._thread = threading.Thread(target=self._load, name="dpfl-plotting", daemon=True)
         self._thread.start()
 
-    def _build(self, sc, input_shape, num_classes) -> None:
-        try:
-            from dpfl_ray.training.models import initial_theta
-
-            self._theta = initial_theta(sc.model, input_shape, num_classes, sc.seed)
-        except BaseException as err:  # noqa: BLE001 - handed to the main thread by result()
-            self._error = err
-        self._built.set()
+    @staticmethod
+    def _load() -> None:
         try:
             from dpfl_ray.runs.record import plotting_library
 
@@ -186,24 +174,8 @@ class _InitialModel:
             pass
 
     def wait(self) -> None:
-        """Let the thread finish its imports before the process exits (bounded)."""
+        """Let the thread finish its import before the process exits (bounded)."""
         self._thread.join(self.DEADLINE_SECONDS)
-
-    def built(self) -> None:
-        """Wait (bounded) until the model is built, not for matplotlib: a run of 0 rounds draws nothing."""
-        self._built.wait(self.DEADLINE_SECONDS)
-
-    def result(self):
-        """The flat initial model once the thread has built it (bounded; matplotlib may still be
-        loading: results.plotting_library lets one thread import it at a time); the thread's error,
-        if it had one."""
-        if not self._built.wait(self.DEADLINE_SECONDS):
-            from dpfl_ray.errors import DPFLError
-
-            raise DPFLError(f"building the initial model took over {self.DEADLINE_SECONDS:.0f} s", field="model")
-        if self._error is not None:
-            raise self._error
-        return self._theta
 
 
 def _on_event(progress, task):

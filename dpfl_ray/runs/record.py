@@ -189,9 +189,11 @@ class RunRecord:
         _atomic(self.path / name, lambda tmp: tmp.write_text(text))
 
     def write_model(self, state_dict) -> None:
-        import torch
+        self.write_model_file(model_file(state_dict))
 
-        _atomic(self.path / "model.pt", lambda tmp: torch.save(state_dict, tmp))
+    def write_model_file(self, data: bytes) -> None:
+        """model.pt from its bytes (``model_file``), made by whichever process has torch loaded."""
+        _atomic(self.path / MODEL_FILE, lambda tmp: tmp.write_bytes(data))
 
     def plot_accuracy(self) -> None:
         rows = [r for r in self.rounds if r.get("test_accuracy") is not None]
@@ -231,9 +233,27 @@ class RunRecord:
             self._rounds_file.close()
 
 
+MODEL_FILE = "model.pt"
+
+
+def model_file(state_dict) -> bytes:
+    """The bytes of model.pt for ``state_dict``, the same in any process: torch.save names the
+    archive's folder after the file it writes, so it writes the temporary name ``_atomic`` uses."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="dpfl-model-") as tmp:
+        path = Path(tmp) / _temporary(MODEL_FILE)
+        torch.save(state_dict, path)
+        return path.read_bytes()
+
+
+def _temporary(name: str) -> str:
+    return f".{name}.tmp"
+
+
 def _atomic(path: Path, write) -> None:
     """``write(tmp)`` then rename over ``path`` (same directory, so the rename is atomic)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(_temporary(path.name))
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -26,7 +26,7 @@ from ..privacy.randomness import DPRandomness
 from ..privacy.client_sampling import sample_clients
 from ..scenario import Scenario
 from ..runs.record import client_accuracy_summary
-from .messages import Canaries
+from .messages import Canaries, Pending
 from .resources import PoolPlan, assign_clients, assign_groups, deal, plan_pool, summation_groups, undeal
 from .chaos import strike
 from .checkpoint import scenario_fingerprint
@@ -43,12 +43,12 @@ BUDGET_REFUSAL = "releasing this round would take the effective epsilon past pri
 
 
 class Coordinator:
-    def __init__(self, scenario: dict, data: dict, theta0: np.ndarray, workers: list | None = None,
+    def __init__(self, scenario: dict, data: dict, theta0: np.ndarray | Pending, workers: list | None = None,
                  resume: dict | None = None, fault_plan: FaultPlan | None = None):
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
-        arrays, plus the test set, partition and weights. ``theta0``: the initial model, flat (the
-        driver builds it: this actor imports no torch unless it must, a second of CPU at every
-        start). ``workers``: a pool the driver started next to this actor (so both start at once);
+        arrays, plus the test set, partition and weights. ``theta0``: the initial model, flat, or
+        Pending on the worker that builds it (this actor imports no torch unless it must, a second
+        of CPU at every start). ``workers``: a pool the driver started next to this actor (so both start at once);
         None starts one in ``start_pool``. ``resume``: a checkpoint (runtime/checkpoint.py) to
         continue from. ``fault_plan``: built by the driver, which has the scenario's files (an
         availability trace)."""
@@ -63,6 +63,8 @@ class Coordinator:
         self.sizes = np.diff(offsets)
         self.num_real = len(self.sizes)
         self.model = None  # built only if the coordinator must evaluate by itself
+        if isinstance(theta0, Pending):
+            theta0 = ray.get(theta0.ref, timeout=CALL_TIMEOUT_SECONDS)
         self.theta = np.array(theta0, dtype=np.float32)
         audit = self.sc.privacy.audit
         self.audit = None
@@ -121,7 +123,7 @@ class Coordinator:
         self._snapshot_algorithm()
         _one_torch_thread()  # an algorithm may have brought torch in; it runs on one core here
 
-    def rebind(self, scenario: dict, data: dict, theta0: np.ndarray, workers: list | None = None,
+    def rebind(self, scenario: dict, data: dict, theta0: np.ndarray | Pending, workers: list | None = None,
                resume: dict | None = None, fault_plan: FaultPlan | None = None) -> bool:
         """Serve another run (runtime/warm.py): every attribute the last run set is dropped and
         ``__init__`` runs anew, so the coordinator is the one a fresh process would be; only the
@@ -571,16 +573,16 @@ class CoordinatorArgs(NamedTuple):
     """The arguments of ``Coordinator.__init__`` and ``Coordinator.rebind``, in their order."""
     scenario: dict
     data: dict
-    theta0: np.ndarray
+    theta0: np.ndarray | Pending
     workers: list | None
     resume: dict | None
     fault_plan: FaultPlan | None
 
 
 def coordinator_args(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | None = None) -> CoordinatorArgs:
-    """``theta0``: the initial model, flat (models.initial_theta), if the caller built it already;
-    built here otherwise. The driver builds it, so that the coordinator never loads torch."""
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | Pending | None = None) -> CoordinatorArgs:
+    """``theta0``: the initial model, flat (models.initial_theta), or Pending on a worker that builds
+    it; built here (torch) otherwise. Never in the coordinator, which then need not load torch."""
     if theta0 is None:
         from ..training.models import initial_theta
 

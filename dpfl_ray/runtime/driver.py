@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import ray
@@ -18,6 +18,7 @@ from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
 from .checkpoint import rows_covered, write_checkpoint
+from .messages import Pending
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
 
 
@@ -86,12 +87,14 @@ def put_federation(fed: Federation, canaries: int = 0) -> dict:
 STOP_GRACE_SECONDS = 2.0
 # Bound on every call to the coordinator while it is healthy.
 CALL_TIMEOUT_SECONDS = 60.0
+# A stopped run's first worker may still be in the round it was training: model.pt is made here after this.
+MODEL_FILE_GRACE_SECONDS = 3.0
 
 
 def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                  on_event: Callable[[dict], None] | None = None, shutdown: Shutdown | None = None,
                  poll_seconds: float = 0.2, resume: dict | None = None, startup: dict | None = None,
-                 theta0: np.ndarray | Callable[[], np.ndarray] | None = None, started_at: float | None = None,
+                 theta0: np.ndarray | None = None, started_at: float | None = None,
                  keep_workers: bool = True, workers: int | None = None) -> dict:
     """Run a scenario on the connected Ray; returns the summary (also written to summary.json).
 
@@ -102,9 +105,9 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     (runtime/checkpoint.py); ``resume`` continues from one (``record`` then holds its rows).
     ``startup``: seconds the caller spent before the run (loading data, joining Ray), for the
     summary's ``timings``. ``theta0``: the initial model (models.initial_theta) if the caller
-    builds it, or a function that returns it: ``dpfl run`` builds it in a thread while Ray starts,
-    and it is awaited only after the workers were requested. Joining a Ray that is already running,
-    the driver's torch import then overlaps the workers' start instead of preceding it.
+    built it; else the first worker builds it, and model.pt of a run that ends cleanly comes from
+    that worker too: the driver loads no torch (about 2 s of CPU per run, and a stop that waits
+    for no import), except to write the model of a run whose workers may be gone or busy.
     ``started_at``: when the caller began (before Ray started, and any second try of that start):
     the summary's wall time counts from there. ``keep_workers``: park the workers of a clean run for
     this process's next run (runtime/warm.py). ``workers``: the pool's size, where the caller
@@ -127,9 +130,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
         pool, shape = start_workers(scenario, data, fed.num_clients, workers)
-        if callable(theta0):  # the caller's model thread, awaited while the workers start
-            theta0 = theta0()
-            timings.mark("initial_model_ready")
+        if theta0 is None and pool:  # the coordinator waits for it while its own process starts
+            theta0 = Pending(pool[0].initial_model.remote())
         args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0)
         # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one
         coord = warm.take_coordinator(args, lambda ref: _ask(ref, shutdown=shutdown))
@@ -185,8 +187,11 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     if stop_reason == "stopped_early" and len(record.rounds) >= scenario.training.rounds:
         stop_reason = "completed"  # the scheduler's stop came after the last round
     wall = time.time() - (t0 if started_at is None else started_at)
-    summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings)
-    if keep_workers and error is None and stop_reason != "interrupted" and not shutdown.requested:
+    clean = error is None and stop_reason != "interrupted" and not shutdown.requested
+    # a stopped run's workers may still train the round in flight: they get a moment, then torch loads here
+    summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings, () if lost else pool,
+                     CALL_TIMEOUT_SECONDS if clean else MODEL_FILE_GRACE_SECONDS)
+    if keep_workers and clean:
         warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)
         warm.park_coordinator(coord)
     if lost is not None and last_checkpoint is not None:
@@ -335,9 +340,12 @@ class Timings:
         return dict(self.marks)
 
 
-def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, timings: Timings | None = None) -> dict:
+def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, timings: Timings | None = None,
+           workers: Sequence = (), workers_wait_s: float = CALL_TIMEOUT_SECONDS) -> dict:
     """Write ledger.json, model.pt, summary.json (and the checkpoint, audit and plots) for
-    ``state``: what the coordinator committed (``Coordinator.committed``), or None if it is gone."""
+    ``state``: what the coordinator committed (``Coordinator.committed``), or None if it is gone.
+    ``workers``: the run's workers, the first of which makes model.pt's bytes if it answers within
+    ``workers_wait_s`` (else this process loads torch to make them)."""
     rounds = record.rounds
     last_acc = next((r["test_accuracy"] for r in reversed(rounds) if r.get("test_accuracy") is not None), None)
     summary = {"name": scenario.name, "final_accuracy": last_acc,
@@ -387,12 +395,7 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
             record.write_json("ledger.json", ledger)
     if state is not None:
         summary.update(state["summary"])
-        from ..training.models import build_model, set_flat  # torch: `dpfl run` loads it while Ray starts
-
-        model = build_model(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed)
-        if state["theta"] is not None:
-            set_flat(model, state["theta"])
-        record.write_model(model.state_dict())
+        record.write_model_file(_model_file(scenario, fed, state["theta"], workers, workers_wait_s))
     else:
         summary["model"] = "unavailable: the coordinator died before handing it back"
     if timings is not None:
@@ -404,6 +407,19 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
     if ledger is not None:
         record.plot_privacy()
     return summary
+
+
+def _model_file(scenario, fed, theta: np.ndarray | None, workers: Sequence, wait_s: float) -> bytes:
+    """model.pt's bytes for ``theta`` (None: the initial model): from the first of ``workers``,
+    which has torch loaded, or built here where it does not answer within ``wait_s``."""
+    if workers:
+        try:
+            return _ask(workers[0].model_file.remote(theta), timeout_s=wait_s)
+        except (ray.exceptions.RayError, HeadLost):
+            pass
+    from ..training.models import model_file_bytes
+
+    return model_file_bytes(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed, theta)
 
 
 def write_unstarted(scenario: Scenario, fed: Federation, record: RunRecord, wall: float,

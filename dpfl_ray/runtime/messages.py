@@ -8,6 +8,15 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class Pending:
+    """An object ref handed to an actor unresolved: Ray resolves only an actor's top-level
+    arguments, and waits for them before the actor's process starts. The coordinator's initial
+    model comes from a worker (ClientWorker.initial_model) this way, so both processes start at once."""
+
+    ref: object
+
+
+@dataclass(frozen=True)
 class WorkerChaos:
     """A worker's share of the round's planned faults: how long its on-time clients hold their
     uploads back (the slowest of them; the straggler sleeps for real), which clients send a

@@ -213,7 +213,6 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     from ..runs.sweep import hold_run
     from .checkpoint import rows_covered
     from ..scenario import load_scenario
-    from ..training.models import initial_theta
     from .driver import run_scenario, write_unstarted
 
     record, held = None, None
@@ -227,13 +226,12 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
         fed = build_federation(sc)
         startup = {"load_data": time.time() - t0}
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, rows_covered(checkpoint))
-        theta0 = initial_theta(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
 
         def on_event(ev: dict) -> None:
             if ev.get("event") == "round":
                 report({k: ev.get(k) for k in ROUND_METRICS if ev.get(k) is not None})
 
-        summary = run_scenario(sc, fed, record, on_event=on_event, shutdown=stop, startup=startup, theta0=theta0,
+        summary = run_scenario(sc, fed, record, on_event=on_event, shutdown=stop, startup=startup,
                                started_at=t0, keep_workers=True, workers=int(config["workers"]), resume=checkpoint)
     except DPFLError as err:
         return f"failed: {err}", held is not None

@@ -74,6 +74,17 @@ def initial_theta(model_cfg, input_shape: tuple[int, ...], num_classes: int, see
     return get_flat(build_model(model_cfg, tuple(input_shape), num_classes, seed))
 
 
+def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int,
+                     theta: np.ndarray | None) -> bytes:
+    """model.pt's bytes (runs.record.model_file) for the flat model ``theta``; None: the initial model."""
+    from ..runs.record import model_file
+
+    model = build_model(model_cfg, tuple(input_shape), num_classes, seed)
+    if theta is not None:
+        set_flat(model, theta)
+    return model_file(model.state_dict())
+
+
 @torch.no_grad()
 def set_flat(model: nn.Module, flat: np.ndarray) -> None:
     """Copy a flat vector into the parameters. Copy, never alias: ``flat`` is often a read-only
