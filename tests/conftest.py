@@ -9,47 +9,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.pop("COLUMNS", None)
 
 
-# pytest-xdist's worksteal hands its k-th of n processes a contiguous block of the collected tests
-# (len(left) // (n - k) of them) and lets a process that runs dry take the second half of the
-# longest queue. A minute-long cluster or CLI test collected last would run alone at the end while
-# the other processes sit idle; so each block gets an equal share of the long tests' rough cost,
-# first, and is filled up with unit tests. A module's long tests stay together (module fixtures
-# start a Ray head or a cluster). The costs are rough CPU seconds per test (a serial run's, per
-# module), by where it lives: the first prefix that matches.
-_COST = (("tests/ray_cluster/test_nodes.py", 90.0), ("tests/ray_cluster/test_connect_cli.py", 2.0),
-         ("tests/ray_cluster/test_cluster_yaml.py", 2.0), ("tests/ray_cluster/", 20.0),
-         ("tests/e2e/test_sweep_cli.py", 30.0), ("tests/e2e/test_reproduce.py", 20.0),
-         ("tests/e2e/test_signals.py", 9.0), ("tests/e2e/test_resume.py", 7.0), ("tests/e2e/test_cli.py", 2.5),
-         ("tests/e2e/test_hostile_inputs.py", 1.0), ("tests/ray/", 8.0))
-_UNIT_COST = 0.3
-
-
-def _cost(item) -> float:
-    return next((cost for prefix, cost in _COST if item.nodeid.startswith(prefix)), _UNIT_COST)
+# Long tests first: `make test` runs on pytest-xdist with work stealing, and a minute-long cluster
+# or CLI test collected last would run alone at the end while the other processes sit idle.
+_FIRST = ("tests/ray_cluster/", "tests/e2e/", "tests/ray/")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    modules: dict[str, list] = {}
-    for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    long = sorted((m for m in modules.values() if _cost(m[0]) > _UNIT_COST), key=lambda m: -sum(map(_cost, m)))
-    short = [item for m in modules.values() if _cost(m[0]) == _UNIT_COST for item in m]
-    n = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    sizes, left = [], len(items)
-    for k in range(n):
-        sizes.append(left // (n - k))
-        left -= sizes[-1]
-    blocks, load = [[] for _ in range(n)], [0.0] * n
-    for module in long:  # the costliest first, each to the block with the least cost so far that has room
-        room = [k for k in range(n) if len(blocks[k]) + len(module) <= sizes[k]] or range(n)
-        k = min(room, key=lambda b: load[b])
-        blocks[k] += module
-        load[k] += sum(map(_cost, module))
-    for k in range(n):  # then unit tests, in their order, up to each block's size
-        take = max(0, sizes[k] - len(blocks[k]))
-        blocks[k] += short[:take]
-        short = short[take:]
-    items[:] = [item for block in blocks for item in block] + short
+    def rank(item):
+        path = item.nodeid
+        return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+
+    items.sort(key=rank)  # stable: each group keeps its own order
 
 
 @pytest.fixture(scope="session")

@@ -580,8 +580,7 @@ class CoordinatorArgs(NamedTuple):
 
 
 def coordinator_args(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None,
-                     theta0: np.ndarray | Pending | None = None) -> CoordinatorArgs:
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | Pending | None = None) -> CoordinatorArgs:
     """``theta0``: the initial model, flat (models.initial_theta), or Pending on a worker that builds
     it; built here (torch) otherwise. Never in the coordinator, which then need not load torch."""
     if theta0 is None:
