@@ -189,11 +189,13 @@ class RunRecord:
         _atomic(self.path / name, lambda tmp: tmp.write_text(text))
 
     def write_model(self, state_dict) -> None:
+        from ..training.models import model_file
+
         self.write_model_file(model_file(state_dict))
 
     def write_model_file(self, data: bytes) -> None:
-        """model.pt from its bytes (``model_file``), made by whichever process has torch loaded."""
-        _atomic(self.path / MODEL_FILE, lambda tmp: tmp.write_bytes(data))
+        """model.pt from its bytes (training.models.model_file), made by whichever process has torch loaded."""
+        _atomic(self.path / "model.pt", lambda tmp: tmp.write_bytes(data))
 
     def plot_accuracy(self) -> None:
         rows = [r for r in self.rounds if r.get("test_accuracy") is not None]
@@ -233,27 +235,9 @@ class RunRecord:
             self._rounds_file.close()
 
 
-MODEL_FILE = "model.pt"
-
-
-def model_file(state_dict) -> bytes:
-    """The bytes of model.pt for ``state_dict``, the same in any process: torch.save names the
-    archive's folder after the file it writes, so it writes the temporary name ``_atomic`` uses."""
-    import torch
-
-    with tempfile.TemporaryDirectory(prefix="dpfl-model-") as tmp:
-        path = Path(tmp) / _temporary(MODEL_FILE)
-        torch.save(state_dict, path)
-        return path.read_bytes()
-
-
-def _temporary(name: str) -> str:
-    return f".{name}.tmp"
-
-
 def _atomic(path: Path, write) -> None:
     """``write(tmp)`` then rename over ``path`` (same directory, so the rename is atomic)."""
-    tmp = path.with_name(_temporary(path.name))
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import tempfile
 import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -74,11 +76,19 @@ def initial_theta(model_cfg, input_shape: tuple[int, ...], num_classes: int, see
     return get_flat(build_model(model_cfg, tuple(input_shape), num_classes, seed))
 
 
+def model_file(state_dict) -> bytes:
+    """The bytes of model.pt for ``state_dict``, the same in any process. torch.save names the
+    archive's folder after the file it writes: this is the temporary name runs.record writes
+    model.pt under, so the bytes are those a direct save there made."""
+    with tempfile.TemporaryDirectory(prefix="dpfl-model-") as tmp:
+        path = Path(tmp) / ".model.pt.tmp"
+        torch.save(state_dict, path)
+        return path.read_bytes()
+
+
 def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int,
                      theta: np.ndarray | None) -> bytes:
-    """model.pt's bytes (runs.record.model_file) for the flat model ``theta``; None: the initial model."""
-    from ..runs.record import model_file
-
+    """model.pt's bytes (model_file) for the flat model ``theta``; None: the initial model."""
     model = build_model(model_cfg, tuple(input_shape), num_classes, seed)
     if theta is not None:
         set_flat(model, theta)

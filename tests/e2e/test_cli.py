@@ -60,7 +60,7 @@ def test_a_runs_driver_loads_no_torch_and_its_worker_makes_the_model_file(tiny, 
     process makes for the same model; the `dpfl run` process itself never imports torch."""
     import torch
 
-    from dpfl_ray.runs.record import model_file
+    from dpfl_ray.training.models import model_file
 
     out = tmp_path / "run"
     env = dict(os.environ, COLUMNS="200", PYTHONPROFILEIMPORTTIME="1")  # every import of the driver, on its stderr
