@@ -309,8 +309,12 @@ def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | Non
     return state
 
 
+NO_MODEL = ("none: the run stopped before its coordinator began; its initial model is built from scenario.yaml's "
+            "model and seed alone (training.models.initial_theta)")
+
+
 def _initial_state(scenario) -> dict:
-    """What a run that never got a coordinator leaves: the initial model and an empty ledger."""
+    """What a run that never got a coordinator leaves: no model (NO_MODEL) and an empty ledger."""
     p = scenario.privacy
     state = {"rounds": 0, "theta": None, "summary": {}}
     if algorithm_class(scenario).private:
@@ -393,11 +397,14 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
         if ledger is not None:
             ledger["epsilon_empirical"] = state["epsilon_empirical"]
             record.write_json("ledger.json", ledger)
-    if state is not None:
+    if state is None:
+        summary["model"] = "unavailable: the coordinator died before handing it back"
+    elif state["theta"] is None:  # no model.pt: building the initial one would load torch into a stopping process
+        summary.update(state["summary"])
+        summary["model"] = NO_MODEL
+    else:
         summary.update(state["summary"])
         record.write_model_file(_model_file(scenario, fed, state["theta"], workers, workers_wait_s))
-    else:
-        summary["model"] = "unavailable: the coordinator died before handing it back"
     if timings is not None:
         timings.mark("files_written")
         summary["timings"] = timings.to_dict()
@@ -409,9 +416,9 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
     return summary
 
 
-def _model_file(scenario, fed, theta: np.ndarray | None, workers: Sequence, wait_s: float) -> bytes:
-    """model.pt's bytes for ``theta`` (None: the initial model): from the first of ``workers``,
-    which has torch loaded, or built here where it does not answer within ``wait_s``."""
+def _model_file(scenario, fed, theta: np.ndarray, workers: Sequence, wait_s: float) -> bytes:
+    """model.pt's bytes for ``theta``: from the first of ``workers``, which has torch loaded, or built
+    here where it does not answer within ``wait_s``."""
     if workers:
         try:
             return _ask(workers[0].model_file.remote(theta), timeout_s=wait_s)
@@ -424,7 +431,7 @@ def _model_file(scenario, fed, theta: np.ndarray | None, workers: Sequence, wait
 
 def write_unstarted(scenario: Scenario, fed: Federation, record: RunRecord, wall: float,
                     stop_reason: str = "interrupted", error: str | None = None) -> dict:
-    """The files of a run stopped before its coordinator existed: 0 rounds, the initial model."""
+    """The files of a run stopped before its coordinator existed: 0 rounds, and no model (NO_MODEL)."""
     record.write_scenario(scenario.to_yaml())
     return finish(scenario, fed, record, _initial_state(scenario), stop_reason, error, wall)
 
