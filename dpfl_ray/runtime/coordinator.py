@@ -48,8 +48,8 @@ class Coordinator:
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
         arrays, plus the test set, partition and weights. ``theta0``: the initial model, flat, or
         Pending on the worker that builds it (this actor imports no torch unless it must, a second
-        of CPU at every start). ``workers``: a pool the driver started next to this actor (so both start at once);
-        None starts one in ``start_pool``. ``resume``: a checkpoint (runtime/checkpoint.py) to
+        of CPU at every start). ``workers``: a pool the driver started next to this actor (so both
+        start at once); None starts one in ``start_pool``. ``resume``: a checkpoint (runtime/checkpoint.py) to
         continue from. ``fault_plan``: built by the driver, which has the scenario's files (an
         availability trace)."""
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
@@ -580,7 +580,8 @@ class CoordinatorArgs(NamedTuple):
 
 
 def coordinator_args(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | Pending | None = None) -> CoordinatorArgs:
+                     fault_plan: FaultPlan | None = None,
+                     theta0: np.ndarray | Pending | None = None) -> CoordinatorArgs:
     """``theta0``: the initial model, flat (models.initial_theta), or Pending on a worker that builds
     it; built here (torch) otherwise. Never in the coordinator, which then need not load torch."""
     if theta0 is None:
@@ -606,16 +607,24 @@ def start_coordinator(args: CoordinatorArgs):
 
 
 def start_workers(scenario: Scenario, data: dict, num_clients: int,
-                  count: int | None = None) -> tuple[list, tuple[float, float]]:
-    """The ClientWorker pool, started from the driver at the same time as the coordinator, and its
-    shape (CPUs, GPUs per worker). Warm workers parked by an earlier run of this driver
-    (runtime/warm.py) are taken first. ``count``: the pool's size where the caller decided it (a
-    sweep trial: one per bundle of its placement group); else the cluster decides."""
+                  count: int | None = None) -> tuple[list, tuple[float, float], bool]:
+    """The ClientWorker pool, started from the driver at the same time as the coordinator, its
+    shape (CPUs, GPUs per worker), and whether every worker starts at once: parked or in a
+    placement group, or fitting the resources free when it was asked for (else it may wait for
+    another run to end). Warm workers parked by an earlier run of this driver (runtime/warm.py) are
+    taken first. ``count``: the pool's size where the caller decided it (a sweep trial: one per
+    bundle of its placement group); else the cluster decides."""
+    from ray.util import get_current_placement_group
+
     plan = plan_pool(scenario.resources, ray.cluster_resources(), num_clients)
     if count is not None:
         plan = PoolPlan(count, plan.num_cpus, plan.num_gpus)
     raw = scenario.model_dump(mode="json")
     workers = warm.take(plan.num_cpus, plan.num_gpus, plan.workers, raw, data)
+    fresh = plan.workers - len(workers)
+    free = ray.available_resources() if fresh and get_current_placement_group() is None else {}
+    now = all(free.get(kind, 0.0) + 1e-9 >= fresh * each
+              for kind, each in (("CPU", plan.num_cpus), ("GPU", plan.num_gpus))) if free else True
     cls = make_worker_class(plan.num_cpus, plan.num_gpus)
-    workers += [cls.remote(raw, data) for _ in range(plan.workers - len(workers))]
-    return workers, (plan.num_cpus, plan.num_gpus)
+    workers += [cls.remote(raw, data) for _ in range(fresh)]
+    return workers, (plan.num_cpus, plan.num_gpus), now

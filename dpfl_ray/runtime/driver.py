@@ -105,9 +105,9 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     (runtime/checkpoint.py); ``resume`` continues from one (``record`` then holds its rows).
     ``startup``: seconds the caller spent before the run (loading data, joining Ray), for the
     summary's ``timings``. ``theta0``: the initial model (models.initial_theta) if the caller
-    built it; else the first worker builds it, and model.pt of a run that ends cleanly comes from
-    that worker too: the driver loads no torch (about 2 s of CPU per run, and a stop that waits
-    for no import), except to write the model of a run whose workers may be gone or busy.
+    built it; else the first worker builds it (when the pool starts at once), and model.pt comes
+    from that worker too: the driver loads no torch (about 2 s of CPU per run), except for a pool
+    that waits for resources and for the model of a run whose workers are gone or busy.
     ``started_at``: when the caller began (before Ray started, and any second try of that start):
     the summary's wall time counts from there. ``keep_workers``: park the workers of a clean run for
     this process's next run (runtime/warm.py). ``workers``: the pool's size, where the caller
@@ -129,8 +129,10 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
-        pool, shape = start_workers(scenario, data, fed.num_clients, workers)
-        if theta0 is None and pool:  # the coordinator waits for it while its own process starts
+        pool, shape, starting = start_workers(scenario, data, fed.num_clients, workers)
+        # the coordinator waits for it while its own process starts; a worker that may wait for
+        # another run's resources would hold the coordinator's first reply: then it is built here
+        if theta0 is None and pool and starting:
             theta0 = Pending(pool[0].initial_model.remote())
         args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0)
         # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one

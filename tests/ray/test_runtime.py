@@ -57,6 +57,46 @@ def test_three_round_run_writes_every_file(one_worker_run):
     assert all(0 < r["worker_seconds"] < r["seconds"] - r["eval_seconds"] for r in rounds)
 
 
+class _Holder:
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_pool_that_waits_for_cpus_has_its_initial_model_built_by_the_driver(ray_session, one_worker_run, tmp_path,
+                                                                               monkeypatch):
+    """Workers that cannot start yet (another driver holds every CPU) would hold the coordinator's
+    first reply if it waited for one of them to build the initial model: the driver builds it, and
+    the run goes on once the CPUs are free, to the same bits as a run whose worker built it."""
+    import threading
+
+    from dpfl_ray.runtime import warm
+    from dpfl_ray.runtime.coordinator import start_workers
+    from dpfl_ray.training import models
+
+    built_here = []
+    initial_theta = models.initial_theta
+    monkeypatch.setattr(models, "initial_theta", lambda *a: built_here.append(a) or initial_theta(*a))
+
+    warm.clear()  # this process's parked workers hold CPUs too
+    hold = ray_session.remote(num_cpus=2)(_Holder).remote()
+    assert ray_session.get(hold.ready.remote(), timeout=60)
+    sc = tiny_scenario()
+    pool, _, starting = start_workers(sc, put_federation(build_federation(sc)), 20)
+    assert not starting
+    for worker in pool:
+        ray_session.kill(worker)
+    threading.Timer(3.0, ray_session.kill, [hold]).start()  # the CPUs come free while the run waits
+    summary, rounds, state = _run(sc, tmp_path, "waited")
+    _, reference_rounds, reference_state, _ = one_worker_run
+
+    def untimed(rows):
+        return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+
+    assert len(built_here) == 1  # by this driver (the reference run's worker built its own)
+    assert summary["stop_reason"] == "completed" and untimed(rounds) == untimed(reference_rounds)
+    assert all(torch.equal(state[k], reference_state[k]) for k in reference_state)
+
+
 def test_a_round_evaluated_inside_the_next_rounds_calls_has_its_own_models_figures(one_worker_run, tmp_path):
     """Round t's model is evaluated by the workers at the start of round t+1's training calls (no
     call of its own); its row must hold what evaluating round t's model gives. A 2-round run
