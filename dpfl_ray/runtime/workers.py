@@ -117,8 +117,8 @@ class ClientWorker:
         torch loaded, instead of loading torch itself (about 2 s of CPU a run)."""
         return initial_theta(self.sc.model, self._input_shape, self._num_classes, self.sc.seed)
 
-    def model_file(self, theta: np.ndarray | None) -> bytes:
-        """model.pt's bytes for the flat model ``theta`` (None: the initial model), for the driver."""
+    def model_file(self, theta: np.ndarray) -> bytes:
+        """model.pt's bytes for the flat model ``theta``, for the driver."""
         return model_file_bytes(self.sc.model, self._input_shape, self._num_classes, self.sc.seed, theta)
 
     def info(self) -> dict:

@@ -86,12 +86,10 @@ def model_file(state_dict) -> bytes:
         return path.read_bytes()
 
 
-def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int,
-                     theta: np.ndarray | None) -> bytes:
-    """model.pt's bytes (model_file) for the flat model ``theta``; None: the initial model."""
+def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int, theta: np.ndarray) -> bytes:
+    """model.pt's bytes (model_file) for the flat model ``theta``."""
     model = build_model(model_cfg, tuple(input_shape), num_classes, seed)
-    if theta is not None:
-        set_flat(model, theta)
+    set_flat(model, theta)
     return model_file(model.state_dict())
 
 
