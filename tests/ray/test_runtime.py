@@ -69,30 +69,30 @@ def test_a_pool_that_waits_for_cpus_has_its_initial_model_built_by_the_driver(ra
     the run goes on once the CPUs are free, to the same bits as a run whose worker built it."""
     import threading
 
-    from dpfl_ray.runtime import warm
-    from dpfl_ray.runtime.coordinator import start_workers
+    from dpfl_ray.runtime import driver, warm
     from dpfl_ray.training import models
 
-    built_here = []
-    initial_theta = models.initial_theta
+    built_here, starting = [], []
+    initial_theta, start_workers = models.initial_theta, driver.start_workers
     monkeypatch.setattr(models, "initial_theta", lambda *a: built_here.append(a) or initial_theta(*a))
 
+    def start_then_free(*args):
+        pool, shape, now = start_workers(*args)
+        starting.append(now)
+        threading.Timer(1.0, ray_session.kill, [hold]).start()  # the CPUs come free while the run waits
+        return pool, shape, now
+
+    monkeypatch.setattr(driver, "start_workers", start_then_free)
     warm.clear()  # this process's parked workers hold CPUs too
     hold = ray_session.remote(num_cpus=2)(_Holder).remote()
     assert ray_session.get(hold.ready.remote(), timeout=60)
-    sc = tiny_scenario()
-    pool, _, starting = start_workers(sc, put_federation(build_federation(sc)), 20)
-    assert not starting
-    for worker in pool:
-        ray_session.kill(worker)
-    threading.Timer(3.0, ray_session.kill, [hold]).start()  # the CPUs come free while the run waits
-    summary, rounds, state = _run(sc, tmp_path, "waited")
+    summary, rounds, state = _run(tiny_scenario(), tmp_path, "waited")
     _, reference_rounds, reference_state, _ = one_worker_run
 
     def untimed(rows):
         return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
 
-    assert len(built_here) == 1  # by this driver (the reference run's worker built its own)
+    assert starting == [False] and len(built_here) == 1  # by this driver (the reference run's worker built its own)
     assert summary["stop_reason"] == "completed" and untimed(rounds) == untimed(reference_rounds)
     assert all(torch.equal(state[k], reference_state[k]) for k in reference_state)
 
