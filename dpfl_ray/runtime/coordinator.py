@@ -622,9 +622,11 @@ def start_workers(scenario: Scenario, data: dict, num_clients: int,
     raw = scenario.model_dump(mode="json")
     workers = warm.take(plan.num_cpus, plan.num_gpus, plan.workers, raw, data)
     fresh = plan.workers - len(workers)
-    free = ray.available_resources() if fresh and get_current_placement_group() is None else {}
-    now = all(free.get(kind, 0.0) + 1e-9 >= fresh * each
-              for kind, each in (("CPU", plan.num_cpus), ("GPU", plan.num_gpus))) if free else True
+    now = True
+    if fresh and get_current_placement_group() is None:  # a placement group reserved its workers' bundles
+        free = ray.available_resources()  # a resource wholly in use is absent
+        now = all(free.get(kind, 0.0) + 1e-9 >= fresh * each for kind, each in (("CPU", plan.num_cpus),
+                                                                                ("GPU", plan.num_gpus)))
     cls = make_worker_class(plan.num_cpus, plan.num_gpus)
     workers += [cls.remote(raw, data) for _ in range(fresh)]
     return workers, (plan.num_cpus, plan.num_gpus), now
