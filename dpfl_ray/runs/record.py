@@ -188,11 +188,6 @@ class RunRecord:
         text = dumps(obj, indent=2) + "\n"
         _atomic(self.path / name, lambda tmp: tmp.write_text(text))
 
-    def write_model(self, state_dict) -> None:
-        from ..training.models import model_file
-
-        self.write_model_file(model_file(state_dict))
-
     def write_model_file(self, data: bytes) -> None:
         """model.pt from its bytes (training.models.model_file), made by whichever process has torch loaded."""
         _atomic(self.path / "model.pt", lambda tmp: tmp.write_bytes(data))

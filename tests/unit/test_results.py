@@ -28,10 +28,12 @@ def test_a_failed_json_write_keeps_the_previous_file(tmp_path):
 
 
 def test_a_failed_model_write_keeps_the_previous_model(tmp_path):
+    from dpfl_ray.training.models import model_file
+
     record = RunRecord(tmp_path / "run")
-    record.write_model({"w": torch.ones(3)})
+    record.write_model_file(model_file({"w": torch.ones(3)}))
     with pytest.raises(RuntimeError):
-        record.write_model({"w": Unserialisable()})
+        record.write_model_file(model_file({"w": Unserialisable()}))
     assert torch.equal(torch.load(tmp_path / "run" / "model.pt")["w"], torch.ones(3))
     assert not list((tmp_path / "run").glob(".*.tmp"))
     record.close()
