@@ -179,12 +179,16 @@ class _Plotting:
 
 
 def _on_event(progress, task):
+    evaluated: dict = {}  # the last evaluated round's figures: a round between evaluations has none
+
     def on_event(ev: dict) -> None:
         if ev["event"] == "start":
             progress.update(task, status=f"{ev['workers']} workers")
         elif ev["event"] == "round":
-            acc = ev.get("test_accuracy")
-            status = f"acc {acc:.4f} loss {ev['test_loss']:.4f}" if acc is not None else ""
+            if ev.get("test_accuracy") is not None:
+                evaluated.update(round=ev["round"], acc=ev["test_accuracy"], loss=ev["test_loss"])
+            status = f"acc {evaluated['acc']:.4f} loss {evaluated['loss']:.4f}" if evaluated else ""
+            status += f" (round {evaluated['round']})" if evaluated and evaluated["round"] != ev["round"] else ""
             status += f" survived {ev['survived']}/{ev['sampled']}"
             if ev.get("epsilon") is not None or "epsilon_nominal" in ev:
                 eps = ev.get("epsilon")

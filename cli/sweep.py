@@ -289,9 +289,12 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
         with _progress() as progress:
             task = progress.add_task("runs", total=total, status="starting")
             live: dict[str, str] = {}
+            evaluated: dict[str, float] = {}  # each run's last evaluated accuracy (output.eval_every)
 
             def on_result(config: dict, m: dict) -> None:
-                acc, eps = m.get("test_accuracy"), m.get("epsilon")
+                if m.get("test_accuracy") is not None:
+                    evaluated[config["name"]] = m["test_accuracy"]
+                acc, eps = evaluated.get(config["name"]), m.get("epsilon")
                 live[config["name"]] = (f"r{m['round']}" + (f" acc {acc:.3f}" if acc is not None else "")
                                         + (f" eps {eps:.2f}" if eps is not None else ""))
                 progress.update(task, status=_running(live))

@@ -115,7 +115,6 @@ class Coordinator:
         self._pool_size = plan.workers
         self.workers: list = list(workers or [])
         self.groups = summation_groups(int(self.theta.size))
-        self.last_eval = (None, None)
         self.final_eval: dict = {}  # the final model's evaluation, when the last round had none
         self.pool: dict = {}
         if resume is not None:
@@ -155,7 +154,7 @@ class Coordinator:
         self._algorithm_summary = self.algorithm.summary_fields()
 
     def _checkpoint(self) -> dict:
-        state = {"round": self.rounds_done, "last_eval": list(self.last_eval),
+        state = {"round": self.rounds_done,
                  "pending": None if self._pending is None else dict(self._pending[0]),
                  "algorithm": self._algorithm_state, "arrays": {"theta": self.theta},
                  **scenario_fingerprint(self.sc)}  # dpfl run --resume refuses an edited scenario.yaml
@@ -172,7 +171,6 @@ class Coordinator:
     def _restore(self, state: dict) -> None:
         self.theta = np.asarray(state["arrays"]["theta"], dtype=np.float32)
         self.rounds_done = int(state["round"])
-        self.last_eval = tuple(state["last_eval"])
         if state.get("pending"):  # its evaluation comes with the first round run from here
             self._pending = (dict(state["pending"]), self.theta)
         self.algorithm.load_state_dict(state["algorithm"])
@@ -266,7 +264,6 @@ class Coordinator:
         record.update(test_accuracy=acc, test_loss=loss, eval_seconds=seconds)
         with self._lock:
             self._events.append(record)
-            self.last_eval = (acc, loss)
             self._pending = None
 
     # -- the loop --------------------------------------------------------------------------------
@@ -374,7 +371,7 @@ class Coordinator:
             agg = Aggregate(np.zeros_like(self.theta), 0.0)
         theta = (self.theta + sc.training.server_lr * agg.delta).astype(np.float32)
         self._settle()  # the last round's evaluation, if this round's calls did not carry it
-        acc, loss = self.last_eval
+        acc, loss = None, None  # a round that is not evaluated (output.eval_every) has no accuracy
         metrics = {}
         t_eval = time.perf_counter()
         scheduled = (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds
@@ -416,7 +413,6 @@ class Coordinator:
             if deferred:  # its event waits for its evaluation (_settle)
                 self._pending = (record, theta)
             else:
-                self.last_eval = (acc, loss)
                 self._events.append(record)
         return record
 

@@ -158,7 +158,7 @@ def _checkpointed_run(tmp_path, rounds_done=2, summary=None):
     (run / "scenario.yaml").write_text(sc.to_yaml())
     (run / "rounds.jsonl").write_text("".join(json.dumps({"round": t + 1, "test_accuracy": 0.5}) + "\n"
                                               for t in range(rounds_done)))
-    write_checkpoint(run, {"round": rounds_done, "last_eval": [None, None], "algorithm": {},
+    write_checkpoint(run, {"round": rounds_done, "algorithm": {},
                            "arrays": {"theta": np.zeros(3, np.float32)}, **scenario_fingerprint(sc)})
     if summary is not None:
         (run / "summary.json").write_text(json.dumps(summary))

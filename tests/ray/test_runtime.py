@@ -110,6 +110,18 @@ def test_a_round_evaluated_inside_the_next_rounds_calls_has_its_own_models_figur
     assert all(r["eval_seconds"] > 0 for r in rounds_3)
 
 
+def test_a_round_that_is_not_evaluated_has_no_accuracy_of_its_own(one_worker_run, tmp_path):
+    """output.eval_every: 2 over 4 rounds evaluates rounds 2 and 4: rows 1 and 3 hold no accuracy
+    and no loss, not round 2's carried into round 3. Round 2's figures are its own model's: the
+    every-round run's, to the bit; the summary's are round 4's."""
+    _, rounds_3, _, _ = one_worker_run
+    summary, rows, _ = _run(tiny_scenario(training={"rounds": 4}, output={"eval_every": 2}), tmp_path, "every2")
+    assert [(r["round"], r["test_accuracy"] is None, r["test_loss"] is None) for r in rows] == [
+        (1, True, True), (2, False, False), (3, True, True), (4, False, False)]
+    assert (rows[1]["test_accuracy"], rows[1]["test_loss"]) == (rounds_3[1]["test_accuracy"], rounds_3[1]["test_loss"])
+    assert (summary["final_accuracy"], summary["final_loss"]) == (rows[3]["test_accuracy"], rows[3]["test_loss"])
+
+
 def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):
     sc = tiny_scenario(faults={"dropout": {"model": "tail", "rate": 0.3, "phase": "upload"}})
     _, rounds, _ = _run(sc, tmp_path, "drop")
