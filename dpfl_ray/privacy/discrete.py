@@ -38,11 +38,14 @@ def _below(gen, bound) -> np.ndarray:
 def _bernoulli_exp_at_most_one(gen, num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """Bernoulli(exp(-num/den)) for 0 <= num <= den (CKS20 Alg. 1): K = 1; while Bernoulli(gamma / K),
     K += 1; the answer is whether K is odd. Bernoulli(gamma / K) is Bernoulli(num / den) and
-    Bernoulli(1 / K), independent: no product of bounds is ever formed."""
+    Bernoulli(1 / K), independent: no product of bounds is ever formed. Where num = den (gamma = 1,
+    the discrete Laplace's geometric part) Bernoulli(num / den) is certain and is not drawn."""
     k = np.ones(num.shape, dtype=np.int64)
     active = np.flatnonzero(np.ones(num.shape, dtype=bool))
+    certain = bool(np.all(num == den))
     while active.size:
-        go_on = (_below(gen, den[active]) < num[active]) & (_below(gen, k[active]) == 0)
+        first = True if certain else _below(gen, den[active]) < num[active]
+        go_on = first & (_below(gen, k[active]) == 0)
         k[active[go_on]] += 1
         active = active[go_on]
     return k % 2 == 1
@@ -73,16 +76,31 @@ def _bernoulli_exp_split(gen, whole: np.ndarray, frac: np.ndarray, den: np.ndarr
     return out
 
 
+def _accepted(propose, size: int, rate: float) -> np.ndarray:
+    """``size`` draws by rejection: ``propose(m)`` gives m candidates and whether each is accepted.
+    Each pass proposes enough for the draws still missing at the acceptance ``rate`` (with margin),
+    and keeps its first accepted ones in order: the accepted candidates are independent draws of the
+    target, whichever of them are kept. Proposing for every missing draw at once, instead of again
+    for the rejected ones alone, takes one or two passes instead of a dozen of ever smaller arrays,
+    whose per-call cost was the sampler's."""
+    parts, missing = [], int(size)
+    while missing > 0:
+        m = int(missing / rate * 1.1) + 32
+        values, ok = propose(m)
+        got = values[ok][:missing]
+        parts.append(got)
+        missing -= got.size
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 def discrete_laplace(gen, t: int, size: int) -> np.ndarray:
     """``size`` draws with P[Y = y] proportional to exp(-|y| / t), t a positive integer (CKS20 Alg. 2
     with s = 1)."""
     t = int(t)
     if t < 1:
         raise DPFLError(f"the discrete Laplace scale must be a positive integer, got {t}", field="t")
-    out = np.zeros(int(size), dtype=np.int64)
-    pending = np.arange(int(size))
-    while pending.size:
-        m = pending.size
+
+    def propose(m: int) -> tuple[np.ndarray, np.ndarray]:
         u = _below(gen, np.full(m, t))
         d = bernoulli_exp(gen, u, np.full(m, t))
         v = np.zeros(m, dtype=np.int64)  # failures before the first 0 of Bernoulli(exp(-1))
@@ -94,10 +112,10 @@ def discrete_laplace(gen, t: int, size: int) -> np.ndarray:
             alive = alive[more]
         y = u + t * v
         negative = _below(gen, np.full(m, 2)) == 1
-        ok = d & ~(negative & (y == 0))
-        out[pending[ok]] = np.where(negative, -y, y)[ok]
-        pending = pending[~ok]
-    return out
+        return np.where(negative, -y, y), d & ~(negative & (y == 0))
+
+    # accepted: Bernoulli(exp(-U/t)) with U uniform below t (at least 1 - exp(-1)), less the -0 case: 0.63 or more
+    return _accepted(propose, size, 0.63)
 
 
 def discrete_gaussian(gen, variance: int, size: int) -> np.ndarray:
@@ -111,19 +129,19 @@ def discrete_gaussian(gen, variance: int, size: int) -> np.ndarray:
     s2 = int(variance)
     t = math.isqrt(s2) + 1
     den = 2 * s2 * t * t  # below 2^63 for s2 <= 2^30
-    out = np.zeros(int(size), dtype=np.int64)
-    pending = np.arange(int(size))
-    while pending.size:
-        y = discrete_laplace(gen, t, pending.size)
+
+    def propose(m: int) -> tuple[np.ndarray, np.ndarray]:
+        y = discrete_laplace(gen, t, m)
         # the numerator in Python integers: (|Y| t - s2)^2 passes int64 in the tails
         diff = np.abs(y).astype(object) * t - s2
         num = diff * diff
         whole = (num // den).astype(np.int64)
         frac = (num % den).astype(np.int64)
-        keep = _bernoulli_exp_split(gen, whole, frac, np.full(whole.shape, den, dtype=np.int64))
-        out[pending[keep]] = y[keep]
-        pending = pending[~keep]
-    return out
+        return y, _bernoulli_exp_split(gen, whole, frac, np.full(whole.shape, den, dtype=np.int64))
+
+    # CKS20 Alg. 3 with t = floor(sigma) + 1 accepts 0.68-0.76 of the discrete Laplace draws (0.55 at
+    # variance 1, which then takes a second pass)
+    return _accepted(propose, size, 0.7)
 
 
 def skellam(gen, variance: float, size: int) -> np.ndarray:
