@@ -9,7 +9,8 @@ the add/remove-one-record relation of dp_accounting's ``RdpAccountant``.
 Speed: a client's RDP curve is the sum of its events' curves times their counts (RDP composes by
 addition, which is exactly what ``RdpAccountant.compose`` does). Each *distinct* event's curve is
 computed once by dp_accounting and cached, so 1000 clients x 100 rounds cost 100k vector additions,
-not 100k accountant compositions. The epsilon comes from dp_accounting's ``compute_epsilon`` (its
+not 100k accountant compositions; the leaf events' curves (a sampled Gaussian) are cached for the
+whole process (:mod:`dpfl_ray.privacy.accountants`' memoised accountant), shared by every ledger. The epsilon comes from dp_accounting's ``compute_epsilon`` (its
 improved conversion), or, with ``conversion="classic"``, from the classic conversion
 ``eps = min_a RDP(a) + log(1/delta)/(a-1)`` that Fu et al. 2022 state in eq. 10 (Definition 7) --
 the one in :mod:`dpfl_ray.privacy.accountants`, reused, not re-typed.
@@ -26,7 +27,7 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.accountants import _ClassicRdpAccountant
+from dpfl_ray.privacy.accountants import _ClassicRdpAccountant, _MemoRdpAccountant
 from dpfl_ray.privacy.sampling import event_to_dict
 from dpfl_ray.privacy.validation import _check_delta
 
@@ -90,7 +91,9 @@ class ClientLedgers:
         curve = self._curves.get(key)
         if curve is None:
             self._check_event(event)
-            acc = rdp_lib.RdpAccountant(orders=self.orders, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+            # the memoised accountant: a leaf event's curve is computed once per process, so the
+            # runtime's ledgers and the algorithm's, which book the same events, share it
+            acc = _MemoRdpAccountant(orders=self.orders, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
             if not acc.supports(event):
                 raise DPFLError(f"dp_accounting's RdpAccountant cannot account {type(event).__name__} under the "
                                 "add/remove-one-record relation", field="event")

@@ -106,6 +106,26 @@ def test_many_clients_many_rounds_compute_each_distinct_event_once():
     assert s["epsilon_max"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
 
 
+def test_two_ledgers_booking_one_event_compute_its_sampled_gaussian_curve_once(monkeypatch):
+    """The runtime's ledgers and the algorithm's book the same events: dp_accounting computes a
+    sampled Gaussian's curve once per process for both, and each holds the stock accountant's
+    curve to the bit."""
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    calls = []
+    real = rdp_lib._compute_rdp_poisson_subsampled_gaussian
+    monkeypatch.setattr(rdp_lib, "_compute_rdp_poisson_subsampled_gaussian",
+                        lambda *args, **kw: calls.append((args, kw)) or real(*args, **kw))
+    event = dp_accounting.SelfComposedDpEvent(P(0.0144, G(3.1734)), 2)  # a sigma no other test books
+    first, second = ClientLedgers(1e-5, num_clients=2), ClientLedgers(1e-5, num_clients=2)
+    first.record(0, event)
+    second.record(1, event)
+    assert len(calls) == 1
+    direct = RdpAccountant()
+    direct.compose(event)
+    assert np.array_equal(first.rdp(0), direct.rdp) and np.array_equal(second.rdp(1), direct.rdp)
+
+
 def test_round_trip_through_json_keeps_every_epsilon():
     g = np.random.default_rng(2)
     led = ClientLedgers(1e-4, num_clients=6)
