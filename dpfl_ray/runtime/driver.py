@@ -346,6 +346,20 @@ class Timings:
         return dict(self.marks)
 
 
+def final_figures(rounds: Sequence[dict]) -> dict:
+    """The summary's ``final_accuracy`` and ``final_loss``: the last evaluated round's. When that is
+    not the last committed round (a run stopped between two evaluations of ``output.eval_every``),
+    ``final_evaluated_round`` names it: the figures are not those of the model in model.pt. (A budget
+    stop evaluates its final model instead: the coordinator's figures replace these.)"""
+    evaluated = next((r for r in reversed(rounds) if r.get("test_accuracy") is not None), None)
+    if evaluated is None:
+        return {"final_accuracy": None, "final_loss": None}
+    figures = {"final_accuracy": evaluated["test_accuracy"], "final_loss": evaluated.get("test_loss")}
+    if evaluated.get("round") != rounds[-1].get("round"):
+        figures["final_evaluated_round"] = evaluated.get("round")
+    return figures
+
+
 def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, timings: Timings | None = None,
            workers: Sequence = (), workers_wait_s: float = CALL_TIMEOUT_SECONDS) -> dict:
     """Write ledger.json, model.pt, summary.json (and the checkpoint, audit and plots) for
@@ -353,9 +367,7 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
     ``workers``: the run's workers, the first of which makes model.pt's bytes if it answers within
     ``workers_wait_s`` (else this process loads torch to make them)."""
     rounds = record.rounds
-    last_acc = next((r["test_accuracy"] for r in reversed(rounds) if r.get("test_accuracy") is not None), None)
-    summary = {"name": scenario.name, "final_accuracy": last_acc,
-               "final_loss": next((r["test_loss"] for r in reversed(rounds) if r.get("test_loss") is not None), None),
+    summary = {"name": scenario.name, **final_figures(rounds),
                "rounds_completed": len(rounds), "rounds_planned": scenario.training.rounds,
                "stop_reason": stop_reason, "wall_seconds": round(wall, 3), "seed": scenario.seed,
                "versions": versions()}

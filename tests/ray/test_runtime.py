@@ -120,6 +120,7 @@ def test_a_round_that_is_not_evaluated_has_no_accuracy_of_its_own(one_worker_run
         (1, True, True), (2, False, False), (3, True, True), (4, False, False)]
     assert (rows[1]["test_accuracy"], rows[1]["test_loss"]) == (rounds_3[1]["test_accuracy"], rounds_3[1]["test_loss"])
     assert (summary["final_accuracy"], summary["final_loss"]) == (rows[3]["test_accuracy"], rows[3]["test_loss"])
+    assert "final_evaluated_round" not in summary  # the last round was evaluated: its figures are model.pt's
 
 
 def test_tail_dropout_leaves_seven_of_ten(ray_session, tmp_path):
