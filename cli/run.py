@@ -203,8 +203,11 @@ def _on_event(progress, task):
 
 def _print_summary(summary: dict, record) -> None:
     acc = summary["final_accuracy"]
+    evaluated = summary.get("final_evaluated_round")
+    of_round = f" (round {evaluated})" if evaluated is not None and evaluated != summary["rounds_completed"] else ""
     console.print(f"{summary['stop_reason']}: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f}s, "
-                  f"final test accuracy {acc if acc is None else f'{acc:.4f}'}; files in {record.path}", markup=False)
+                  f"final test accuracy {acc if acc is None else f'{acc:.4f}'}{of_round}; files in {record.path}",
+                  markup=False)
     ca = summary.get("client_accuracy") or {}
     if ca.get("clients"):
         groups = "; ".join(f"{label} {g['mean']:.4f}" for label, g in (ca.get("by_group") or {}).items())
