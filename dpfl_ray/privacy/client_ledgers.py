@@ -10,10 +10,11 @@ Speed: a client's RDP curve is the sum of its events' curves times their counts 
 addition, which is exactly what ``RdpAccountant.compose`` does). Each *distinct* event's curve is
 computed once by dp_accounting and cached, so 1000 clients x 100 rounds cost 100k vector additions,
 not 100k accountant compositions; the leaf events' curves (a sampled Gaussian) are cached for the
-whole process (:mod:`dpfl_ray.privacy.accountants`' memoised accountant), shared by every ledger. The epsilon comes from dp_accounting's ``compute_epsilon`` (its
-improved conversion), or, with ``conversion="classic"``, from the classic conversion
-``eps = min_a RDP(a) + log(1/delta)/(a-1)`` that Fu et al. 2022 state in eq. 10 (Definition 7) --
-the one in :mod:`dpfl_ray.privacy.accountants`, reused, not re-typed.
+whole process (:mod:`dpfl_ray.privacy.accountants`' memoised accountant), shared by every ledger.
+The epsilon comes from dp_accounting's ``compute_epsilon`` (its improved conversion), or, with
+``conversion="classic"``, from the classic conversion ``eps = min_a RDP(a) + log(1/delta)/(a-1)``
+that Fu et al. 2022 state in eq. 10 (Definition 7) -- the one in
+:mod:`dpfl_ray.privacy.accountants`, reused, not re-typed.
 """
 from __future__ import annotations
 
