@@ -80,9 +80,9 @@ def _accepted(propose, size: int, rate: float) -> np.ndarray:
     """``size`` draws by rejection: ``propose(m)`` gives m candidates and whether each is accepted.
     Each pass proposes enough for the draws still missing at the acceptance ``rate`` (with margin),
     and keeps its first accepted ones in order: the accepted candidates are independent draws of the
-    target, whichever of them are kept. Proposing for every missing draw at once, instead of again
-    for the rejected ones alone, takes one or two passes instead of a dozen of ever smaller arrays,
-    whose per-call cost was the sampler's."""
+    target, whichever of them are kept. Proposing for every missing draw at once takes one or two
+    passes; proposing again for the rejected ones alone would take a dozen over ever smaller arrays,
+    each paying the random stream's per-call cost."""
     parts, missing = [], int(size)
     while missing > 0:
         m = int(missing / rate * 1.1) + 32
