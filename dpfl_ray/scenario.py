@@ -199,11 +199,12 @@ class AdapDPFLConfig(_Section):
         "accounted", description="which epsilon ends a client's uploads: 'accounted' (the norm query booked "
                                  "beside the gradient) or 'claimed' (the paper's eq. 10, gradient only: the run "
                                  "as published, whose accounted epsilon then passes the budget)")
-    optimizer_state: Literal["round", "client"] = Field(
+    optimizer_state: Literal["round", "client", "server"] = Field(
         "round", description="Adam's moments: 'round' starts a new optimizer in every client round (each "
                              "one-lot round is then Adam's first step, about lr x sign of the noisy gradient); "
                              "'client' keeps each client's moments from its last round to its next, as one "
-                             "optimizer per client does")
+                             "optimizer per client does; 'server': clients release their noisy gradients and "
+                             "one Adam at the server, kept across rounds, steps on their weighted mean")
 
 
 class AuditConfig(_Section):

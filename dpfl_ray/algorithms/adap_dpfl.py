@@ -18,6 +18,11 @@ Adam (Sec. V-A) starts anew in every client round by default (``optimizer_state:
 of one lot is then Adam's first step, about lr times the sign of the noisy gradient. With
 ``optimizer_state: client`` each client keeps its moments from one of its rounds to the next (as
 one optimizer object per client does); they are post-processing of its booked noisy gradients.
+With ``optimizer_state: server`` the clients take no step: each releases its noisy mean gradient
+(Alg. 1 line 13), the server averages them as line 23 averages the models, and one Adam, kept
+across rounds, steps the global model on that average (lines 15 and 23 read as one gradient step
+on the average, with Adam in place of the plain step). Also post-processing: the same booked
+noisy gradients, the same accounting.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import dp_accounting
 import numpy as np
 import torch
 
-from ..training.local_dp import AdamState, DPSGDConfig, dpsgd_update
+from ..training.local_dp import AdamState, DPSGDConfig, adam_step, dpsgd_update
 from ..privacy.client_ledgers import ClientLedgers
 from ..privacy.randomness import DPRandomness
 from .adap_dpfl_core import (
@@ -48,7 +53,9 @@ class AdapDPSGD(LocalProcedure):
     (missing: the client's first round, C_0 from random noise); ``alpha`` None: constant clip.
     ``randomness`` travels to the workers: it draws every client's lots and noise (C_0's random
     inputs touch no data and stay on the scenario seed). ``adam_states``: client id -> its Adam
-    moments from its last round, with ``keep_adam_state`` (``optimizer_state: client``)."""
+    moments from its last round, with ``keep_adam_state`` (``optimizer_state: client``).
+    ``optimizer``: ``adam``, or ``none`` (``optimizer_state: server``: the client releases its noisy
+    gradient and the server steps)."""
 
     noise_multiplier: float
     lot_size: int
@@ -60,6 +67,7 @@ class AdapDPSGD(LocalProcedure):
     randomness: DPRandomness
     adam_states: tuple[tuple[int, AdamState], ...] = ()
     keep_adam_state: bool = False
+    optimizer: str = "adam"
 
     def _threshold(self, model, theta, x, client_id, seed) -> float:
         if self.alpha is None:
@@ -77,9 +85,10 @@ class AdapDPSGD(LocalProcedure):
         clip = self._threshold(model, theta, x, client_id, seed)
         if self.alpha is None:
             cfg = DPSGDConfig(clip_norm=clip, noise_multiplier=self.noise_multiplier, lr=self.lr,
-                              lot_size=self.lot_size, sampling="poisson", steps=self.steps, optimizer="adam")
+                              lot_size=self.lot_size, sampling="poisson", steps=self.steps, optimizer=self.optimizer)
         else:
-            cfg = client_config(clip, self.noise_multiplier, self.lr, self.lot_size, steps=self.steps)
+            cfg = client_config(clip, self.noise_multiplier, self.lr, self.lot_size, steps=self.steps,
+                                optimizer=self.optimizer)
         res = dpsgd_update(model, theta, x, y, cfg, seed=seed, round_idx=round_idx, client_id=client_id,
                            randomness=self.randomness, adam_state=dict(self.adam_states).get(client_id),
                            keep_adam_state=self.keep_adam_state)
@@ -114,6 +123,9 @@ class AdapDPFL(Algorithm):
             raise ValueError("privacy.audit: canary clients audit client-level DP; adap_dpfl is record-level")
         if any(d.phase == "calibration" and d.model != "none" for d in sc.faults.dropouts):
             raise ValueError("faults.dropout.phase: adap_dpfl has no calibration phase")
+        if a.optimizer_state == "server" and a.steps != 1:
+            raise ValueError("privacy.adap_dpfl.optimizer_state: 'server' steps once on each round's mean noisy "
+                             f"gradient, one lot per client; set privacy.adap_dpfl.steps: 1 (it is {a.steps})")
 
     def __init__(self, scenario, weights, noise_multiplier=None, sizes=None):
         a, p = scenario.privacy.adap_dpfl, scenario.privacy
@@ -124,6 +136,7 @@ class AdapDPFL(Algorithm):
         self.clip_norm = float(p.clipping.norm)
         self.clips: dict[int, float] = {}
         self.adam_states: dict[int, AdamState] = {}  # optimizer_state: client
+        self.server_adam: AdamState | None = None  # optimizer_state: server
         self.validation_losses: list[float] = []
         self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))
         # stop_on: claimed -> the paper's eq. 10 ledger decides the stop (module doc)
@@ -153,7 +166,8 @@ class AdapDPFL(Algorithm):
         clips = tuple((c, self.clips[c]) for c in self._sampled if c in self.clips)
         states = tuple((c, self.adam_states[c]) for c in self._sampled if c in self.adam_states)
         return ClientSpec(local=AdapDPSGD(self.sigma, a.lot_size, a.lr, a.steps, a.alpha, self.clip_norm, clips,
-                                          self.randomness, states, keep_adam_state=a.optimizer_state == "client"))
+                                          self.randomness, states, keep_adam_state=a.optimizer_state == "client",
+                                          optimizer="none" if a.optimizer_state == "server" else "adam"))
 
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         for c, report in outcome.reports.items():
@@ -165,6 +179,11 @@ class AdapDPFL(Algorithm):
             if report.client_state is not None:
                 self.adam_states[int(c)] = report.client_state
         agg = FedAvg(weights=self.weights).finish(outcome, dim)
+        if self.settings.optimizer_state == "server" and agg.weight_sum > 0:
+            # agg.delta is minus the survivors' weighted mean noisy gradient (each client's Delta is
+            # minus its own): Adam's step on that mean is the round's step
+            step, self.server_adam = adam_step(-agg.delta, self.settings.lr, self.server_adam)
+            agg = Aggregate(step, agg.weight_sum, agg.info)
         used = [r.values["clip_used"] for r in outcome.reports.values()]
         agg.info.update(noise_multiplier=self.sigma, clip_norm_mean=float(np.mean(used)) if used else None)
         return agg
@@ -192,6 +211,7 @@ class AdapDPFL(Algorithm):
     def state_dict(self) -> dict:
         return {"sigma": self.sigma, "clips": {str(c): v for c, v in self.clips.items()},
                 "adam_states": {str(c): st.to_dict() for c, st in self.adam_states.items()},
+                **({} if self.server_adam is None else {"server_adam": self.server_adam.to_dict()}),
                 "validation_losses": list(self.validation_losses),
                 "ledgers": self.ledgers.to_dict(include_epsilon=False),
                 **({} if self.claims is None else {"claims": self.claims.to_dict(include_epsilon=False)})}
@@ -200,6 +220,7 @@ class AdapDPFL(Algorithm):
         self.sigma = float(state["sigma"])
         self.clips = {int(c): float(v) for c, v in state["clips"].items()}
         self.adam_states = {int(c): AdamState.from_dict(v) for c, v in state.get("adam_states", {}).items()}
+        self.server_adam = AdamState.from_dict(state["server_adam"]) if "server_adam" in state else None
         self.validation_losses = [float(v) for v in state["validation_losses"]]
         self.ledgers = ClientLedgers.from_dict(state["ledgers"])
         if self.claims is not None:

@@ -59,7 +59,8 @@ class DPSGDConfig:
     sampling: Literal["poisson", "fixed"] = "poisson"
     epochs: float = 1.0                  # steps = round(epochs * n / L) unless ``steps`` is set
     steps: int | None = None
-    optimizer: Literal["sgd", "adam"] = "sgd"
+    # "none": the client takes no step and releases its noisy gradients (the server steps on them)
+    optimizer: Literal["sgd", "adam", "none"] = "sgd"
     # Fu et al. 2022 eq. 6: also release sum_i min(||g_i||, S) + N(0, (sigma S)^2) per step.
     release_norm_sum: bool = False
 
@@ -76,8 +77,8 @@ class DPSGDConfig:
             raise DPFLError(f"must be an integer >= 1, got {self.lot_size!r}", field="lot_size")
         if self.sampling not in ("poisson", "fixed"):
             raise DPFLError(f"must be 'poisson' or 'fixed', got {self.sampling!r}", field="sampling")
-        if self.optimizer not in ("sgd", "adam"):
-            raise DPFLError(f"must be 'sgd' or 'adam', got {self.optimizer!r}", field="optimizer")
+        if self.optimizer not in ("sgd", "adam", "none"):
+            raise DPFLError(f"must be 'sgd', 'adam' or 'none', got {self.optimizer!r}", field="optimizer")
         if self.steps is not None and (not isinstance(self.steps, numbers.Integral) or self.steps < 0):
             raise DPFLError(f"must be an integer >= 0, got {self.steps!r}", field="steps")
         if self.steps is None and not (math.isfinite(self.epochs) and self.epochs > 0):
@@ -273,6 +274,8 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
                  seed: int, round_idx: int, client_id: int, randomness: DPRandomness | None = None,
                  adam_state: AdamState | None = None, keep_adam_state: bool = False) -> DPSGDResult:
     """Abadi et al. 2016, Alg. 1 on one client from ``theta``; returns Delta = w - theta (float32).
+    With ``optimizer: none`` the client does not descend: Delta is minus the sum of its steps' noisy
+    gradients, each taken at ``theta``, for a server that steps on them.
 
     ``randomness`` draws the lots and the noise (None: the reproducible streams of ``seed``).
     Adam starts from ``adam_state`` (None: a new optimizer) and, with ``keep_adam_state``, the
@@ -310,6 +313,7 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
             raise DPFLError("an Adam state was given to an SGD client", field="optimizer")
         _load_adam_state(opt, params, names, dim, adam_state)
     norm_sums: list[torch.Tensor] = []
+    released = torch.zeros(dim, device=device) if cfg.optimizer == "none" else None
     grads_of = per_example_grad_fn(model)
 
     for lot in lots:
@@ -324,10 +328,13 @@ def dpsgd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
         flat = (flat + std * noise[:dim]) / cfg.lot_size
         if cfg.release_norm_sum:
             norm_sums.append(norms.clamp(max=cfg.clip_norm).sum() + std * noise[dim])
-        _descend(params, names, flat, cfg.lr, opt)
+        if released is None:
+            _descend(params, names, flat, cfg.lr, opt)
+        else:
+            released += flat
 
     with torch.no_grad():
-        delta = torch.cat([(params[k] - start[k]).reshape(-1) for k in names])
+        delta = -released if released is not None else torch.cat([(params[k] - start[k]).reshape(-1) for k in names])
     # one transfer for all steps' norm sums, not one .item() sync per step
     sums = tuple(torch.stack(norm_sums).cpu().tolist()) if norm_sums else ()
     sums = sums if cfg.release_norm_sum else None
@@ -364,6 +371,20 @@ def _read_adam_state(opt: torch.optim.Adam, params: dict[str, torch.Tensor], nam
     flat = {key: torch.cat([st[key].detach().reshape(-1) for st in states]).cpu().numpy().astype(np.float32)
             for key in ("exp_avg", "exp_avg_sq")}
     return AdamState(step=int(states[0]["step"].item()), **flat)
+
+
+def adam_step(gradient: np.ndarray, lr: float, state: AdamState | None) -> tuple[np.ndarray, AdamState]:
+    """One step of torch.optim.Adam on a flat parameter vector, from ``state`` (None: a new optimizer):
+    the step to add to the parameters (float32) and the moments after it. Adam's step does not depend
+    on the parameters' values, so the vector stepped is a zero one and the step is what it becomes."""
+    flat = torch.zeros(gradient.shape, dtype=torch.float32)
+    params = {"flat": flat}
+    opt = torch.optim.Adam([flat], lr=lr)
+    if state is not None:
+        _load_adam_state(opt, params, ["flat"], flat.numel(), state)
+    flat.grad = torch.from_numpy(np.ascontiguousarray(gradient, dtype=np.float32))
+    opt.step()
+    return flat.detach().numpy().copy(), _read_adam_state(opt, params, ["flat"], state)
 
 
 @torch.no_grad()

@@ -92,6 +92,19 @@ def test_fu_as_published_stops_on_the_claim_and_its_ledger_books_more(ray_sessio
     assert {c: s["step"] for c, s in kept.items()} == {c: len(e["rounds"]) for c, e in ledger["clients"]["clients"].items()}
 
 
+def test_fu_with_a_server_adam_steps_once_a_round_and_checkpoints_its_moments(ray_session, tmp_path):
+    """optimizer_state: server: the clients release their noisy gradients, the server's one Adam steps
+    on their mean every round that has a survivor, and its moments live in the checkpoint."""
+    sc = _fu(budget=50.0, beta=None, partition={"kind": "iid"})
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 3}), "privacy": sc.privacy.model_copy(
+        update={"adap_dpfl": sc.privacy.adap_dpfl.model_copy(update={"optimizer_state": "server"})})})
+    _, summary, rows, _ = _run(sc, tmp_path / "fu_server")
+    assert summary["optimizer_state"] == "server" and summary["rounds_completed"] == 3
+    assert [r["survived"] for r in rows] == [20, 20, 20]
+    state = read_checkpoint(tmp_path / "fu_server")["algorithm"]
+    assert state["server_adam"]["step"] == 3 and not state["adam_states"]
+
+
 def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_that_reads_it(ray_session, tmp_path):
     """Fu's noise decay (beta set) reads the validation loss after every round; with a constant
     sigma nothing does, and the split is evaluated with the test split, every eval_every rounds."""

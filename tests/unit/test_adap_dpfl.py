@@ -195,3 +195,68 @@ def test_adap_dpfl_hands_each_client_its_own_adam_state_and_checkpoints_it():
                      weights=[1.0, 1.0], sizes=[len(y), len(y)])
     plain.begin_round(0, [0, 1])
     assert not plain.client_spec().local.keep_adam_state
+
+
+def test_a_client_that_takes_no_step_releases_the_noisy_gradient_an_sgd_step_of_lr_1_descends_by():
+    from dpfl_ray.training.local_dp import DPSGDConfig
+
+    model, x, y = problem()
+    theta = get_flat(model).copy()
+    cfg = DPSGDConfig(clip_norm=0.5, noise_multiplier=1.3, lr=1.0, lot_size=8, sampling="poisson", steps=1,
+                      optimizer="sgd")
+    sgd = dpsgd_update(model, theta, x, y, cfg, seed=3, round_idx=2, client_id=1)
+    none = dpsgd_update(model, theta, x, y, replace(cfg, optimizer="none"), seed=3, round_idx=2, client_id=1)
+    assert none.lot_sizes == sgd.lot_sizes and np.abs(none.update).max() > 0.01  # the same lot and noise
+    np.testing.assert_allclose(none.update, sgd.update, rtol=0, atol=1e-6)
+
+
+def test_a_server_adam_steps_on_the_weighted_mean_noisy_gradient_and_is_checkpointed():
+    import torch
+
+    from dpfl_ray.algorithms.adap_dpfl import AdapDPFL
+    from dpfl_ray.algorithms.base import RoundOutcome
+    from dpfl_ray.scenario import load_scenario
+
+    sc = load_scenario("scenarios/papers/fu2022/adap.yaml",
+                       ["privacy.adap_dpfl.optimizer_state=server", "data.source=mnist5k"])
+    model, x, y = problem()
+    weights = [1.0, 3.0]
+    alg = AdapDPFL(sc, weights=weights, sizes=[len(y), len(y)])
+    theta = get_flat(model).copy()
+    # the reference: torch's own Adam on the model's parameters, fed the same mean gradients
+    ref = torch.from_numpy(theta.copy())
+    ref_opt = torch.optim.Adam([ref], lr=sc.privacy.adap_dpfl.lr)
+
+    def one_round(algorithm, r, theta):
+        algorithm.begin_round(r, [0, 1])
+        proc = algorithm.client_spec().local
+        assert proc.optimizer == "none" and not proc.keep_adam_state
+        out = {c: proc.run(model, theta, x, y, seed=0, round_idx=r, client_id=c) for c in (0, 1)}
+        agg = algorithm.finish(RoundOutcome(round=r, survivors=(0, 1), updates={c: u for c, (u, _) in out.items()},
+                                            reports={c: rep for c, (_, rep) in out.items()}), theta.size)
+        return agg, {c: -u for c, (u, _) in out.items()}
+
+    for r in range(2):
+        agg, grads = one_round(alg, r, theta)
+        ref.grad = torch.from_numpy(((weights[0] * grads[0] + weights[1] * grads[1]) / sum(weights)).astype(np.float32))
+        ref_opt.step()
+        theta = (theta + agg.delta).astype(np.float32)
+        np.testing.assert_allclose(theta, ref.detach().numpy(), rtol=0, atol=1e-6)
+    assert alg.server_adam.step == 2 and not alg.adam_states
+    # Adam's steps, not the gradients: every parameter moved by about lr in the first step
+    assert abs(np.abs(agg.delta).max() - sc.privacy.adap_dpfl.lr) < 0.5 * sc.privacy.adap_dpfl.lr
+
+    again = AdapDPFL(sc, weights=weights, sizes=[len(y), len(y)])
+    again.load_state_dict(alg.state_dict())
+    assert again.server_adam.step == 2 and np.array_equal(again.server_adam.exp_avg_sq, alg.server_adam.exp_avg_sq)
+    a, _ = one_round(alg, 2, theta)
+    b, _ = one_round(again, 2, theta)
+    assert np.array_equal(a.delta, b.delta)
+
+
+def test_a_server_adam_wants_one_lot_per_client_round():
+    from dpfl_ray.scenario import load_scenario
+
+    with pytest.raises(DPFLError, match=r"^privacy.adap_dpfl.optimizer_state: 'server' .*\.steps: 1 \(it is 2\)$"):
+        load_scenario("scenarios/papers/fu2022/adap.yaml", ["privacy.adap_dpfl.optimizer_state=server",
+                                                            "privacy.adap_dpfl.steps=2", "data.source=mnist5k"])
