@@ -3,8 +3,8 @@
 The paper's clients take one DP-SGD step with Adam per round (Sec. V-A: "one round per client local",
 lots of L = 78, lr 0.001). `dpfl_ray` builds the optimizer anew in every client round, so each step is
 Adam's first: about lr times the sign of the noisy gradient. This script trains the paper's setting with a
-constant sigma and threshold (the const_sigma runs' mechanism), once with a fresh Adam per client round
-and once with each client's Adam state kept from round to round, and prints the test accuracy as it goes.
+constant sigma and threshold (the const_sigma runs' mechanism) with Adam in one of four places (the
+modes below), and prints the test accuracy as it goes.
 The partition, model and data are the project's (scenarios/papers/fu2022/const_sigma.yaml); the lots and
 noise are drawn here, so the numbers are not the runs' own.
 
@@ -12,6 +12,16 @@ noise are drawn here, so the numbers are not the runs' own.
     python docs/experiments/fu2022_adam_state.py persistent 4.0 800
     python docs/experiments/fu2022_adam_state.py fresh RUN/rounds.jsonl 2500   # a run's sigma, round by round
     python docs/experiments/fu2022_adam_state.py fresh 4.0 80 69 5   # 69 lots per client round, print every 5
+    python docs/experiments/fu2022_adam_state.py server 2.0 2567     # one Adam at the server
+    python docs/experiments/fu2022_adam_state.py shared 2.0 2567     # one Adam state for every client in turn
+
+Modes: ``fresh``, a new Adam in every client round (the runtime's ``optimizer_state: round``);
+``persistent``, each client's Adam state kept from its round to its next (``optimizer_state: client``);
+``server``, the clients' noisy mean gradients averaged at the server and one Adam, kept across rounds,
+steps the global model (Alg. 1 lines 15 and 23 read as one gradient step on the average, with Adam in
+place of the plain step); ``shared``, every client steps in turn from one Adam state, as a one-process
+simulation with a single optimizer object would. All four release the same noisy gradients: the
+choice is post-processing, the privacy accounting is the same.
 
 The second argument is sigma: a number, or a run's rounds.jsonl whose noise_multiplier each round
 takes (the published Adap DP-FL run's decaying sigma, with C = 1 here). The optional fourth and fifth:
@@ -39,6 +49,15 @@ Measured 2026-11-26 (Intel Xeon, 2 cores, the two modes side by side, one thread
 - fresh, constant sigma 0.6325 (= 2 / sqrt(10): sigma 2 added once for the ten clients), 2,567 rounds, at
   rounds 500 / 1,000 / 1,500 / 2,000 / 2,500 / 2,567: 0.602 / 0.672 / 0.683 / 0.698 / 0.705 / 0.707
   (alone on one core beside a test suite, 1,630 s).
+- constant sigma 2, 2,567 rounds (the const_sigma2 run's stop), side by side, at rounds 500 / 1,000 / 1,500 /
+  2,000 / 2,500 / 2,567: server 0.646 / 0.685 / 0.703 / 0.717 / 0.719 / **0.729** (test loss lowest 0.954
+  at round 500, 1.052 at the end); shared 0.499 / 0.582 / 0.633 / 0.663 / 0.673 / 0.666 (2026-11-28,
+  552 and 580 s).
+- server, side by side (2026-11-28): constant sigma 3 to its stop (6,403 rounds), at rounds 1,000 / 2,000 /
+  3,000 / 4,000 / 5,000 / 6,000 / 6,403: 0.664 / 0.702 / 0.713 / 0.724 / 0.729 / 0.741 / **0.741**; the
+  noise-decay run's sigma replayed (its rounds.jsonl, 6,063 rounds, 4 -> 2.67, C = 1): 0.648 / 0.697 /
+  0.709 / 0.722 / 0.728 / 0.737 / **0.739** at round 6,063 (test loss 0.94-0.96 near round 1,000, 1.09-1.18
+  from round 4,000 on, in both).
 See docs/reproductions.md (Fu et al. 2022).
 """
 import json
@@ -78,15 +97,23 @@ def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, cl
     xs = [torch.from_numpy(ds.x_train[fed.client_indices(c)]) for c in range(fed.num_clients)]
     ys = [torch.from_numpy(ds.y_train[fed.client_indices(c)]) for c in range(fed.num_clients)]
     states: list = [None] * fed.num_clients
+    shared = None  # mode "shared": one Adam state that every client's step goes on from, in turn
+    if mode == "server":  # one Adam at the server, on the mean of the clients' noisy gradients
+        set_flat(model, theta)
+        server = {k: v.detach().clone() for k, v in model.named_parameters()}
+        server_opt = torch.optim.Adam([server[k] for k in names], lr=lr)
     t0 = time.time()
     for r in range(1, rounds + 1):
         total = np.zeros_like(theta)
+        mean_grad = torch.zeros(theta.shape, dtype=torch.float32)
         for c in range(fed.num_clients):
             set_flat(model, theta)
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
             opt = torch.optim.Adam([params[k] for k in names], lr=lr)
             if mode == "persistent" and states[c] is not None:
                 opt.load_state_dict(states[c])
+            if mode == "shared" and shared is not None:
+                opt.load_state_dict(shared)
             n = len(ys[c])
             z = sigmas[min(r, len(sigmas)) - 1]
             for _ in range(lots):
@@ -94,6 +121,9 @@ def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, cl
                 summed, _ = clip_and_sum(grads_of(params, xs[c][idx], ys[c][idx]), clip)
                 flat = torch.cat([summed[k].reshape(-1) for k in names])
                 flat = (flat + z * clip * torch.randn(flat.shape, generator=noise)) / lot
+                if mode == "server":
+                    mean_grad += flat / fed.num_clients
+                    continue
                 offset = 0
                 for k in names:
                     p = params[k]
@@ -102,7 +132,17 @@ def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, cl
                 opt.step()
             if mode == "persistent":
                 states[c] = opt.state_dict()
+            if mode == "shared":
+                shared = opt.state_dict()
             total += torch.cat([params[k].detach().reshape(-1) for k in names]).numpy() / fed.num_clients
+        if mode == "server":
+            offset = 0
+            for k in names:
+                p = server[k]
+                p.grad = mean_grad[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            server_opt.step()
+            total = torch.cat([server[k].detach().reshape(-1) for k in names]).numpy()
         theta = total
         if r % every == 0 or r == rounds:
             set_flat(model, theta)
