@@ -82,6 +82,16 @@ def sigma_schedule(sigma: str) -> list[float]:
         return [r["noise_multiplier"] for r in rows if r.get("noise_multiplier")]
 
 
+def adam_step(opt, params: dict, names: list[str], flat: torch.Tensor) -> None:
+    """``opt``'s step with the flat gradient ``flat`` spread over ``params`` in ``names``' order."""
+    offset = 0
+    for k in names:
+        p = params[k]
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    opt.step()
+
+
 def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, clip: float = 1.0, lot: int = 78,
          lr: float = 1e-3) -> None:
     sigmas = sigma_schedule(sigma)
@@ -124,24 +134,14 @@ def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, cl
                 if mode == "server":
                     mean_grad += flat / fed.num_clients
                     continue
-                offset = 0
-                for k in names:
-                    p = params[k]
-                    p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
-                opt.step()
+                adam_step(opt, params, names, flat)
             if mode == "persistent":
                 states[c] = opt.state_dict()
             if mode == "shared":
                 shared = opt.state_dict()
             total += torch.cat([params[k].detach().reshape(-1) for k in names]).numpy() / fed.num_clients
         if mode == "server":
-            offset = 0
-            for k in names:
-                p = server[k]
-                p.grad = mean_grad[offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-            server_opt.step()
+            adam_step(server_opt, server, names, mean_grad)
             total = torch.cat([server[k].detach().reshape(-1) for k in names]).numpy()
         theta = total
         if r % every == 0 or r == rounds:
