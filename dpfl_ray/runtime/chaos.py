@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..faults.plan import CRASH, NODE_LOST
+
+# How long a node loss waits for the GCS to notice: its health checks (Ray's defaults: every 3 s,
+# dead after 5 failures) take up to about 20 s.
+NOTICED_SECONDS = 60.0
 
 
 @ray.remote(num_cpus=0)
@@ -29,13 +34,24 @@ def removable_nodes(keep: set[str]) -> list[str]:
     return sorted(out)
 
 
-def lose_node(node_id: str, timeout: float = 30.0) -> None:
+def _alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+
+
+def lose_node(node_id: str, timeout: float = 30.0, noticed_within: float = NOTICED_SECONDS) -> None:
+    """Kill the node's raylet, then wait (at most ``noticed_within`` s) until the GCS lists the node
+    as dead, as it does after a real node loss before any actor of it is reported dead. Until then
+    the GCS still counts the node's freed CPUs as free, and a replacement worker started there
+    fails to start and surfaces in the next round as a crash."""
     ref = _kill_own_raylet.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)).remote()
     try:
         ray.get(ref, timeout=timeout)
     except Exception:  # the node dies under the task: that is the point
         pass
+    end = time.monotonic() + noticed_within
+    while _alive(node_id) and time.monotonic() < end:
+        time.sleep(0.1)
 
 
 def strike(workers: list, nodes: dict, faults, phase: str, keep: set[str]) -> dict:
