@@ -4,6 +4,11 @@ import pytest
 
 # Keep the test Ray on the loopback interface: without this Ray swaps 127.0.0.1 for the routable IP.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Nothing reads the suite's Ray metrics: without their collection and the event loops' statistics an
+# idle Ray's daemons use about a third less CPU (1.7 against 2.5 core-seconds a minute, measured),
+# for the three session Rays and every Ray a test starts (the variables reach its processes).
+os.environ.setdefault("RAY_enable_metrics_collection", "0")
+os.environ.setdefault("RAY_event_stats", "0")
 # pytest-xdist's workers start with COLUMNS=80, which rich would fix as the width of the CLI's console
 # when cli.common is imported; without it the console reads COLUMNS per call, as the tests set it.
 os.environ.pop("COLUMNS", None)
