@@ -27,8 +27,10 @@ $(STAMP): pyproject.toml
 # same time (about 11 s of CPU each). A failed warm-up is not a failed suite: the tests say what is wrong.
 WARM := $(VENV)/.warm
 $(WARM): $(STAMP)
-	# the two side by side: the run waits on Ray's start for much of its time
-	$(BIN)/python -c "import pytest, xdist, psutil, hypothesis, ray.tune" > /dev/null 2>&1 & \
+	# the two side by side: the run waits on Ray's start for much of its time. torch._dynamo (and
+	# sympy under it) is what torch.func.grad imports, in every worker of a record-level DP run.
+	$(BIN)/python -c "import pytest, xdist, psutil, hypothesis, ray.tune, torch._dynamo, sklearn.datasets, optuna, tensorboardX" \
+		> /dev/null 2>&1 & \
 	$(BIN)/python -m cli.main run scenarios/baek2021_ci_z1_drop30_calibrated.yaml --set training.rounds=1 \
 		--out $(VENV)/warm-up-run > /dev/null 2>&1 || echo "warm-up run failed (the tests will say why)"; \
 	wait
