@@ -222,9 +222,6 @@ class Baek(Algorithm):
             if p.accountant == "pld":
                 raise ValueError(f"privacy.accountant: {p.distributed_noise} noise is booked by its RDP; use rdp or "
                                  "rdp-classic")
-            if sc.sampling.mode != "poisson":
-                raise ValueError(f"privacy.distributed_noise: {p.distributed_noise} noise is accounted under Poisson "
-                                 "sampling only (Zhu & Wang's bound); set sampling.mode: poisson")
 
     def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None):
         require_public_weight_cap(scenario, weights)

@@ -95,11 +95,12 @@ def _rdp_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: Neighbor
 
 
 def _discrete_curve(event: dpe.DpEvent, orders: tuple[float, ...], relation: NeighboringRelation) -> np.ndarray | None:
-    """The RDP curve of an integer-noise sum (privacy/discrete_rdp.py), alone or Poisson-sampled; None for
-    every other event. Cached as :func:`_rdp_curve` caches dp_accounting's."""
+    """The RDP curve of an integer-noise sum (privacy/discrete_rdp.py), alone or sampled (Poisson or a
+    fixed-size cohort); None for every other event. Cached as :func:`_rdp_curve` caches dp_accounting's."""
     from dpfl_ray.privacy.discrete_rdp import discrete_rdp_of
 
-    inner = event.event if isinstance(event, dpe.PoissonSampledDpEvent) else event
+    sampled = (dpe.PoissonSampledDpEvent, dpe.SampledWithoutReplacementDpEvent)
+    inner = event.event if isinstance(event, sampled) else event
     if discrete_rdp_of(inner) is None:
         return None
     key = (repr(event), orders, relation)

@@ -13,9 +13,12 @@ are :mod:`dpfl_ray.privacy.discrete`.
 * :func:`poisson_subsampled_rdp`: the amplification by Poisson sampling of a mechanism given by its RDP
   at integer orders, Zhu & Wang 2019 ("Poisson subsampled Renyi differential privacy", Thm. 5, the
   upper bound), at most the mechanism's own.
+* :func:`wor_subsampled_rdp`: the same for a fixed-size cohort (m of n without replacement, the
+  replace-one relation), Wang, Balle & Kasiviswanathan 2019 ("Subsampled Renyi differential privacy
+  and analytical moments accountant", Thm. 9, for a mechanism without a pure-DP bound).
 
 dp_accounting has no event for these mechanisms: :class:`DiscreteNoiseSumDpEvent` is one, alone or
-inside dp_accounting's ``PoissonSampledDpEvent``, and the project's RDP accountants
+inside dp_accounting's ``PoissonSampledDpEvent`` or ``SampledWithoutReplacementDpEvent``, and the project's RDP accountants
 (:mod:`dpfl_ray.privacy.accountants`) compose its curve (:func:`event_rdp_curve`) with every other
 event and convert the sum with dp_accounting's own conversion. The Gaussian special cases are tested
 against dp_accounting's RdpAccountant (tests/unit/test_discrete_noise.py).
@@ -93,16 +96,21 @@ def ddgauss_rdp(order: int, l1: float, l2: float, local_variance: float, shares:
                a / 2.0 * (s2 + math.sqrt(dim) * tau) ** 2)
 
 
-def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
-    """RDP at integer ``order`` >= 2 of a mechanism run on a Poisson sample at ``rate``, the mechanism's
-    RDP given as the function ``rdp(order)``: Zhu & Wang 2019, Thm. 5 (an upper bound), and never above
-    the mechanism's own RDP."""
+def _subsampling_args(order, rate: float, name: str, rdp) -> tuple[int, float]:
+    """A subsampling bound's checked integer order and the mechanism's own RDP there."""
     alpha = int(order)
     if alpha != order or alpha < 2:
         raise DPFLError(f"the subsampling bound needs an integer order >= 2, got {order}", field="order")
     if not 0 < rate <= 1:
-        raise DPFLError(f"the sampling rate must be in (0, 1], got {rate}", field="rate")
-    own = rdp(alpha)
+        raise DPFLError(f"the sampling {name} must be in (0, 1], got {rate}", field=name)
+    return alpha, rdp(alpha)
+
+
+def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
+    """RDP at integer ``order`` >= 2 of a mechanism run on a Poisson sample at ``rate``, the mechanism's
+    RDP given as the function ``rdp(order)``: Zhu & Wang 2019, Thm. 5 (an upper bound), and never above
+    the mechanism's own RDP."""
+    alpha, own = _subsampling_args(order, rate, "rate", rdp)
     if rate == 1:
         return own
     g = float(rate)
@@ -115,11 +123,34 @@ def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
     return min(float(special.logsumexp(terms, b=weights)) / (alpha - 1), own)
 
 
-def rdp_curve(rdp, rate: float = 1.0, orders=ORDERS) -> np.ndarray:
-    """One round's RDP at every order of ``orders``, amplified by Poisson sampling at ``rate``. The
-    bound at order a reads the mechanism's RDP at every integer order up to a: each is computed once."""
+def wor_subsampled_rdp(order: int, ratio: float, rdp) -> float:
+    """RDP at integer ``order`` >= 2 of a mechanism run on m of n records drawn without replacement
+    (``ratio`` = m / n), under the replace-one relation, the mechanism's replace-one RDP given as
+    ``rdp(order)``: Wang, Balle & Kasiviswanathan 2019, Thm. 9 with eps(inf) = inf (the integer noises
+    have no pure-DP bound), so each min{2, (e^eps(inf) - 1)^j} there is 2:
+
+        (1 / (a - 1)) log(1 + g^2 C(a, 2) min{4 (e^eps(2) - 1), 2 e^eps(2)}
+                          + sum_{j=3}^{a} 2 g^j C(a, j) e^((j - 1) eps(j))),
+
+    and never above the mechanism's own RDP."""
+    alpha, own = _subsampling_args(order, ratio, "ratio", rdp)
+    if ratio == 1:
+        return own
+    g, e2 = float(ratio), rdp(2)
+    terms = [0.0, 2 * math.log(g) + math.log(special.comb(alpha, 2))
+             + min(math.log(4.0) + e2 + math.log(-math.expm1(-e2)) if e2 > 0 else -math.inf, math.log(2.0) + e2)]
+    for j in range(3, alpha + 1):
+        log_binom = special.gammaln(alpha + 1) - special.gammaln(j + 1) - special.gammaln(alpha - j + 1)
+        terms.append(math.log(2.0) + j * math.log(g) + log_binom + (j - 1) * rdp(j))
+    return min(float(special.logsumexp(terms)) / (alpha - 1), own)
+
+
+def rdp_curve(rdp, rate: float = 1.0, orders=ORDERS, bound=poisson_subsampled_rdp) -> np.ndarray:
+    """One round's RDP at every order of ``orders``, amplified by sampling at ``rate`` (``bound``:
+    :func:`poisson_subsampled_rdp`, or :func:`wor_subsampled_rdp` for a fixed-size cohort). The bound
+    at order a reads the mechanism's RDP at every integer order up to a: each is computed once."""
     rdp = functools.lru_cache(maxsize=None)(rdp)
-    return np.array([poisson_subsampled_rdp(a, rate, rdp) if rate < 1 else rdp(a) for a in orders])
+    return np.array([bound(a, rate, rdp) if rate < 1 else rdp(a) for a in orders])
 
 
 def epsilon(curve, delta: float, orders=ORDERS) -> float:
@@ -140,7 +171,7 @@ class DiscreteNoiseSumDpEvent(dpe.DpEvent):
     """One release of a secure sum of integer vectors carrying the clients' integer noise shares.
 
     ``mechanism``: 'skellam' or 'discrete_gaussian'. ``l1``, ``l2``: how far one client can move the
-    integer sum (its rounded, scaled contribution's bounds). ``variance``: for Skellam the variance of
+    integer sum (its rounded, scaled contribution's bounds) under the ledger's neighbouring relation. ``variance``: for Skellam the variance of
     the summed noise (its shares add up to one Skellam), for the discrete Gaussian each share's.
     ``shares``: the number of noise shares in the sum. ``dim``: the vector's length (after padding)."""
 
@@ -208,20 +239,30 @@ def discrete_rdp_of(event):
 def event_rdp_curve(event, orders, relation: NeighboringRelation) -> np.ndarray | None:
     """The RDP curve over ``orders`` of a discrete release (:func:`discrete_rdp_of`), or of one inside
     dp_accounting's ``PoissonSampledDpEvent`` (Zhu & Wang's bound on the whole release, add/remove-one
-    only); None for any other event. A fractional order gets the next integer order's value: Renyi
-    divergence never decreases with the order, so that bounds it."""
-    inner, rate = event, 1.0
+    only) or ``SampledWithoutReplacementDpEvent`` (Wang et al.'s, replace-one only); None for any
+    other event. The release's ``l1`` and ``l2`` must bound one client's move under the ledger's
+    relation (Baek's state the replace-one sensitivity 2C, which bounds both). A fractional order gets
+    the next integer order's value: Renyi divergence never decreases with the order, so that bounds it."""
+    inner, rate, bound = event, 1.0, poisson_subsampled_rdp
     if isinstance(event, dpe.PoissonSampledDpEvent) and discrete_rdp_of(event.event) is not None:
         if relation != NeighboringRelation.ADD_OR_REMOVE_ONE:
             raise DPFLError("a Poisson-sampled discrete noise sum is accounted under the add/remove-one relation "
                             f"only, not {relation.name}", field="accountant")
         inner, rate = event.event, float(event.sampling_probability)
+    elif isinstance(event, dpe.SampledWithoutReplacementDpEvent) and discrete_rdp_of(event.event) is not None:
+        if relation != NeighboringRelation.REPLACE_ONE:
+            raise DPFLError("a fixed-size cohort's discrete noise sum is accounted under the replace-one relation "
+                            f"only, not {relation.name}", field="accountant")
+        inner, bound = event.event, wor_subsampled_rdp
+        rate = event.sample_size / event.source_dataset_size
+        if rate == 0:  # nobody sampled: nothing released
+            return np.zeros(len(orders))
     rdp = discrete_rdp_of(inner)
     if rdp is None:
         return None
     if rate >= 1.0:
         return np.array([rdp(float(a)) for a in orders])
-    return rdp_curve(rdp, rate, [max(2, math.ceil(float(a))) for a in orders])
+    return rdp_curve(rdp, rate, [max(2, math.ceil(float(a))) for a in orders], bound=bound)
 
 
 # -- one round's ring plan ---------------------------------------------------------------------------

@@ -201,6 +201,28 @@ def test_integer_noise_inside_secagg_releases_the_sum_and_books_its_own_mechanis
     assert summary["epsilon_claimed"] == gaussian["epsilon_claimed"]
 
 
+def test_a_fixed_size_cohort_with_skellam_shares_books_the_replace_one_bound_of_its_gaussian(ray_session, tmp_path):
+    """Fixed-size cohorts (m of n without replacement, the replace-one relation) with integer noise:
+    each round books its survivors' Skellam sum inside dp_accounting's
+    SampledWithoutReplacementDpEvent, through Wang et al.'s bound (privacy/discrete_rdp.py); at
+    z = 1 that is the epsilon of the continuous Gaussian's run of the same cohorts (the release's
+    RDP is the Gaussian's within 1e-5, and the bound's terms are those dp_accounting takes)."""
+    fixed = {"mode": "fixed", "clients_per_round": 10, "rate": None}
+    runs = {}
+    for noise in ("gaussian", "skellam"):
+        sc = _integer_scenario(noise, 24).model_copy(
+            update={"sampling": _integer_scenario(noise, 24).sampling.model_copy(update=fixed)})
+        runs[noise] = _run(sc, tmp_path / noise)
+    ledgers = {noise: json.loads((tmp_path / noise / "ledger.json").read_text()) for noise in runs}
+    assert ledgers["skellam"]["neighboring_relation"] == ledgers["gaussian"]["neighboring_relation"] == "replace_one"
+    rows = runs["skellam"][1]
+    assert [r["sampled"] for r in rows] == [10, 10, 10]
+    for row, entry in zip(rows, ledgers["skellam"]["rounds"]):
+        assert entry["mechanism"]["type"] == "DiscreteNoiseSumDpEvent" and entry["mechanism"]["shares"] == row["survived"]
+    gaussian, skellam = runs["gaussian"][0]["epsilon"], runs["skellam"][0]["epsilon"]
+    assert gaussian <= skellam <= 1.01 * gaussian, (skellam, gaussian)
+
+
 @pytest.mark.parametrize("calibration", ["baek", "baek-extended", "layered"])
 def test_calibration_with_integer_shares_runs_through_secagg_and_books_what_the_server_sees(ray_session, tmp_path,
                                                                                            calibration):

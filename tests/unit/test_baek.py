@@ -266,7 +266,6 @@ def _integer_scenario(calibration, noise, clients=40, bits=20):
 @pytest.mark.parametrize("change, field", [
     ({"privacy": {"calibration": "layered", "distributed_noise": "discrete_gaussian"}}, "privacy.calibration"),
     ({"privacy": {"accountant": "pld"}}, "privacy.accountant"),
-    ({"sampling": {"mode": "fixed", "clients_per_round": 10, "rate": None}}, "privacy.distributed_noise"),
     ({"secagg": {"enabled": True, "bits": 64}}, "secagg.bits"),
 ])
 def test_integer_noise_settings_it_cannot_honour_are_one_line(change, field):

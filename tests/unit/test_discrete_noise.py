@@ -235,6 +235,62 @@ def test_the_ledger_books_a_sampled_discrete_sum_and_reads_it_back(accountant):
     assert again.epsilon() == eps and again.rounds[0].mechanism == event
 
 
+@pytest.mark.parametrize("sigma", [0.8, 1.0, 2.0, 5.0])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.5])
+def test_the_fixed_size_bound_covers_dp_accountings_fixed_size_gaussian(sigma, ratio):
+    """Wang et al.'s Thm. 9 with the Gaussian's RDP plugged in: dp_accounting takes, term by term, the
+    smaller of that theorem's term and its Thm. 27 term for the Gaussian, so the generic bound is
+    never below dp_accounting's (unless capped by the mechanism's own RDP, which no subsampling
+    exceeds), equals it where the Thm. 9 terms are the smaller ones (sigma <= 1 here), and is
+    never above the unsampled RDP."""
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    orders = [2, 3, 4, 8, 16, 32, 64]
+    own = [a / (2 * sigma ** 2) for a in orders]
+    mine = [rdp.wor_subsampled_rdp(a, ratio, lambda o: o / (2 * sigma ** 2)) for a in orders]
+    ref = rdp_lib._compute_rdp_sample_wor_gaussian(ratio, sigma, orders)
+    for m, r, o in zip(mine, ref, own):
+        assert min(r, o) * (1 - 1e-12) <= m <= o
+        if sigma <= 1.0:
+            assert m == pytest.approx(min(r, o), rel=1e-9)
+    # order 2 by hand: log(1 + g^2 min(4 (e^eps2 - 1), 2 e^eps2))
+    e2 = 1 / sigma ** 2
+    assert mine[0] == pytest.approx(min(math.log1p(ratio ** 2 * min(4 * math.expm1(e2), 2 * math.exp(e2))), e2),
+                                    rel=1e-12)
+    assert rdp.wor_subsampled_rdp(8, 1.0, lambda o: o / (2 * sigma ** 2)) == own[3]
+
+
+def test_a_fixed_size_cohort_books_a_discrete_sum_as_its_gaussian_and_refuses_the_other_relation():
+    """A fixed-size cohort (m of n, replace-one): the Skellam sum of the Gaussian's variance and
+    sensitivity books, through Wang et al.'s bound, the epsilon dp_accounting gives the fixed-size
+    Gaussian: to 1e-4 at z = 1 (1.48250 against 1.48253), where the generic bound's terms are the
+    ones dp_accounting takes; at z = 2.22 dp_accounting's tighter Thm. 27 terms for the Gaussian
+    win (0.4325 against 0.3797). Under Poisson's add/remove relation it is refused."""
+    from dpfl_ray.privacy.ledger import PrivacyLedger
+    from dpfl_ray.privacy.sampling import FixedSizeSampling
+
+    for variance, near in ((180.0 ** 2, True), (1.6e5, False)):
+        event = rdp.DiscreteNoiseSumDpEvent("skellam", l1=4000.0, l2=180.0, variance=variance, shares=50, dim=2 ** 14)
+        ledger, gauss = PrivacyLedger(accountant="rdp", delta=1e-5), PrivacyLedger(accountant="rdp", delta=1e-5)
+        z = math.sqrt(variance) / 180.0
+        for t in range(1, 101):
+            ledger.record_round(1.0, FixedSizeSampling(50, 5000), reason="baek", round=t, mechanism=event)
+            gauss.record_round(z, FixedSizeSampling(50, 5000), reason="baek", round=t)
+        assert ledger.neighboring_relation.name == "REPLACE_ONE"
+        assert ledger.epsilon() >= gauss.epsilon()
+        if near:
+            assert ledger.epsilon() == pytest.approx(gauss.epsilon(), rel=1e-4), (ledger.epsilon(), gauss.epsilon())
+        else:
+            assert ledger.epsilon() < 1.2 * gauss.epsilon()
+        again = PrivacyLedger.from_dict(ledger.to_dict())
+        assert again.epsilon() == ledger.epsilon()
+    sampled = dp_accounting.SampledWithoutReplacementDpEvent(5000, 50, event)
+    with pytest.raises(DPFLError, match="replace-one relation only"):
+        rdp.event_rdp_curve(sampled, rdp.ORDERS, dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert not rdp.event_rdp_curve(dp_accounting.SampledWithoutReplacementDpEvent(5000, 0, event), rdp.ORDERS,
+                                   dp_accounting.NeighboringRelation.REPLACE_ONE).any()  # nobody sampled
+
+
 def test_pld_refuses_a_discrete_sum_in_one_line():
     from dpfl_ray.privacy.ledger import PrivacyLedger
     from dpfl_ray.privacy.sampling import PoissonSampling
