@@ -18,9 +18,10 @@ are :mod:`dpfl_ray.privacy.discrete`.
   and analytical moments accountant", Thm. 9, for a mechanism without a pure-DP bound).
 
 dp_accounting has no event for these mechanisms: :class:`DiscreteNoiseSumDpEvent` is one, alone or
-inside dp_accounting's ``PoissonSampledDpEvent`` or ``SampledWithoutReplacementDpEvent``, and the project's RDP accountants
-(:mod:`dpfl_ray.privacy.accountants`) compose its curve (:func:`event_rdp_curve`) with every other
-event and convert the sum with dp_accounting's own conversion. The Gaussian special cases are tested
+inside dp_accounting's ``PoissonSampledDpEvent`` or ``SampledWithoutReplacementDpEvent``, and the
+project's RDP accountants (:mod:`dpfl_ray.privacy.accountants`) compose its curve
+(:func:`event_rdp_curve`) with every other event and convert the sum with dp_accounting's own
+conversion. The Gaussian special cases are tested
 against dp_accounting's RdpAccountant (tests/unit/test_discrete_noise.py).
 """
 from __future__ import annotations
@@ -171,8 +172,9 @@ class DiscreteNoiseSumDpEvent(dpe.DpEvent):
     """One release of a secure sum of integer vectors carrying the clients' integer noise shares.
 
     ``mechanism``: 'skellam' or 'discrete_gaussian'. ``l1``, ``l2``: how far one client can move the
-    integer sum (its rounded, scaled contribution's bounds) under the ledger's neighbouring relation. ``variance``: for Skellam the variance of
-    the summed noise (its shares add up to one Skellam), for the discrete Gaussian each share's.
+    integer sum (its rounded, scaled contribution's bounds) under the ledger's neighbouring relation.
+    ``variance``: for Skellam the variance of the summed noise (its shares add up to one Skellam), for
+    the discrete Gaussian each share's.
     ``shares``: the number of noise shares in the sum. ``dim``: the vector's length (after padding)."""
 
     mechanism: str

@@ -218,7 +218,8 @@ def test_a_fixed_size_cohort_with_skellam_shares_books_the_replace_one_bound_of_
     rows = runs["skellam"][1]
     assert [r["sampled"] for r in rows] == [10, 10, 10]
     for row, entry in zip(rows, ledgers["skellam"]["rounds"]):
-        assert entry["mechanism"]["type"] == "DiscreteNoiseSumDpEvent" and entry["mechanism"]["shares"] == row["survived"]
+        assert entry["mechanism"]["type"] == "DiscreteNoiseSumDpEvent"
+        assert entry["mechanism"]["shares"] == row["survived"]
     gaussian, skellam = runs["gaussian"][0]["epsilon"], runs["skellam"][0]["epsilon"]
     assert gaussian <= skellam <= 1.01 * gaussian, (skellam, gaussian)
 
