@@ -263,7 +263,7 @@ def test_the_fixed_size_bound_covers_dp_accountings_fixed_size_gaussian(sigma, r
 def test_a_fixed_size_cohort_books_a_discrete_sum_as_its_gaussian_and_refuses_the_other_relation():
     """A fixed-size cohort (m of n, replace-one): the Skellam sum of the Gaussian's variance and
     sensitivity books, through Wang et al.'s bound, the epsilon dp_accounting gives the fixed-size
-    Gaussian: to 1e-4 at z = 1 (1.48250 against 1.48253), where the generic bound's terms are the
+    Gaussian: to 1e-4 at z = 1 (1.48254 against 1.48253), where the generic bound's terms are the
     ones dp_accounting takes; at z = 2.22 dp_accounting's tighter Thm. 27 terms for the Gaussian
     win (0.4325 against 0.3797). Under Poisson's add/remove relation it is refused."""
     from dpfl_ray.privacy.ledger import PrivacyLedger
