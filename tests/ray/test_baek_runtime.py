@@ -161,10 +161,13 @@ def test_an_input_that_overflows_the_ring_aborts_the_round_not_the_run(ray_sessi
     assert all(r["survived"] == 0 for r in rounds)
 
 
-def _integer_scenario(noise: str, bits: int, z: float = 1.0, rounds: int = 3, calibration: str = "none"):
+POISSON = {"mode": "poisson", "rate": 0.25, "clients_per_round": None}
+
+
+def _integer_scenario(noise: str, bits: int, z: float = 1.0, rounds: int = 3, calibration: str = "none",
+                      sampling: dict = POISSON):
     return tiny_scenario(
-        data={"num_clients": 40}, training={"algorithm": "baek", "rounds": rounds},
-        sampling={"mode": "poisson", "rate": 0.25, "clients_per_round": None},
+        data={"num_clients": 40}, training={"algorithm": "baek", "rounds": rounds}, sampling=sampling,
         privacy={"noise_multiplier": z, "clipping": {"norm": 0.5}, "accountant": "rdp", "calibration": calibration,
                  "distributed_noise": noise},
         secagg={"enabled": True, "threshold": "majority", "bits": bits if noise != "gaussian" else 32},
@@ -208,11 +211,8 @@ def test_a_fixed_size_cohort_with_skellam_shares_books_the_replace_one_bound_of_
     z = 1 that is the epsilon of the continuous Gaussian's run of the same cohorts (the release's
     RDP is the Gaussian's within 1e-5, and the bound's terms are those dp_accounting takes)."""
     fixed = {"mode": "fixed", "clients_per_round": 10, "rate": None}
-    runs = {}
-    for noise in ("gaussian", "skellam"):
-        sc = _integer_scenario(noise, 24).model_copy(
-            update={"sampling": _integer_scenario(noise, 24).sampling.model_copy(update=fixed)})
-        runs[noise] = _run(sc, tmp_path / noise)
+    runs = {noise: _run(_integer_scenario(noise, 24, sampling=fixed), tmp_path / noise)
+            for noise in ("gaussian", "skellam")}
     ledgers = {noise: json.loads((tmp_path / noise / "ledger.json").read_text()) for noise in runs}
     assert ledgers["skellam"]["neighboring_relation"] == ledgers["gaussian"]["neighboring_relation"] == "replace_one"
     rows = runs["skellam"][1]
