@@ -41,8 +41,8 @@ def _alive(node_id: str) -> bool:
 def lose_node(node_id: str, timeout: float = 30.0, noticed_within: float = NOTICED_SECONDS) -> None:
     """Kill the node's raylet, then wait (at most ``noticed_within`` s) until the GCS lists the node
     as dead, as it does after a real node loss before any actor of it is reported dead. Until then
-    the GCS still counts the node's freed CPUs as free, and a replacement worker started there
-    fails to start and surfaces in the next round as a crash."""
+    the GCS still counts the node's freed CPUs as free and may place a replacement worker there,
+    where it cannot start and would surface in the next round as a crash."""
     ref = _kill_own_raylet.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)).remote()
     try:
