@@ -53,6 +53,20 @@ def main() -> None:
         _leave(130)
 
 
+def quiet_import_warnings() -> None:
+    """Keep urllib3's notice that PySocks is missing off stderr (requests, which Ray imports, asks
+    for SOCKS support and hides that warning itself).
+
+    requests' own filter is not enough: `dpfl run` imports matplotlib in a thread while the main
+    thread imports Ray, and a ``warnings.catch_warnings()`` block in that thread restores the filter
+    list it saved on entry, dropping a filter the main thread added meanwhile (CI printed the
+    warning above a one-line error once). A filter installed here, before any thread starts, is in
+    every list such a block saves."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="SOCKS support in urllib3", module=r"urllib3\b")
+
+
 def _main() -> None:
     import logging
     import sys
@@ -76,6 +90,7 @@ def _main() -> None:
 
     # dp_accounting logs RDP orders it skips as warnings: noise around the one line a user reads
     logging.getLogger("absl").setLevel(logging.ERROR)
+    quiet_import_warnings()
     try:
         rv = app(standalone_mode=False)
     except SystemExit as exc:  # rich's answer to a closed pipe (`dpfl ... | head`), or a command's own exit
