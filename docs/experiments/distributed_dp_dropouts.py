@@ -5,8 +5,8 @@ python docs/experiments/distributed_dp_dropouts.py
 
 Baek et al.'s setting, booked as the runs book it: 5,000 users, q = 0.01, the same 50 sampled
 every round and the first 45 or 35 of them delivering, z = 1, C = 0.5, F = 0.5 (layered tolerates
-25 dropouts), 100 rounds, delta = 1e-5, the CNN's 26,010 values; Skellam shares at 20 bits. Every
-survivor calibrates. Each figure is the project's own ledger (algorithms/baek.py,
+25 dropouts), 100 rounds, delta = 1e-5, the CNN's 26,010 values; Skellam and discrete Gaussian
+shares at 20 bits (the discrete Gaussian's layers made of equal draws). Every survivor calibrates. Each figure is the project's own ledger (algorithms/baek.py,
 runtime/privacy.py): the public epsilon under Poisson sampling and the epsilon against the
 server, which picks the sample (unamplified, worst-off client).
 """
@@ -43,14 +43,16 @@ def ledger(noise: str, mode: str, dropout: float) -> dict:
 
 
 def main() -> None:
-    print("| dropout | calibration | epsilon, Gaussian | epsilon, Skellam 20 bits | against the server, Gaussian | "
-          "against the server, Skellam 20 bits |")
-    print("|--:|---|--:|--:|--:|--:|")
+    noises = ("gaussian", "skellam", "discrete_gaussian")
+    print("| dropout | calibration | epsilon, Gaussian | epsilon, Skellam 20 bits | epsilon, discrete Gaussian 20 bits "
+          "| against the server, Gaussian | against the server, Skellam 20 bits | against the server, discrete "
+          "Gaussian 20 bits |")
+    print("|--:|---|--:|--:|--:|--:|--:|--:|")
     for dropout in (0.1, 0.3):
         for mode in ("none", "baek", "baek-extended", "layered"):
-            g, s = ledger("gaussian", mode, dropout), ledger("skellam", mode, dropout)
-            print(f"| {dropout:.0%} | {mode} | {g['epsilon']:.4f} | {s['epsilon']:.4f} | {g['epsilon_vs_server']:.3f} | "
-                  f"{s['epsilon_vs_server']:.3f} |")
+            books = [ledger(noise, mode, dropout) for noise in noises]
+            print(f"| {dropout:.0%} | {mode} | " + " | ".join(f"{b['epsilon']:.4f}" for b in books) + " | "
+                  + " | ".join(f"{b['epsilon_vs_server']:.3f}" for b in books) + " |")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ import numpy as np
 
 from ..privacy.discrete import draw
 from ..privacy.dropouts import (
-    calibrates, effective_noise_multipliers, layer_variances, planned_noise_multipliers, server_view,
-    tolerated_dropouts,
+    LAYER_QUANTA, calibrates, effective_noise_multipliers, layer_quanta, layer_variances, planned_noise_multipliers,
+    server_view, tolerated_dropouts,
 )
 from ..privacy.randomness import ChaChaNormal, DPRandomness
 from ..privacy.sampling import sampling_of
@@ -98,6 +98,8 @@ class BaekNoise(ClientNoise):
     ring: RingEncoding | None = None  # integer noise inside SecAgg's ring (privacy.distributed_noise)
     cohort: int = 0  # the number of sampled clients (integer noise: every client's share is the same)
     first_shares: float = 0.0  # integer noise: how many first shares make the cohort's total (cohort, or n_0)
+    quantum: int = 0  # layered discrete Gaussian: each layer sums draws of N_Z(0, quantum) ...
+    quanta: tuple[int, ...] = ()  # ... layer k holds quanta[k] of them (privacy.dropouts.layer_quanta)
 
     def layer_seed(self, client_id: int, layer: int) -> bytes:
         """32-byte PRG seed of one noise layer; the server only ever uses reconstructed seeds."""
@@ -113,10 +115,18 @@ class BaekNoise(ClientNoise):
         return _normal(self._layer_stream(seed), self.T * np.sqrt(self.variances[layer]), dim)
 
     def layer_ints(self, seed: bytes, layer: int) -> np.ndarray:
-        """With integer noise: the layer's Skellam vector in the ring's rotated domain, of the layer's
-        share of the cohort's total variance; regenerated identically by anyone holding ``seed``."""
+        """With integer noise: the layer's vector in the ring's rotated domain, regenerated identically
+        by anyone holding ``seed``: a Skellam of the layer's share of the cohort's total variance, or
+        the sum of the layer's draws of N_Z(0, quantum)."""
+        return self._layer_draw(self._layer_stream(seed), layer)
+
+    def _layer_draw(self, generator, layer: int) -> np.ndarray:
+        dim = self.ring.dim
+        if self.quanta:
+            draws = draw(self.ring.mechanism, generator, self.quantum, self.quanta[layer] * dim)
+            return draws.reshape(self.quanta[layer], dim).sum(axis=0)
         total = self.ring.local_variance * self.cohort
-        return draw(self.ring.mechanism, self._layer_stream(seed), self.variances[layer] * total, self.ring.dim)
+        return draw(self.ring.mechanism, generator, self.variances[layer] * total, dim)
 
     def sample(self, client_id: int, weight: float, dim: int) -> np.ndarray:
         """e_i of Alg. 2 line 15 (or Alg. 3 line 26, or the layered sum), float64."""
@@ -152,11 +162,10 @@ class BaekNoise(ClientNoise):
         """The client's integer noise share in the rotated, scaled domain: every sampled client the
         same variance, so that the survivors' shares sum to one Skellam (or to a sum of equal discrete
         Gaussians) of the variance the ledger books. ``layered``: layer 0 plus the seeded layers
-        1..L, of the cohort's total variance over N, ..., over N - L (Skellams add up to one)."""
+        1..L, of the cohort's total variance over N, ..., over N - L (Skellams add up to one; the
+        discrete Gaussian's layers are sums of equal draws, :func:`~dpfl_ray.privacy.dropouts.layer_quanta`)."""
         if self.mode == "layered":
-            total = ring.local_variance * self.cohort
-            out = draw(ring.mechanism, self.randomness.generator("layers", self.round, client_id),
-                       self.variances[0] * total, ring.dim)
+            out = self._layer_draw(self.randomness.generator("layers", self.round, client_id), 0)
             for k in range(1, len(self.variances)):
                 out += self.layer_ints(self.layer_seed(client_id, k), k)
             return out
@@ -185,6 +194,8 @@ class RoundPlan:
     n_prime: float | None = None
     unmask: UnmaskPlan = UnmaskPlan()
     calibration_skipped: str | None = None  # integer noise: why a calibration that was due did not run
+    target_variance: float = 0.0  # layered discrete Gaussian: the cohort's total noise variance (integer units)
+    held: tuple[int, ...] = ()  # ... and the draws a survivor holds in layers 0..d after d dropouts
 
 
 class Baek(Algorithm):
@@ -216,9 +227,6 @@ class Baek(Algorithm):
             raise ValueError("secagg.overflow: clipping w_i Delta_i + e_i would cut the noise the analysis "
                              "relies on; use 'error' (the default) with baek")
         if p.distributed_noise != "gaussian":
-            if p.calibration == "layered" and p.distributed_noise != "skellam":
-                raise ValueError("privacy.calibration: layered integer noise needs skellam: the layers' unequal "
-                                 "discrete Gaussians do not sum to one, and their sum has no bound built here")
             if p.accountant == "pld":
                 raise ValueError(f"privacy.accountant: {p.distributed_noise} noise is booked by its RDP; use rdp or "
                                  "rdp-classic")
@@ -254,6 +262,17 @@ class Baek(Algorithm):
     def bind_model(self, dim: int) -> None:
         self.dim = int(dim)
 
+    @property
+    def _quantised_layers(self) -> bool:
+        """``layered`` with discrete Gaussian layers, made of equal draws (privacy.dropouts.layer_quanta)."""
+        return self.mode == "layered" and self.integer == "discrete_gaussian"
+
+    def _layer_quanta(self, plan, cohort: int) -> tuple[float, int, tuple[int, ...]]:
+        """The cohort's total noise variance at ``plan``'s scale, the draws' variance u and each layer's
+        count: the total is what the ring plan was asked for, before the margin the draws need."""
+        total = (plan.scale * 2.0 * self.clip_norm * self.z) ** 2
+        return (total, *layer_quanta(total, cohort, tolerated_dropouts(cohort, self.min_fraction)))
+
     def _first_shares(self, cohort: int) -> float:
         """How many first shares make the cohort's total variance: the cohort, or baek-extended's n_0
         (Alg. 3 line 26: each user starts from the noise of the floor, more than its part)."""
@@ -266,6 +285,8 @@ class Baek(Algorithm):
         from ..privacy.discrete_rdp import plan_ring
 
         spread = math.sqrt(shares / self._first_shares(shares))
+        if self._quantised_layers:  # the survivors' draws carry up to (1 + 1/Q) total + N: covered once total >= N Q
+            spread *= math.sqrt(1.0 + 2.0 / LAYER_QUANTA)
         return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm,
                          2.0 * self.clip_norm * self.z * spread, 2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA)
 
@@ -276,6 +297,9 @@ class Baek(Algorithm):
         None: the worst case over their number, before the calibration phase."""
         if self._ring is None or survived < 1:
             return None
+        if self._quantised_layers:  # the survivors' draws of N_Z(0, u) in layers 0..d
+            held = self.plan.held[len(self.plan.sampled) - survived]
+            return self._ring.event.with_shares(survived * held, self.plan.noise.quantum)
         if self.mode == "layered":  # the survivors keep layers 0..d: the cohort's whole total, exactly
             return attr.evolve(self._ring.event, variance=float(self._ring.local_variance * len(self.plan.sampled)),
                                shares=int(survived))
@@ -308,6 +332,9 @@ class Baek(Algorithm):
             shares = max(1, round(self.expected_count))
             plan = self._ring_plan(shares)
             self._planned_event = plan.event
+            if self._quantised_layers:  # nobody drops: N c_0 draws of N_Z(0, u)
+                _, u, quanta = self._layer_quanta(plan, shares)
+                self._planned_event = plan.event.with_shares(shares * quanta[0], u)
             if self.mode == "baek-extended":  # it always calibrates: the server's two views, every client sending
                 from ..privacy.discrete_rdp import CalibratedViewsDpEvent
 
@@ -353,9 +380,15 @@ class Baek(Algorithm):
                                     hashlib.sha256(f"dpfl-rotation|{self.seed}|{round_idx}".encode()).digest(),
                                     rounded_l2_bound(self.clip_norm * self._ring.scale, self._ring.event.dim,
                                                      ROUNDING_BETA), self._ring.event.dim)
+        target, quantum, quanta = 0.0, 0, ()
+        if ring is not None and self._quantised_layers:
+            target, quantum, quanta = self._layer_quanta(self._ring, len(sampled))
+            refusal = self._layers_unfit(len(sampled), quantum, quanta)
         noise = BaekNoise(self.mode, self.randomness, round_idx, 2.0 * self.clip_norm * self.z, n, self.n0, variances,
-                          ring, cohort=len(sampled), first_shares=self._first_shares(len(sampled)) if ring else 0.0)
-        self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated)
+                          ring, cohort=len(sampled), first_shares=self._first_shares(len(sampled)) if ring else 0.0,
+                          quantum=quantum, quanta=quanta)
+        self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated, target_variance=target,
+                              held=tuple(int(c) for c in np.cumsum(quanta)))
         if not sampled:
             return Abort("no client sampled")
         if refusal is not None:
@@ -365,6 +398,25 @@ class Baek(Algorithm):
                          "shares counts clients; Alg. 3 line 17)")
         if self.mode == "baek-extended" and self.n0_count is None and n < self.n0:
             return Abort(f"sampled weight {n:.4g} is below n_0 = {self.n0:.4g} (baek-extended, Alg. 3 line 17)")
+        return None
+
+    def _layers_unfit(self, cohort: int, quantum: int, quanta: tuple[int, ...]) -> str | None:
+        """Why the discrete Gaussian's layers cannot carry this round, or None: the survivors' draws
+        must keep to the ring's wrap bound after any number of tolerated dropouts (the plan's margin
+        covers them once the total reaches N Q), and u to the exact sampler's range."""
+        from ..privacy.discrete import MAX_DISCRETE_GAUSSIAN_VARIANCE
+        from ..secagg.ring import wrap_probability
+
+        if quantum > MAX_DISCRETE_GAUSSIAN_VARIANCE:
+            return (f"the discrete Gaussian layers' draws would need variance {quantum}, past the exact sampler's "
+                    "2^30; use fewer bits")
+        held = np.cumsum(quanta)
+        most = max((cohort - d) * int(c) for d, c in enumerate(held)) * quantum
+        bound = wrap_probability(self.bits, self._ring.event.dim, cohort * self.clip_norm * self._ring.scale, cohort,
+                                 dg_variance=most / cohort)
+        if bound > self.max_wrap:
+            return (f"the discrete Gaussian layers of {cohort} clients wrap a {self.bits}-bit ring with probability up "
+                    f"to {bound:.3g}, above secagg.max_wrap_probability {self.max_wrap:g}; use more bits")
         return None
 
     def client_spec(self) -> ClientSpec:
@@ -423,6 +475,9 @@ class Baek(Algorithm):
         survivors that sent no calibration term): the Gaussian analogue the rows report beside the
         discrete event the ledger books."""
         mode = "none" if self.plan.calibration_skipped else self.mode
+        if self._quantised_layers:  # the survivors' draws carry a little more than the target
+            held = self.plan.held[len(self.plan.sampled) - survived]
+            return self.z * math.sqrt(survived * held * self.plan.noise.quantum / self.plan.target_variance)
         if self.integer is not None:
             if mode == "none":  # the survivors' first shares alone
                 return self.z * math.sqrt(survived / self._first_shares(len(self.plan.sampled)))
@@ -472,6 +527,9 @@ class Baek(Algorithm):
                 raise RuntimeError(f"layered: {removed} layers reconstructed, {expected} needed")
             info["layers_removed"] = removed
             info["layers_tolerated"] = plan.tolerated
+            if plan.held:
+                info.update(layer_draw_variance=plan.noise.quantum,
+                            layer_draws_released=len(outcome.survivors) * plan.held[plan.dropped])
         claimed = self.z
         effective = self._effective(plan.n, n_prime, max(w_cal_dropped, 0.0), len(outcome.survivors))
         self._current = self._mechanism(effective, event=self._released_event(

@@ -134,6 +134,33 @@ def layer_variances(n_sampled: int, tolerated: int) -> np.ndarray:
     return np.concatenate([[1.0 / n_sampled], 1.0 / (n_sampled - k) - 1.0 / (n_sampled - k + 1)])
 
 
+# Draws of N_Z(0, u) a client's layers 0..d hold when nobody dropped (:func:`layer_quanta`): the
+# survivors' sum then carries at most 1/8 more than the cohort's total, and a client draws about
+# 8 N / (N - L) values a coordinate (16 at F = 0.5).
+LAYER_QUANTA = 8
+
+
+def layer_quanta(total: float, n_sampled: int, tolerated: int, quanta: int = LAYER_QUANTA) -> tuple[int, tuple[int, ...]]:
+    """Discrete Gaussian layers for ``layered``: ``(u, counts)``, layer k being the sum of counts[k]
+    independent draws of N_Z(0, u) (``total``: the cohort's noise variance in integer units).
+
+    Discrete Gaussians of unequal variances, such as :func:`layer_variances` would give, do not add
+    up to one, and the bound this project books for a sum of them (Kairouz et al. 2021, Thm. 1)
+    holds for equal variances. So every layer is made of draws of one variance u = ceil(total /
+    (N Q)), Q = ``quanta``: after d dropouts each of the N - d survivors keeps layers 0..d, holding
+    c_d = ceil(total / ((N - d) u)) draws, and the release sums (N - d) c_d draws of N_Z(0, u): at
+    least ``total`` and less than total + (N - d) u <= (1 + 1/Q) total + N. Layer 0 holds c_0 draws
+    and layer k c_k - c_(k-1) (possibly none)."""
+    if not 0 <= tolerated < n_sampled:
+        raise DPFLError(f"tolerated dropouts must be in 0..{n_sampled - 1}, got {tolerated}", field="layers")
+    if not total > 0 or quanta < 1:
+        raise DPFLError(f"needs a positive total variance and at least one quantum, got {total!r}, {quanta!r}",
+                        field="layers")
+    u = max(1, math.ceil(total / (n_sampled * quanta)))
+    held = [math.ceil(total / ((n_sampled - d) * u)) for d in range(tolerated + 1)]
+    return u, tuple([held[0]] + [held[k] - held[k - 1] for k in range(1, tolerated + 1)])
+
+
 def tolerated_dropouts(n_sampled: int, min_fraction: float) -> int:
     """L = N - ceil(F N), at most N - 1 (one survivor is needed to release anything)."""
     if n_sampled < 1:

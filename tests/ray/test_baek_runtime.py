@@ -232,10 +232,15 @@ def test_calibration_with_integer_shares_runs_through_secagg_and_books_what_the_
     ``baek-extended``, whose first shares start from the floor n_0): every survivor's integer term
     reaches the server, and each round books the server's two views of the sum. ``layered``: the
     seeded layers are removed in the ring, and each round books the one view left, the cohort's
-    whole Skellam total over the survivors' shares."""
-    paths = {noise: tmp_path / noise for noise in ("gaussian", "skellam")}
+    whole Skellam total over the survivors' shares; with discrete Gaussian layers too, whose
+    survivors keep their layers' equal draws of N_Z(0, u), all of which the round books."""
+    noises = ("gaussian", "skellam") + (("discrete_gaussian",) if calibration == "layered" else ())
+    paths = {noise: tmp_path / noise for noise in noises}
     runs = {noise: _run(_integer_scenario(noise, 24, z=1e-4, calibration=calibration), path)
             for noise, path in paths.items()}
+    if calibration == "layered":
+        _layered_discrete_gaussian_rounds(runs["discrete_gaussian"], paths["discrete_gaussian"], runs["gaussian"][0],
+                                          torch.load(paths["gaussian"] / "model.pt"))
     summary, rows = runs["skellam"]
     ledger = json.loads((paths["skellam"] / "ledger.json").read_text())
     assert summary["stop_reason"] == "completed" and len(rows) == 3
@@ -256,3 +261,20 @@ def test_calibration_with_integer_shares_runs_through_secagg_and_books_what_the_
     assert summary["epsilon"] > runs["gaussian"][0]["epsilon"]
     if calibration == "layered":
         assert sum(r["layers_removed"] for r in rows) > 0, rows
+
+
+def _layered_discrete_gaussian_rounds(run, path, gaussian_summary, reference):
+    summary, rows = run
+    ledger = json.loads((path / "ledger.json").read_text())
+    assert summary["stop_reason"] == "completed" and len(rows) == 3
+    for row, entry in zip(rows, ledger["rounds"]):
+        event = entry["mechanism"]
+        assert event["type"] == "DiscreteNoiseSumDpEvent" and event["mechanism"] == "discrete_gaussian"
+        assert (event["shares"], event["variance"]) == (row["layer_draws_released"], row["layer_draw_variance"])
+        assert row["layer_draws_released"] >= row["survived"] and row["noise_multiplier_effective"] >= 1e-4
+    model = torch.load(path / "model.pt")
+    start = build_model(_integer_scenario("gaussian", 32).model, (8,), 3, seed=3)
+    moved = sum(float((reference[k] - v).norm()) for k, v in start.state_dict().items())
+    apart = sum(float((reference[k] - model[k]).norm()) for k in model)
+    assert apart < 0.01 * moved, (apart, moved)
+    assert summary["epsilon"] > gaussian_summary["epsilon"]

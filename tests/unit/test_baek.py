@@ -264,7 +264,6 @@ def _integer_scenario(calibration, noise, clients=40, bits=20):
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"privacy": {"calibration": "layered", "distributed_noise": "discrete_gaussian"}}, "privacy.calibration"),
     ({"privacy": {"accountant": "pld"}}, "privacy.accountant"),
     ({"secagg": {"enabled": True, "bits": 64}}, "secagg.bits"),
 ])
@@ -500,6 +499,86 @@ def test_layered_with_skellam_layers_removes_them_in_the_ring_and_releases_the_c
     event = alg.mechanism().event
     assert (event.mechanism, event.shares) == ("skellam", 7)
     assert event.variance == pytest.approx(ring.local_variance * 10)
+
+
+@pytest.mark.parametrize("total, n, tolerated", [(2.5e5, 10, 5), (1.3e8, 100, 50), (4000.0, 50, 49), (80.0, 10, 5)])
+def test_discrete_gaussian_layers_are_equal_draws_whose_survivors_carry_at_least_the_total(total, n, tolerated):
+    """layer_quanta: after any d <= L dropouts the N - d survivors' layers 0..d hold (N - d) c_d draws of
+    N_Z(0, u), whose variance is at least the cohort's total and less than total + (N - d) u, which is
+    at most (1 + 1/Q) total + N; every layer holds a whole number of draws, none negative."""
+    from dpfl_ray.privacy.dropouts import LAYER_QUANTA, layer_quanta
+
+    u, counts = layer_quanta(total, n, tolerated)
+    assert isinstance(u, int) and u >= 1 and len(counts) == tolerated + 1 and min(counts) >= 0
+    held = np.cumsum(counts)
+    for d in range(tolerated + 1):
+        released = (n - d) * int(held[d]) * u
+        assert total <= released < total + (n - d) * u <= (1 + 1 / LAYER_QUANTA) * total + n
+    assert held[0] <= LAYER_QUANTA
+
+
+def test_layered_with_discrete_gaussian_layers_removes_them_in_the_ring_and_books_the_survivors_draws():
+    """The discrete Gaussian's layers are sums of equal draws of N_Z(0, u): 10 sampled, L = 5, 7
+    deliver (d = 3). Layers 4..5 of every survivor are rebuilt from their seeds and subtracted mod
+    2^b before decoding; the ledger books the 7 c_3 draws the survivors keep, one sum of equal
+    discrete Gaussians (Kairouz et al. 2021, Thm. 1), at least the cohort's total variance; the
+    planned round (nobody drops) books the cohort's N c_0 draws."""
+    from dpfl_ray.privacy.discrete_rdp import DiscreteNoiseSumDpEvent
+    from dpfl_ray.secagg.ring import decode_sum, from_ring, ring_sum, to_ring
+
+    sc = _integer_scenario("layered", "discrete_gaussian")
+    dim = 50
+    alg = Baek(sc, np.ones(40), 1.0)
+    alg.bind_model(dim)
+    sampled, survivors = list(range(10)), list(range(7))
+    assert alg.begin_round(0, sampled) is None
+    assert alg.after_upload(survivors) == UnmaskPlan(layers_from=4)
+    spec = alg.client_spec()
+    ring, noise = spec.ring, spec.noise
+    total = (alg._ring.scale * 2.0) ** 2
+    held = np.cumsum(noise.quanta)
+    assert len(noise.quanta) == 6 and noise.quantum == math.ceil(total / (10 * 8))
+    assert total <= 7 * held[3] * noise.quantum < total + 7 * noise.quantum
+    seed = noise.layer_seed(3, 5)
+    assert np.array_equal(noise.layer_ints(seed, 5), noise.layer_ints(seed, 5))  # anyone with the seed
+    rng = np.random.default_rng(0)
+    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
+             for c in survivors}
+    seeds = {c: {k: noise.layer_seed(c, k) for k in (4, 5)} for c in survivors}
+    a = ring_sum([words[c] for c in survivors], ring.bits)
+    kept = sum(from_ring(words[c], ring.bits) - sum(noise.layer_ints(seeds[c][k], k) for k in (4, 5))
+               for c in survivors)
+    first = decode_sum(a, ring.bits, ring.scale, ring.rotation_seed, dim)
+    released, info = alg.release(RoundOutcome(0, tuple(survivors), total=first, layer_seeds=seeds, words=a))
+    expected = decode_sum(to_ring(kept, ring.bits), ring.bits, ring.scale, ring.rotation_seed, dim)
+    assert np.array_equal(released, expected)
+    assert info["layers_removed"] == 14 and info["layer_draws_released"] == 7 * held[3]
+    assert info["noise_multiplier_effective"] == pytest.approx(math.sqrt(7 * held[3] * noise.quantum / total))
+    assert 1.0 <= info["noise_multiplier_effective"] < 1.07
+    event = alg.mechanism().event
+    assert isinstance(event, DiscreteNoiseSumDpEvent) and event.mechanism == "discrete_gaussian"
+    assert (event.shares, event.variance) == (7 * held[3], noise.quantum)
+    planned = alg.planned_mechanism().event
+    assert planned.variance * planned.shares >= (alg._ring_plan(10).scale * 2.0) ** 2
+
+
+def test_discrete_gaussian_layers_book_what_skellam_layers_book_to_a_few_percent():
+    """The same layered round with Skellam layers (one Skellam of exactly the total) and with equal
+    discrete Gaussian draws (at least the total, on a ring with the draws' margin): at 20 bits the
+    epsilons differ by a few percent at most, the discrete Gaussian's by its extra variance."""
+    from dpfl_ray.runtime.privacy import RunPrivacy
+
+    def eps(noise):
+        sc = _integer_scenario("layered", noise, clients=400)
+        alg, run = Baek(sc, np.ones(400), 1.0), RunPrivacy(sc, np.ones(400))
+        alg.bind_model(1000)
+        run.bind(alg)
+        assert alg.begin_round(0, list(range(100))) is None
+        alg.after_upload(list(range(70)))
+        run.account(0, RoundOutcome(0, tuple(range(70)), theta=np.zeros(1000, np.float32)), "")
+        return run.to_dict()["epsilon_vs_server"]
+    skellam, dgauss = eps("skellam"), eps("discrete_gaussian")
+    assert abs(dgauss - skellam) < 0.05 * skellam, (skellam, dgauss)
 
 
 def test_a_calibration_the_ring_cannot_hold_is_skipped_and_the_round_books_the_first_aggregate_alone():
