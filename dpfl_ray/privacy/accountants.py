@@ -43,17 +43,9 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpfl_ray.defaults import DEFAULT_ACCOUNTANT  # noqa: F401 - re-exported
+from dpfl_ray.defaults import DEFAULT_ACCOUNTANT
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.bounded_pld import (  # noqa: F401 - re-exported: the names before the split
-    PLD_GRID_LADDER,
-    PLD_MAX_COMPOSED_POINTS,
-    PLD_MAX_POINTS,
-    PLD_VALUE_DISCRETIZATION_INTERVAL,
-    _BoundedPLDAccountant,
-    _CachedPLDAccountant,
-    pld_grid,
-)
+from dpfl_ray.privacy.bounded_pld import PLD_VALUE_DISCRETIZATION_INTERVAL, _BoundedPLDAccountant
 
 ACCOUNTANTS = ("pld", "rdp", "rdp-classic")
 CLASSIC_RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))

@@ -9,16 +9,10 @@ from typing import Sequence
 import dp_accounting
 from dp_accounting import dp_event as dpe
 
-from dpfl_ray.defaults import DEFAULT_MAX_ROUNDS
+from dpfl_ray.defaults import DEFAULT_ACCOUNTANT, DEFAULT_MAX_ROUNDS
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.privacy.accountants import (
-    DEFAULT_ACCOUNTANT,
-    PLD_VALUE_DISCRETIZATION_INTERVAL,
-    _accountable,
-    _check_accountant,
-    _fresh_accountant,
-    pld_grid,
-)
+from dpfl_ray.privacy.accountants import _accountable, _check_accountant, _fresh_accountant
+from dpfl_ray.privacy.bounded_pld import PLD_VALUE_DISCRETIZATION_INTERVAL, pld_grid
 from dpfl_ray.privacy.sampling import Sampling, _multipliers, _round_event, as_sampling, effective_noise_multiplier
 from dpfl_ray.privacy.validation import _check_delta, _check_dropout, _check_epsilon, _check_int, _check_rounds
 
@@ -299,7 +293,7 @@ def check_accounting_feasible(accountant: str, noise_multipliers: float | Sequen
                               sampling: Sampling | float, rounds: int, delta: float) -> AccountingPlan:
     """Before a run starts: can ``accountant`` account ``rounds`` rounds of this mechanism within
     bounds? Decided from (z, q, rounds) alone, with the rule the ledger's accountant applies
-    (:func:`~dpfl_ray.privacy.accountants.pld_grid`), so nothing is built or timed here.
+    (:func:`~dpfl_ray.privacy.bounded_pld.pld_grid`), so nothing is built or timed here.
 
     Raises a DPFLError for settings no accountant can take (e.g. 'pld' with fixed-size cohorts);
     returns the plan otherwise, with ``accountant_used`` 'rdp' where 'pld' would fall back.
