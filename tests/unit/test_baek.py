@@ -466,35 +466,47 @@ def test_integer_calibration_against_the_server_costs_about_the_gaussian_s_two_v
     assert calibrated > alone
 
 
+def _layered_round_of_ten(mechanism):
+    """A layered round with integer layers: 10 of 40 sampled, F = 0.5 tolerates L = 5 dropouts, 7
+    deliver (d = 3), so layers 4..5 of each survivor are to be removed."""
+    dim = 50
+    alg = Baek(_integer_scenario("layered", mechanism), np.ones(40), 1.0)
+    alg.bind_model(dim)
+    survivors = list(range(7))
+    assert alg.begin_round(0, list(range(10))) is None
+    assert alg.after_upload(survivors) == UnmaskPlan(layers_from=4)
+    return alg, alg.client_spec(), survivors, dim
+
+
+def _layers_removed_in_the_ring(alg, spec, survivors, removed, dim):
+    """The survivors' words summed mod 2^b; the server's release with ``removed`` layers of each rebuilt
+    from their seeds equals the decoded sum of what each survivor keeps. Returns the release's figures."""
+    from dpfl_ray.secagg.ring import decode_sum, from_ring, ring_sum, to_ring
+
+    ring, noise = spec.ring, spec.noise
+    rng = np.random.default_rng(0)
+    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
+             for c in survivors}
+    seeds = {c: {k: noise.layer_seed(c, k) for k in removed} for c in survivors}
+    a = ring_sum([words[c] for c in survivors], ring.bits)
+    kept = sum(from_ring(words[c], ring.bits) - sum(noise.layer_ints(seeds[c][k], k) for k in removed)
+               for c in survivors)
+    first = decode_sum(a, ring.bits, ring.scale, ring.rotation_seed, dim)
+    released, info = alg.release(RoundOutcome(0, tuple(survivors), total=first, layer_seeds=seeds, words=a))
+    assert np.array_equal(released, decode_sum(to_ring(kept, ring.bits), ring.bits, ring.scale, ring.rotation_seed, dim))
+    return info
+
+
 def test_layered_with_skellam_layers_removes_them_in_the_ring_and_releases_the_cohort_s_total():
     """Dordis's add-then-remove with integer layers: 10 sampled, F = 0.5 tolerates L = 5 dropouts; 7
     deliver (d = 3), so layers 4..5 of every survivor are rebuilt from their seeds and subtracted mod
     2^b before decoding. The survivors keep layers 0..3: (N - d) / (N - d) of the total, one Skellam
     of the cohort's variance, which is the single view the ledger books (the removed layers are
     known to the server exactly)."""
-    from dpfl_ray.secagg.ring import decode_sum, from_ring, ring_sum, to_ring
-
-    sc = _integer_scenario("layered", "skellam")
-    dim = 50
-    alg = Baek(sc, np.ones(40), 1.0)
-    alg.bind_model(dim)
-    sampled, survivors = list(range(10)), list(range(7))
-    assert alg.begin_round(0, sampled) is None
-    assert alg.after_upload(survivors) == UnmaskPlan(layers_from=4)
-    spec = alg.client_spec()
+    alg, spec, survivors, dim = _layered_round_of_ten("skellam")
     ring, noise = spec.ring, spec.noise
     assert math.isclose(sum(noise.variances[:4]) * 7, 1.0)  # layers 0..d of N - d survivors: the whole total
-    rng = np.random.default_rng(0)
-    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
-             for c in survivors}
-    seeds = {c: {k: noise.layer_seed(c, k) for k in (4, 5)} for c in survivors}
-    a = ring_sum([words[c] for c in survivors], ring.bits)
-    kept = sum(from_ring(words[c], ring.bits) - sum(noise.layer_ints(seeds[c][k], k) for k in (4, 5))
-               for c in survivors)
-    first = decode_sum(a, ring.bits, ring.scale, ring.rotation_seed, dim)
-    released, info = alg.release(RoundOutcome(0, tuple(survivors), total=first, layer_seeds=seeds, words=a))
-    expected = decode_sum(to_ring(kept, ring.bits), ring.bits, ring.scale, ring.rotation_seed, dim)
-    assert np.array_equal(released, expected)
+    info = _layers_removed_in_the_ring(alg, spec, survivors, (4, 5), dim)
     assert info["layers_removed"] == 14 and info["noise_multiplier_effective"] == pytest.approx(1.0)
     event = alg.mechanism().event
     assert (event.mechanism, event.shares) == ("skellam", 7)
@@ -524,34 +536,16 @@ def test_layered_with_discrete_gaussian_layers_removes_them_in_the_ring_and_book
     discrete Gaussians (Kairouz et al. 2021, Thm. 1), at least the cohort's total variance; the
     planned round (nobody drops) books the cohort's N c_0 draws."""
     from dpfl_ray.privacy.discrete_rdp import DiscreteNoiseSumDpEvent
-    from dpfl_ray.secagg.ring import decode_sum, from_ring, ring_sum, to_ring
 
-    sc = _integer_scenario("layered", "discrete_gaussian")
-    dim = 50
-    alg = Baek(sc, np.ones(40), 1.0)
-    alg.bind_model(dim)
-    sampled, survivors = list(range(10)), list(range(7))
-    assert alg.begin_round(0, sampled) is None
-    assert alg.after_upload(survivors) == UnmaskPlan(layers_from=4)
-    spec = alg.client_spec()
-    ring, noise = spec.ring, spec.noise
+    alg, spec, survivors, dim = _layered_round_of_ten("discrete_gaussian")
+    noise = spec.noise
     total = (alg._ring.scale * 2.0) ** 2
     held = np.cumsum(noise.quanta)
     assert len(noise.quanta) == 6 and noise.quantum == math.ceil(total / (10 * 8))
     assert total <= 7 * held[3] * noise.quantum < total + 7 * noise.quantum
     seed = noise.layer_seed(3, 5)
     assert np.array_equal(noise.layer_ints(seed, 5), noise.layer_ints(seed, 5))  # anyone with the seed
-    rng = np.random.default_rng(0)
-    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
-             for c in survivors}
-    seeds = {c: {k: noise.layer_seed(c, k) for k in (4, 5)} for c in survivors}
-    a = ring_sum([words[c] for c in survivors], ring.bits)
-    kept = sum(from_ring(words[c], ring.bits) - sum(noise.layer_ints(seeds[c][k], k) for k in (4, 5))
-               for c in survivors)
-    first = decode_sum(a, ring.bits, ring.scale, ring.rotation_seed, dim)
-    released, info = alg.release(RoundOutcome(0, tuple(survivors), total=first, layer_seeds=seeds, words=a))
-    expected = decode_sum(to_ring(kept, ring.bits), ring.bits, ring.scale, ring.rotation_seed, dim)
-    assert np.array_equal(released, expected)
+    info = _layers_removed_in_the_ring(alg, spec, survivors, (4, 5), dim)
     assert info["layers_removed"] == 14 and info["layer_draws_released"] == 7 * held[3]
     assert info["noise_multiplier_effective"] == pytest.approx(math.sqrt(7 * held[3] * noise.quantum / total))
     assert 1.0 <= info["noise_multiplier_effective"] < 1.07
