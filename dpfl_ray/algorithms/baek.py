@@ -195,7 +195,6 @@ class RoundPlan:
     unmask: UnmaskPlan = UnmaskPlan()
     calibration_skipped: str | None = None  # integer noise: why a calibration that was due did not run
     target_variance: float = 0.0  # layered discrete Gaussian: the cohort's total noise variance (integer units)
-    held: tuple[int, ...] = ()  # ... and the draws a survivor holds in layers 0..d after d dropouts
 
 
 class Baek(Algorithm):
@@ -273,6 +272,11 @@ class Baek(Algorithm):
         total = (plan.scale * 2.0 * self.clip_norm * self.z) ** 2
         return (total, *layer_quanta(total, cohort, tolerated_dropouts(cohort, self.min_fraction)))
 
+    def _draws_kept(self, survived: int) -> int:
+        """Discrete Gaussian layers: the draws of N_Z(0, u) that ``survived`` of the N sampled clients
+        keep in layers 0..d, d = N - survived, which the release carries."""
+        return survived * sum(self.plan.noise.quanta[:len(self.plan.sampled) - survived + 1])
+
     def _first_shares(self, cohort: int) -> float:
         """How many first shares make the cohort's total variance: the cohort, or baek-extended's n_0
         (Alg. 3 line 26: each user starts from the noise of the floor, more than its part)."""
@@ -298,8 +302,7 @@ class Baek(Algorithm):
         if self._ring is None or survived < 1:
             return None
         if self._quantised_layers:  # the survivors' draws of N_Z(0, u) in layers 0..d
-            held = self.plan.held[len(self.plan.sampled) - survived]
-            return self._ring.event.with_shares(survived * held, self.plan.noise.quantum)
+            return self._ring.event.with_shares(self._draws_kept(survived), self.plan.noise.quantum)
         if self.mode == "layered":  # the survivors keep layers 0..d: the cohort's whole total, exactly
             return attr.evolve(self._ring.event, variance=float(self._ring.local_variance * len(self.plan.sampled)),
                                shares=int(survived))
@@ -387,8 +390,7 @@ class Baek(Algorithm):
         noise = BaekNoise(self.mode, self.randomness, round_idx, 2.0 * self.clip_norm * self.z, n, self.n0, variances,
                           ring, cohort=len(sampled), first_shares=self._first_shares(len(sampled)) if ring else 0.0,
                           quantum=quantum, quanta=quanta)
-        self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated, target_variance=target,
-                              held=tuple(int(c) for c in np.cumsum(quanta)))
+        self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated, target_variance=target)
         if not sampled:
             return Abort("no client sampled")
         if refusal is not None:
@@ -476,8 +478,7 @@ class Baek(Algorithm):
         discrete event the ledger books."""
         mode = "none" if self.plan.calibration_skipped else self.mode
         if self._quantised_layers:  # the survivors' draws carry a little more than the target
-            held = self.plan.held[len(self.plan.sampled) - survived]
-            return self.z * math.sqrt(survived * held * self.plan.noise.quantum / self.plan.target_variance)
+            return self.z * math.sqrt(self._draws_kept(survived) * self.plan.noise.quantum / self.plan.target_variance)
         if self.integer is not None:
             if mode == "none":  # the survivors' first shares alone
                 return self.z * math.sqrt(survived / self._first_shares(len(self.plan.sampled)))
@@ -527,9 +528,9 @@ class Baek(Algorithm):
                 raise RuntimeError(f"layered: {removed} layers reconstructed, {expected} needed")
             info["layers_removed"] = removed
             info["layers_tolerated"] = plan.tolerated
-            if plan.held:
+            if plan.noise.quanta:
                 info.update(layer_draw_variance=plan.noise.quantum,
-                            layer_draws_released=len(outcome.survivors) * plan.held[plan.dropped])
+                            layer_draws_released=self._draws_kept(len(outcome.survivors)))
         claimed = self.z
         effective = self._effective(plan.n, n_prime, max(w_cal_dropped, 0.0), len(outcome.survivors))
         self._current = self._mechanism(effective, event=self._released_event(
