@@ -107,6 +107,10 @@ def _subsampling_args(order, rate: float, name: str, rdp) -> tuple[int, float]:
     return alpha, rdp(alpha)
 
 
+def _log_binom(n: int, k: int) -> float:
+    return float(special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1))
+
+
 def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
     """RDP at integer ``order`` >= 2 of a mechanism run on a Poisson sample at ``rate``, the mechanism's
     RDP given as the function ``rdp(order)``: Zhu & Wang 2019, Thm. 5 (an upper bound), and never above
@@ -118,8 +122,7 @@ def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
     terms = [0.0, rdp(2)]
     weights = [(1 - g) ** (alpha - 1) * (alpha * g - g + 1), special.comb(alpha, 2) * g ** 2 * (1 - g) ** (alpha - 2)]
     for ell in range(3, alpha + 1):
-        log_binom = special.gammaln(alpha + 1) - special.gammaln(ell + 1) - special.gammaln(alpha - ell + 1)
-        terms.append((ell - 1) * rdp(ell) + log_binom + (alpha - ell) * math.log1p(-g) + ell * math.log(g))
+        terms.append((ell - 1) * rdp(ell) + _log_binom(alpha, ell) + (alpha - ell) * math.log1p(-g) + ell * math.log(g))
         weights.append(3.0)
     return min(float(special.logsumexp(terms, b=weights)) / (alpha - 1), own)
 
@@ -141,8 +144,7 @@ def wor_subsampled_rdp(order: int, ratio: float, rdp) -> float:
     terms = [0.0, 2 * math.log(g) + math.log(special.comb(alpha, 2))
              + min(math.log(4.0) + e2 + math.log(-math.expm1(-e2)) if e2 > 0 else -math.inf, math.log(2.0) + e2)]
     for j in range(3, alpha + 1):
-        log_binom = special.gammaln(alpha + 1) - special.gammaln(j + 1) - special.gammaln(alpha - j + 1)
-        terms.append(math.log(2.0) + j * math.log(g) + log_binom + (j - 1) * rdp(j))
+        terms.append(math.log(2.0) + j * math.log(g) + _log_binom(alpha, j) + (j - 1) * rdp(j))
     return min(float(special.logsumexp(terms)) / (alpha - 1), own)
 
 
