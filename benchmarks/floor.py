@@ -38,7 +38,11 @@ def train_floor(sc, fed, share: tuple[int, int] = (0, 1), batched: bool = False)
 
     ``share=(i, n)`` trains only every n-th client of each round from the i-th, and ``batched``
     trains them with dpfl_ray.training.local_batched: n such processes side by side emulate n workers'
-    training compute without Ray (no per-step losses then)."""
+    training compute without Ray (no per-step losses then). The process's heap is set as a worker's
+    (dpfl_ray.training.heap), so the two compare like for like."""
+    from dpfl_ray.training.heap import keep_freed_memory
+
+    keep_freed_memory()
     if batched:
         return _train_share_batched(sc, fed, share)
     from dpfl_ray import rng as rngmod

@@ -21,6 +21,7 @@ from .. import rng as rngmod
 from ..algorithms import ClientReport, ClientSpec
 from ..training.evaluation import combine_shards, eval_shards
 from ..scenario import Scenario
+from ..training.heap import keep_freed_memory
 from ..secagg import PHASES as PROTOCOL_PHASES
 from ..secagg import EncodingError, SecAggClient, encode, presum_masked
 from ..secagg.keys import expand_masks
@@ -67,6 +68,7 @@ SUM_CHUNK_CLIENTS = 256
 class ClientWorker:
     def __init__(self, scenario: dict, data: dict):
         """``data``: the federation's object refs, nested so that Ray hands them over unresolved."""
+        keep_freed_memory()
         _load_training()
         self._bind(scenario, data)
 
