@@ -29,10 +29,21 @@ MAX_DISCRETE_GAUSSIAN_VARIANCE = 2 ** 30
 
 
 # -- exact samplers (CKS20) ------------------------------------------------------------------------
-def _below(gen, bound) -> np.ndarray:
-    """Integers uniform on [0, bound), exactly, one per element of ``bound`` (an int64 array)."""
+def _below(gen, bound, size: int | None = None) -> np.ndarray:
+    """Integers uniform on [0, bound), exactly: one per element of ``bound`` (an int64 array), or
+    ``size`` of them below the one integer ``bound``. Both forms draw the same stream for the same
+    bounds (numpy's Generator and the ChaCha20 stream alike); one bound draws it in a quarter of the time."""
+    if size is not None:
+        return np.asarray(gen.integers(0, int(bound), size=int(size)), dtype=np.int64)
     bound = np.asarray(bound, dtype=np.int64)
     return np.asarray(gen.integers(0, bound, size=bound.shape), dtype=np.int64)
+
+
+def _one_bound(den: np.ndarray):
+    """The one value of ``den`` if all its elements are equal (and there is one), else None."""
+    if den.size and bool(np.all(den == den.flat[0])):
+        return int(den.flat[0])
+    return None
 
 
 def _bernoulli_exp_at_most_one(gen, num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -40,23 +51,48 @@ def _bernoulli_exp_at_most_one(gen, num: np.ndarray, den: np.ndarray) -> np.ndar
     K += 1; the answer is whether K is odd. Bernoulli(gamma / K) is Bernoulli(num / den) and
     Bernoulli(1 / K), independent: no product of bounds is ever formed. Where num = den (gamma = 1,
     the discrete Laplace's geometric part) Bernoulli(num / den) is certain and is not drawn."""
-    k = np.ones(num.shape, dtype=np.int64)
-    active = np.flatnonzero(np.ones(num.shape, dtype=bool))
-    certain = bool(np.all(num == den))
+    shape = num.shape
+    if bool(np.all(num == den)):
+        return _bernoulli_exp_minus_one(gen, num.size).reshape(shape)
+    num, den = num.ravel(), np.broadcast_to(den, num.shape).ravel()
+    odd = np.zeros(num.size, dtype=bool)
+    active = np.arange(num.size)
+    bound = _one_bound(den)
+    k = 1  # every element still in the loop has gone on the same number of times
     while active.size:
-        first = True if certain else _below(gen, den[active]) < num[active]
-        go_on = first & (_below(gen, k[active]) == 0)
-        k[active[go_on]] += 1
+        if bound is not None:
+            first = _below(gen, bound, active.size) < num[active]
+        else:
+            first = _below(gen, den[active]) < num[active]
+        go_on = first & (_below(gen, k, active.size) == 0)
+        if k % 2 == 1:
+            odd[active[~go_on]] = True
+        k += 1
         active = active[go_on]
-    return k % 2 == 1
+    return odd.reshape(shape)
+
+
+def _bernoulli_exp_minus_one(gen, n: int) -> np.ndarray:
+    """``n`` draws of Bernoulli(exp(-1)): CKS20 Alg. 1 at gamma = 1, where each Bernoulli(gamma / K)
+    is Bernoulli(1 / K) alone."""
+    odd = np.zeros(n, dtype=bool)
+    active = np.arange(n)
+    k = 1
+    while active.size:
+        go_on = _below(gen, k, active.size) == 0
+        if k % 2 == 1:
+            odd[active[~go_on]] = True
+        k += 1
+        active = active[go_on]
+    return odd
 
 
 def bernoulli_exp(gen, num, den) -> np.ndarray:
     """Bernoulli(exp(-num/den)) elementwise, exactly, for integers num >= 0 and den >= 1."""
     num = np.asarray(num, dtype=np.int64)
-    den = np.broadcast_to(np.asarray(den, dtype=np.int64), num.shape)
-    whole, frac = np.divmod(num, den)
-    return _bernoulli_exp_split(gen, whole, frac, den)
+    den = np.broadcast_to(np.asarray(den, dtype=np.int64), num.shape).ravel()
+    whole, frac = np.divmod(num.ravel(), den)
+    return _bernoulli_exp_split(gen, whole, frac, den).reshape(num.shape)
 
 
 def _bernoulli_exp_split(gen, whole: np.ndarray, frac: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -66,8 +102,7 @@ def _bernoulli_exp_split(gen, whole: np.ndarray, frac: np.ndarray, den: np.ndarr
     left = whole.copy()
     todo = np.flatnonzero(left > 0)
     while todo.size:
-        one = np.ones(todo.size, dtype=np.int64)
-        ok = _bernoulli_exp_at_most_one(gen, one, one)
+        ok = _bernoulli_exp_minus_one(gen, todo.size)
         out[todo[~ok]] = False
         left[todo] -= 1
         todo = todo[ok & (left[todo] > 0)]
@@ -101,17 +136,16 @@ def discrete_laplace(gen, t: int, size: int) -> np.ndarray:
         raise DPFLError(f"the discrete Laplace scale must be a positive integer, got {t}", field="t")
 
     def propose(m: int) -> tuple[np.ndarray, np.ndarray]:
-        u = _below(gen, np.full(m, t))
-        d = bernoulli_exp(gen, u, np.full(m, t))
+        u = _below(gen, t, m)
+        d = _bernoulli_exp_at_most_one(gen, u, np.full(m, t, dtype=np.int64))  # exp(-U/t), U < t
         v = np.zeros(m, dtype=np.int64)  # failures before the first 0 of Bernoulli(exp(-1))
         alive = np.arange(m)
         while alive.size:
-            one = np.ones(alive.size, dtype=np.int64)
-            more = _bernoulli_exp_at_most_one(gen, one, one)
+            more = _bernoulli_exp_minus_one(gen, alive.size)
             v[alive[more]] += 1
             alive = alive[more]
         y = u + t * v
-        negative = _below(gen, np.full(m, 2)) == 1
+        negative = _below(gen, 2, m) == 1
         return np.where(negative, -y, y), d & ~(negative & (y == 0))
 
     # accepted: Bernoulli(exp(-U/t)) with U uniform below t (at least 1 - exp(-1)), less the -0 case: 0.63 or more
@@ -132,12 +166,17 @@ def discrete_gaussian(gen, variance: int, size: int) -> np.ndarray:
 
     def propose(m: int) -> tuple[np.ndarray, np.ndarray]:
         y = discrete_laplace(gen, t, m)
-        # the numerator in Python integers: (|Y| t - s2)^2 passes int64 in the tails
-        diff = np.abs(y).astype(object) * t - s2
-        num = diff * diff
-        whole = (num // den).astype(np.int64)
-        frac = (num % den).astype(np.int64)
-        return y, _bernoulli_exp_split(gen, whole, frac, np.full(whole.shape, den, dtype=np.int64))
+        # the numerator (|Y| t - s2)^2 in int64 where it fits (|Y| t - s2 below 3,037,000,499 = floor
+        # sqrt(2^63 - 1)), in Python integers in the tails where it would pass int64
+        ay = np.abs(y)
+        fits = ay <= (3_037_000_499 + s2) // t
+        whole, frac = np.empty(m, dtype=np.int64), np.empty(m, dtype=np.int64)
+        diff = ay[fits] * t - s2
+        whole[fits], frac[fits] = np.divmod(diff * diff, den)
+        if not fits.all():
+            tail = ay[~fits].astype(object) * t - s2
+            whole[~fits], frac[~fits] = (tail * tail // den).astype(np.int64), (tail * tail % den).astype(np.int64)
+        return y, _bernoulli_exp_split(gen, whole, frac, np.full(m, den, dtype=np.int64))
 
     # CKS20 Alg. 3 with t = floor(sigma) + 1 accepts 0.68-0.76 of the discrete Laplace draws (0.55 at
     # variance 1, which then takes a second pass)

@@ -61,6 +61,29 @@ def test_bernoulli_exp_is_exact_in_frequency_on_both_sides_of_one():
         assert abs(hits.mean() - p) < 5 * math.sqrt(p * (1 - p) / 100_000) + 1e-12, (num, den, hits.mean(), p)
 
 
+@pytest.mark.parametrize("source", ["numpy", "chacha"])
+def test_one_bound_draws_the_stream_the_per_element_bounds_draw(source):
+    # the samplers draw with one bound where every element has the same: the same integers as the
+    # per-element form, so a run's discrete noise is the same to the bit whichever form drew it
+    def gen():
+        return np.random.default_rng(11) if source == "numpy" else ChaChaNormal(bytes(range(32)))
+
+    for bound in (1, 2, 7, 1001, 2 ** 40, 2 ** 61):
+        a, b = gen(), gen()
+        per_element = [discrete._below(a, np.full(n, bound, dtype=np.int64)) for n in (500, 3, 64)]
+        one_bound = [discrete._below(b, bound, n) for n in (500, 3, 64)]
+        assert all(np.array_equal(x, y) for x, y in zip(per_element, one_bound)), bound
+
+
+def test_a_discrete_gaussian_draw_beyond_int64_squares_takes_the_exact_tail_path():
+    # at variance 2^30 the acceptance numerator (|Y| t - s2)^2 passes int64 for |Y| past ~3 t:
+    # those draws go through Python integers, the rest through int64; the law stays the exact one
+    draws = discrete.discrete_gaussian(np.random.default_rng(5), 2 ** 30, 200_000)
+    t = math.isqrt(2 ** 30) + 1
+    assert np.any(np.abs(draws) > (3_037_000_499 + 2 ** 30) // t)  # the tail path ran
+    assert abs(draws.var() / 2 ** 30 - 1) < 0.02 and abs(draws.mean()) < 5 * 2 ** 15 / math.sqrt(200_000)
+
+
 def test_the_discrete_laplace_follows_its_pmf():
     t = 3
     draws = discrete.discrete_laplace(np.random.default_rng(2), t, 40_000)
