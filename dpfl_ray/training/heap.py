@@ -7,9 +7,10 @@ several MiB per layer) with small batched training steps, and its heap went back
 came again every round: each time the pages were faulted in and zeroed anew. Measured on W1 (the
 2-core AMD EPYC host, 150 rounds, medians of rounds 21-150): a worker's evaluation of 500 test
 images took 19 ms (a fifth of the worker's CPU in the kernel) against 7 ms in a plain process;
-with the two settings below, 10 ms, and a round 45 -> 37 ms. Either setting alone is slower than
-neither (19 -> 24-33 ms): setting one turns off glibc's moving thresholds, leaving the other at
-128 KiB.
+with the two settings below, 10 ms, and a round 45 -> 37 ms (a round of Huang et al.'s DPAGD on
+10 users, whose per-example gradients fill large buffers: 79-81 -> 57-62 s). Either setting alone
+is slower than neither (19 -> 24-33 ms): setting one turns off glibc's moving thresholds, leaving
+the other at 128 KiB.
 
 The cost is memory: a process keeps its high-water mark of heap instead of returning it between
 rounds. A worker reaches that mark every round anyway.
