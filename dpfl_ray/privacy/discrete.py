@@ -175,7 +175,8 @@ def discrete_gaussian(gen, variance: int, size: int) -> np.ndarray:
         whole[fits], frac[fits] = np.divmod(diff * diff, den)
         if not fits.all():
             tail = ay[~fits].astype(object) * t - s2
-            whole[~fits], frac[~fits] = (tail * tail // den).astype(np.int64), (tail * tail % den).astype(np.int64)
+            square = tail * tail
+            whole[~fits], frac[~fits] = (square // den).astype(np.int64), (square % den).astype(np.int64)
         return y, _bernoulli_exp_split(gen, whole, frac, np.full(m, den, dtype=np.int64))
 
     # CKS20 Alg. 3 with t = floor(sigma) + 1 accepts 0.68-0.76 of the discrete Laplace draws (0.55 at

@@ -3,14 +3,12 @@
 By default glibc serves an allocation above its mmap threshold with a fresh ``mmap`` and gives the
 heap's free top back to the kernel above its trim threshold; both start at 128 KiB and move with
 what the process frees. A client worker alternates the test split's evaluation (activations of
-several MiB per layer) with small batched training steps, and its heap went back to the kernel and
-came again every round: each time the pages were faulted in and zeroed anew. Measured on W1 (the
-2-core AMD EPYC host, 150 rounds, medians of rounds 21-150): a worker's evaluation of 500 test
-images took 19 ms (a fifth of the worker's CPU in the kernel) against 7 ms in a plain process;
-with the two settings below, 10 ms, and a round 45 -> 37 ms (a round of Huang et al.'s DPAGD on
-10 users, whose per-example gradients fill large buffers: 79-81 -> 57-62 s). Either setting alone
-is slower than neither (19 -> 24-33 ms): setting one turns off glibc's moving thresholds, leaving
-the other at 128 KiB.
+several MiB per layer) with batched training steps or per-example gradients of other sizes, so under
+those defaults its large buffers go back to the kernel and are faulted in and zeroed anew round
+after round. With the mmap threshold at its largest and trimming above 1 GiB only, the heap keeps
+them: a W1 worker's evaluation costs about half the CPU, Huang et al.'s DPAGD round about three
+quarters (benchmarks/RESULTS.md, "A worker's heap kept between rounds"). Both are set: setting
+either alone turns off glibc's moving thresholds and leaves the other at 128 KiB, slower than neither.
 
 The cost is memory: a process keeps its high-water mark of heap instead of returning it between
 rounds. A worker reaches that mark every round anyway.

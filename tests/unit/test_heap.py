@@ -47,7 +47,7 @@ def test_a_freed_block_is_reused_without_faulting_its_pages_again():
 @glibc_only
 def test_by_default_the_second_block_faults_its_pages_in_again():
     # the control: glibc's moving thresholds hand the first block back (its own mmap) and fault the
-    # second in afresh from the heap, as a worker's evaluation did every round
+    # second in afresh from the heap, as a worker's evaluation buffers are without the setting
     kept, faults = _faults("plain")
     assert kept is None
     assert faults[1] >= faults[0] // 2 > 0
