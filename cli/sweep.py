@@ -273,7 +273,8 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
     """The runs ``todo`` as Tune trials on the cluster ``address`` names (else a private Ray), with
     rich progress; returns {run name: status}. Shared by ``dpfl sweep`` and ``dpfl reproduce``.
     ``early_stop``: ASHA's settings (runtime/trials.early_stopping). ``more(statuses)``: the runs to
-    run next on the same Ray once these ended (an adaptive search's next batch), or an empty list."""
+    run next once these ended (an adaptive search's next batch), trials of the same Tune experiment,
+    or an empty list."""
     import ray
 
     from dpfl_ray.runtime import trials
@@ -285,9 +286,9 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
             ensure_ray(address, pending_signal=lambda: shutdown.first)
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
-        total = len(configs)
         with _progress() as progress:
-            task = progress.add_task("runs", total=total, status="starting")
+            total = [len(configs)]
+            task = progress.add_task("runs", total=total[0], status="starting")
             live: dict[str, str] = {}
             evaluated: dict[str, float] = {}  # each run's last evaluated accuracy (output.eval_every)
 
@@ -311,19 +312,17 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
                                        soft_wrap=True, markup=False)
                 progress.update(task, status=_running(live))
 
-            statuses = trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry,
-                                         early_stop)
-            while more is not None and not shutdown.requested:
-                todo = more(statuses)
-                if not todo:
-                    break
-                configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(),
-                                             max_concurrent)
-                total += len(configs)
-                progress.update(task, total=total)
-                statuses.update(trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done,
-                                                  on_retry, early_stop))
-            return statuses
+            def next_batch(done: dict[str, str]) -> list[dict]:
+                todo = more(done)
+                if shutdown.requested or not todo:
+                    return []
+                batch = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
+                total[0] += len(batch)
+                progress.update(task, total=total[0])
+                return batch
+
+            return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry,
+                                     early_stop, more=next_batch if more is not None else None)
     except KeyboardInterrupt:  # a signal while Ray started: no trial ran
         return {run.name: "interrupted" for run in todo}
     finally:

@@ -304,14 +304,18 @@ def default_concurrency(configs: Sequence[dict], cluster: dict) -> int:
 def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | None, shutdown: Shutdown,
                on_result: Callable[[dict, dict], None] | None = None,
                on_done: Callable[[dict, str], None] | None = None,
-               on_retry: Callable[[dict], None] | None = None, early_stop: dict | None = None) -> dict[str, str]:
+               on_retry: Callable[[dict], None] | None = None, early_stop: dict | None = None,
+               more: Callable[[dict[str, str]], Sequence[dict]] | None = None) -> dict[str, str]:
     """Run the trials on the connected Ray; returns {run name: status} for each config.
 
     ``on_result(config, metrics)``: a round a trial reported; ``on_done(config, status)``: a trial
     ended; ``on_retry(config)``: a trial's process ended under it and Tune starts it again (it
     resumes from its checkpoint: :func:`earlier_attempt`). All run in this thread (Tune's
     controller loop). ``early_stop``: ASHA's settings (``grace_rounds``, ``reduction_factor``:
-    :func:`early_stopping`), or None."""
+    :func:`early_stopping`), or None. ``more(statuses)``: once every trial handed out has ended, the
+    configs of the runs to run next (an adaptive search's next batch, asked from their results), or
+    none: they are trials of the same Tune experiment, so they take over the actors (and the parked
+    workers) of the trials before them, and no second experiment starts."""
     import ray
 
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # the sweep's own Shutdown decides (module docstring)
@@ -328,12 +332,19 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     configs = [{**c, "collector": collector_name, "driver_node": node} for c in configs]
     statuses: dict[str, str] = {}
     by_name = {c["name"]: c for c in configs}
-    queue = _Queue(configs, shutdown)
+
+    def extend(done: dict[str, str]) -> list[dict]:
+        batch = [{**c, "collector": collector_name, "driver_node": node} for c in more(done)]
+        by_name.update((c["name"], c) for c in batch)
+        return batch
+
+    queue = _Queue(configs, shutdown, statuses, extend if more is not None else None)
     grace = _Grace()
     watch = _Watch(shutdown, flag, by_name, statuses, on_result, on_done, grace, on_retry)
     tuner = tune.Tuner(
         tune.with_resources(trial, lambda config: tune.PlacementGroupFactory(config["bundles"])),
-        tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n), num_samples=len(configs),
+        tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n),
+                                    num_samples=len(configs) if more is None else -1,  # -1: until the queue ends
                                     reuse_actors=warm.enabled(), trial_name_creator=_trial_name,
                                     trial_dirname_creator=_trial_name,
                                     scheduler=early_stopping(sweep_dir, max(c["rounds"] for c in configs),
@@ -390,16 +401,38 @@ def _trial_name(trial) -> str:
 
 
 class _Queue(Searcher):
-    """The runs, in order, one per trial; none once the sweep was asked to stop."""
+    """The runs, in order, one per trial; none once the sweep was asked to stop. ``more(statuses)``:
+    asked once the queue is empty and every run handed out has its status (``statuses``), for the
+    runs to hand out next; while one still runs, no trial is suggested (Tune asks again)."""
 
-    def __init__(self, configs: Sequence[dict], shutdown: Shutdown):
+    def __init__(self, configs: Sequence[dict], shutdown: Shutdown, statuses: dict[str, str],
+                 more: Callable[[dict[str, str]], Sequence[dict]] | None = None):
         super().__init__()
-        self._todo, self._shutdown = list(configs), shutdown
+        self._todo, self._shutdown, self._statuses, self._more = list(configs), shutdown, statuses, more
+        self._handed: list[str] = []
+
+    def __getstate__(self) -> dict:
+        """Tune saves its searcher with the experiment's state; a sweep resumes from its run
+        directories, so what is saved is an empty queue (``more`` holds the live display)."""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__([], Shutdown(), {})
 
     def suggest(self, trial_id: str):
-        if self._shutdown.requested or not self._todo:
+        if self._shutdown.requested:
             return self.FINISHED
-        return dict(self._todo.pop(0))
+        if not self._todo and self._more is not None:
+            if any(name not in self._statuses for name in self._handed):
+                return None
+            self._todo = list(self._more(self._statuses))
+            if not self._todo:
+                self._more = None
+        if not self._todo:
+            return self.FINISHED
+        config = self._todo.pop(0)
+        self._handed.append(config["name"])
+        return dict(config)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         pass

@@ -2,6 +2,7 @@
 the plots, from run directories written by hand. No Ray, no subprocess."""
 import csv
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,34 @@ def test_a_trial_started_again_waits_for_its_last_attempt_then_goes_on_from_what
     assert not (out / runs[1].name).exists() and (out / ".incomplete" / f"{runs[1].name}.1" / "summary.json").exists()
 
 
+def test_the_trial_queue_asks_for_the_next_batch_once_every_run_handed_out_has_ended():
+    """An adaptive search's batches are trials of one Tune experiment (runtime/trials.py): the queue
+    suggests nothing while a run of the batch still runs, asks ``more`` with every status once all
+    ended, and ends when ``more`` has none."""
+    from dpfl_ray.runtime import trials
+    from dpfl_ray.runtime.shutdown import Shutdown
+
+    statuses, asked = {}, []
+    batches = [[{"name": "c"}], []]
+
+    def more(done):
+        asked.append(dict(done))
+        return batches.pop(0)
+
+    queue = trials._Queue([{"name": "a"}, {"name": "b"}], Shutdown(), statuses, more)
+    assert [queue.suggest("t1"), queue.suggest("t2")] == [{"name": "a"}, {"name": "b"}]
+    statuses["a"] = "ok"
+    assert queue.suggest("t3") is None and asked == []  # b still runs: its result may decide the next
+    statuses["b"] = "failed: x"
+    assert queue.suggest("t3") == {"name": "c"} and asked == [{"a": "ok", "b": "failed: x"}]
+    assert queue.suggest("t4") is None  # c runs
+    statuses["c"] = "ok"
+    assert queue.suggest("t4") == queue.FINISHED and len(asked) == 2 and batches == []
+    assert queue.suggest("t5") == queue.FINISHED and len(asked) == 2  # more is not asked again
+    restored = pickle.loads(pickle.dumps(queue))  # Tune saves its searcher: the live parts stay here
+    assert restored.suggest("t6") == restored.FINISHED
+
+
 def test_the_trial_queue_and_the_stop_file(tmp_path):
     """The sweep's side of a stop (runtime/trials.py): the queue hands out no trial once a signal
     came, the next controller step writes the stop file the trials poll, and Tune ends what is left
@@ -318,9 +347,10 @@ def test_the_trial_queue_and_the_stop_file(tmp_path):
 
     shutdown = Shutdown()
     configs = [{"name": "a"}, {"name": "b"}, {"name": "c"}]
-    queue = trials._Queue(configs, shutdown)
+    statuses = {}
+    queue = trials._Queue(configs, shutdown, statuses)
     assert queue.suggest("t1") == {"name": "a"}
-    grace, statuses, done = trials._Grace(), {}, []
+    grace, done = trials._Grace(), []
     watch = trials._Watch(shutdown, tmp_path / trials.STOP_FLAG, {c["name"]: c for c in configs}, statuses,
                           None, lambda c, s: done.append((c["name"], s)), grace)
     watch.on_step_begin(0, [])
