@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import dp_accounting
 import numpy as np
-import torch
 
-from ..training.local_dp import AdamState, DPSGDConfig, adam_step, dpsgd_update
+from ..training.dpsgd_config import AdamState, DPSGDConfig
 from ..privacy.client_ledgers import ClientLedgers
 from ..privacy.randomness import DPRandomness
 from .adap_dpfl_core import (
@@ -75,6 +74,8 @@ class AdapDPSGD(LocalProcedure):
         known = dict(self.clips)
         if client_id in known:
             return known[client_id]
+        import torch  # on the worker, which has it loaded: this module is also read where nothing trains
+
         with torch.no_grad():  # the model's number of classes, from one forward pass
             probe = torch.zeros((1, *x.shape[1:]), dtype=torch.float32, device=next(model.parameters()).device)
             num_classes = int(model(probe).shape[-1])
@@ -82,6 +83,8 @@ class AdapDPSGD(LocalProcedure):
                                       client_id=client_id)
 
     def run(self, model, theta, x, y, *, seed, round_idx, client_id):
+        from ..training.local_dp import dpsgd_update
+
         clip = self._threshold(model, theta, x, client_id, seed)
         if self.alpha is None:
             cfg = DPSGDConfig(clip_norm=clip, noise_multiplier=self.noise_multiplier, lr=self.lr,
@@ -182,6 +185,8 @@ class AdapDPFL(Algorithm):
         if self.settings.optimizer_state == "server" and agg.weight_sum > 0:
             # agg.delta is minus the survivors' weighted mean noisy gradient (each client's Delta is
             # minus its own): Adam's step on that mean is the round's step
+            from ..training.local_dp import adam_step
+
             step, self.server_adam = adam_step(-agg.delta, self.settings.lr, self.server_adam)
             agg = Aggregate(step, agg.weight_sum, agg.info)
         used = [r.values["clip_used"] for r in outcome.reports.values()]

@@ -27,18 +27,20 @@ Gaussian(sigma_t))`` per round, orders 2..64, classic conversion) is :func:`clai
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import dp_accounting
 import numpy as np
 from dp_accounting import dp_event as dpe
-from torch import nn
 
 from .. import rng as rngmod
 from ..data import partition as P
 from ..errors import DPFLError
-from ..training.local_dp import DPSGDConfig, DPSGDResult, per_example_grad_norms
+from ..training.dpsgd_config import DPSGDConfig, DPSGDResult
 from ..privacy.client_ledgers import FU_EQ10_ORDERS, ClientLedgers
+
+if TYPE_CHECKING:  # torch is loaded where a client trains (training.local_dp), not where a scenario is read
+    from torch import nn
 
 __all__ = ["initial_clip_threshold", "next_clip_threshold", "decayed_noise_multiplier", "client_config",
            "round_events", "claimed_ledgers", "label_sorted_fragments", "MIN_CLIP_NORM"]
@@ -58,6 +60,8 @@ def initial_clip_threshold(model: nn.Module, theta: np.ndarray, input_shape: Seq
     """C_0^k: the mean per-example gradient norm at ``theta`` on a lot of random noise (uniform
     inputs, uniform labels; Fu et al. 2022, Sec. IV-A). No record of the client is read, so it
     costs no privacy."""
+    from ..training.local_dp import per_example_grad_norms
+
     g = rngmod.generator(seed, "fu_initial_clip", -1, client_id)
     x = g.random((int(lot_size), *input_shape), dtype=np.float32)
     y = g.integers(0, num_classes, int(lot_size)).astype(np.int64)

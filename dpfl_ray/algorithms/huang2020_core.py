@@ -45,19 +45,18 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import dp_accounting
 import numpy as np
-import torch
 from dp_accounting import dp_event as dpe
-from torch import nn
-from torch.func import functional_call
 
 from ..errors import DPFLError
-from ..training.local_dp import TorchNormal, clip_and_sum, per_example_grad_fn
-from ..training.models import pool_twin, set_flat
 from ..privacy.randomness import DPRandomness
+
+if TYPE_CHECKING:  # torch is loaded where a client trains (dpagd_update), not where a scenario is read
+    import torch
+    from torch import nn
 
 __all__ = ["DPAGDConfig", "DPAGDResult", "HuangClientBudget", "budgets_by_size", "gaussian_noise_multiplier",
            "argmax_epsilon", "argmax_dp_event", "noisy_argmax", "dpagd_update"]
@@ -214,6 +213,11 @@ def _candidate_scores(model: nn.Module, params: dict, grad: dict, candidates: Se
     The forward passes run through the model's pool twin (max-pools channels-last, the same maxima,
     faster on CPU): the arg-max passes over a user's whole data set once per candidate, the bulk of a
     DPAGD iteration."""
+    import torch
+    from torch import nn
+    from torch.func import functional_call
+
+    from ..training.models import pool_twin
     buffers = dict(model.named_buffers())
     twin = pool_twin(model)
     out = []
@@ -245,6 +249,7 @@ def _chunks(n: int) -> list[slice]:
 def _clipped_gradient_sum(grads_of, params: dict, x: torch.Tensor, y: torch.Tensor,
                           clip_norm: float) -> dict[str, torch.Tensor]:
     """sum_i clip(grad loss(x_i)) over the whole data set, a chunk at a time (see ``DPAGD_CHUNK``)."""
+    from ..training.local_dp import clip_and_sum
     total = None
     for part in _chunks(len(y)):
         summed, _ = clip_and_sum(grads_of(params, x[part], y[part]), clip_norm)
@@ -261,6 +266,11 @@ def dpagd_update(model: nn.Module, theta: np.ndarray, x: np.ndarray, y: np.ndarr
     ``randomness`` draws the gradient noise and the arg-max's Laplace noise (None: the
     reproducible streams of ``seed``).
     """
+    import torch
+
+    from ..training.local_dp import TorchNormal, per_example_grad_fn
+    from ..training.models import set_flat
+
     n = len(y)
     if n == 0:
         raise DPFLError("a client with no examples cannot run DPAGD", field="data")

@@ -19,7 +19,7 @@ from dpfl_ray.algorithms.huang2020_core import (
     noisy_argmax,
 )
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.training.local_dp import clip_and_sum, per_example_grads
+from dpfl_ray.training.local_dp import clip_and_sum, per_example_grad_fn, per_example_grads
 from dpfl_ray.training.models import build_model, get_flat
 from dpfl_ray.privacy.client_ledgers import ClientLedgers
 
@@ -198,7 +198,7 @@ def test_dpagd_passes_in_chunks_give_the_one_pass_sums(monkeypatch):
     model, x, y = problem(n=23, seed=3)
     params = {k: v.detach() for k, v in model.named_parameters()}
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    grads_of = core.per_example_grad_fn(model)
+    grads_of = per_example_grad_fn(model)
     one_sum, _ = clip_and_sum(grads_of(params, xt, yt), 0.5)
     grad = {k: v / len(y) for k, v in one_sum.items()}
     one_scores = core._candidate_scores(model, params, grad, (0.0, 0.5, 2.0), xt, yt, 1.5)

@@ -167,3 +167,24 @@ def test_a_hang_timeout_beside_a_planned_deadline_is_refused_and_a_dumped_scenar
     planned = scenario_from_dict({"name": "a", "training": {"round_deadline_s": 5.0}})
     assert scenario_from_dict(planned.model_dump(mode="json")).training == planned.training
     assert scenario_from_dict({"name": "a", "training": {"hang_timeout_s": 30.0}}).training.hang_timeout_s == 30.0
+
+
+def test_every_shipped_scenario_loads_and_reading_one_loads_no_torch():
+    """Reading a scenario checks it against its algorithm (algorithms/<name>.py), and the processes
+    that only read one -- `dpfl run`'s driver, a sweep's trials, `dpfl reproduce` -- must not pay for
+    torch's import (seconds of CPU each): the algorithms load torch where a client trains. In a
+    fresh interpreter, every scenario the project ships."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import glob, json, sys\n"
+            "from dpfl_ray.scenario import load_scenario\n"
+            "files = sorted(f for f in glob.glob('scenarios/**/*.yaml', recursive=True) if not f.endswith('paper.yaml'))\n"
+            "algorithms = sorted({load_scenario(f).training.algorithm for f in files})\n"
+            "print(json.dumps({'files': len(files), 'algorithms': algorithms, 'torch': 'torch' in sys.modules}))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out["files"] >= 70 and not out["torch"], out
+    assert {"adap_dpfl", "huang2020", "nbafl", "baek", "dp_fedavg"} <= set(out["algorithms"]), out
