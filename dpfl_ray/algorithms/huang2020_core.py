@@ -218,6 +218,7 @@ def _candidate_scores(model: nn.Module, params: dict, grad: dict, candidates: Se
     from torch.func import functional_call
 
     from ..training.models import pool_twin
+
     buffers = dict(model.named_buffers())
     twin = pool_twin(model)
     out = []
@@ -250,6 +251,7 @@ def _clipped_gradient_sum(grads_of, params: dict, x: torch.Tensor, y: torch.Tens
                           clip_norm: float) -> dict[str, torch.Tensor]:
     """sum_i clip(grad loss(x_i)) over the whole data set, a chunk at a time (see ``DPAGD_CHUNK``)."""
     from ..training.local_dp import clip_and_sum
+
     total = None
     for part in _chunks(len(y)):
         summed, _ = clip_and_sum(grads_of(params, x[part], y[part]), clip_norm)
