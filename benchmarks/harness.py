@@ -487,6 +487,56 @@ def measure(names: list[str], repeat: int = 1, overrides: list[str] | None = Non
     return report
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the platform's processor field."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def speed_probe() -> dict:
+    """Seconds one thread of this host takes for two fixed pieces of work, best of five: a Python
+    loop of 2,000,000 additions, and torch multiplying two 256x256 float32 matrices 200 times.
+    A model name says little (two "AMD EPYC" hosts of this project differ fourfold in the floor's
+    time): where two reports' probes differ, their ratios come from different hosts."""
+    import time
+
+    import torch
+
+    def best(work) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t0)
+        return round(min(times), 4)
+
+    def loop():
+        total = 0
+        for i in range(2_000_000):
+            total += i
+
+    a = torch.rand(256, 256, generator=torch.Generator().manual_seed(0))
+
+    def products():
+        for _ in range(200):
+            torch.mm(a, a)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"python_loop_s": best(loop), "torch_matmul_s": best(products)}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def machine() -> dict:
     import platform
 
@@ -494,4 +544,4 @@ def machine() -> dict:
 
     return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
-            "load_average_1m": os.getloadavg()[0]}
+            "cpu_model": cpu_model(), "probe": speed_probe(), "load_average_1m": os.getloadavg()[0]}

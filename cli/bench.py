@@ -312,8 +312,11 @@ def _print_report(report: dict) -> None:
             if s.get("rc") != 0:
                 err_console.print(f"[bold red]{name}: a run failed:[/] {escape(str(s.get('error')))}")
     m = report["machine"]
-    console.print(f"{report['date']}, {m['host']}: {m['cpus']} CPUs, torch {m['torch']}, load average "
-                  f"{m['load_average_1m']:.1f} at the start", highlight=False)
+    probe = m.get("probe") or {}
+    speed = (f"; one thread: a 2e6-step Python loop {probe['python_loop_s']:.3f} s, 200 256x256 products "
+             f"{probe['torch_matmul_s']:.3f} s" if probe else "")
+    console.print(f"{report['date']}, {m['host']} ({m.get('cpu_model', m.get('processor'))}): {m['cpus']} CPUs, "
+                  f"torch {m['torch']}, load average {m['load_average_1m']:.1f} at the start{speed}", highlight=False)
 
 
 @app.command("local")

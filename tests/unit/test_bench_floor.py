@@ -7,7 +7,7 @@ import math
 import pytest
 
 from benchmarks.floor import train_floor
-from benchmarks.harness import classify, derive_phases, parse_rounds, ratios, stats, summarize
+from benchmarks.harness import classify, derive_phases, machine, parse_rounds, ratios, stats, summarize
 from benchmarks.workloads import WORKLOADS, implied_sgd_steps, scenario, trained_clients
 from dpfl_ray.data import build_federation
 from dpfl_ray.errors import DPFLError
@@ -172,3 +172,16 @@ def test_batched_shares_take_the_floors_steps_between_them():
     halves = [train_floor(sc, fed, share=(i, 2), batched=True) for i in range(2)]
     assert sum(h["sgd_steps"] for h in halves) == whole["sgd_steps"] == implied_sgd_steps(sc, fed.sizes)
     assert sum(h["client_updates"] for h in halves) == whole["client_updates"] == 200
+
+
+def test_a_report_names_its_host_and_how_fast_one_thread_of_it_is():
+    """Two hosts of one model name differ severalfold (benchmarks/RESULTS.md): a report carries the
+    CPU's model and a one-thread probe, and the probe leaves torch's thread count as it found it."""
+    import torch
+
+    before = torch.get_num_threads()
+    m = machine()
+    assert torch.get_num_threads() == before
+    assert isinstance(m["cpu_model"], str) and m["cpu_model"]
+    assert set(m["probe"]) == {"python_loop_s", "torch_matmul_s"}
+    assert all(0 < v < 60 for v in m["probe"].values()), m["probe"]
