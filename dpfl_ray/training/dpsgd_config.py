@@ -1,7 +1,7 @@
 """DP-SGD's settings and results as plain data (no torch): what a scenario check, a ledger, a
-checkpoint and the coordinator read, so that the processes which never train -- the run's driver, a
-sweep's trials, the coordinator -- load none of torch. The computation is
-:mod:`dpfl_ray.training.local_dp`, which re-exports these."""
+checkpoint and the coordinator read, so that the processes which never train -- the run's driver and
+a sweep's trials; the coordinator unless it evaluates the model itself -- load none of torch. The
+computation is :mod:`dpfl_ray.training.local_dp`, which re-exports these."""
 from __future__ import annotations
 
 import base64
