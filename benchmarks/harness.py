@@ -504,19 +504,14 @@ def cpu_model() -> str:
 def speed_probe() -> dict:
     """Seconds one thread of this host takes for two fixed pieces of work, best of five: a Python
     loop of 2,000,000 additions, and torch multiplying two 256x256 float32 matrices 200 times.
-    A model name says little (two "AMD EPYC" hosts of this project differ fourfold in the floor's
-    time): where two reports' probes differ, their ratios come from different hosts."""
-    import time
+    Hosts of one model name can differ severalfold (benchmarks/RESULTS.md): where two reports'
+    probes differ, their ratios come from different hosts."""
+    import timeit
 
     import torch
 
     def best(work) -> float:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - t0)
-        return round(min(times), 4)
+        return round(min(timeit.repeat(work, number=1, repeat=5)), 4)
 
     def loop():
         total = 0

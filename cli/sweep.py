@@ -287,8 +287,8 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
         configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
         with _progress() as progress:
-            total = [len(configs)]
-            task = progress.add_task("runs", total=total[0], status="starting")
+            total = len(configs)
+            task = progress.add_task("runs", total=total, status="starting")
             live: dict[str, str] = {}
             evaluated: dict[str, float] = {}  # each run's last evaluated accuracy (output.eval_every)
 
@@ -313,12 +313,13 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
                 progress.update(task, status=_running(live))
 
             def next_batch(done: dict[str, str]) -> list[dict]:
+                nonlocal total
                 todo = more(done)
                 if shutdown.requested or not todo:
                     return []
                 batch = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
-                total[0] += len(batch)
-                progress.update(task, total=total[0])
+                total += len(batch)
+                progress.update(task, total=total)
                 return batch
 
             return trials.run_trials(sweep_dir, configs, max_concurrent, shutdown, on_result, on_done, on_retry,

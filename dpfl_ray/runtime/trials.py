@@ -329,12 +329,16 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     shutil.rmtree(sweep_dir / EARLY, ignore_errors=True)  # an earlier command's decisions: its runs are finished
     n = max_concurrent or default_concurrency(configs, ray.cluster_resources())
     collector, collector_name, node = start_collector(sweep_dir)
-    configs = [{**c, "collector": collector_name, "driver_node": node} for c in configs]
+
+    def located(runs: Sequence[dict]) -> list[dict]:  # each trial finds the sweep's collector by these
+        return [{**c, "collector": collector_name, "driver_node": node} for c in runs]
+
+    configs = located(configs)
     statuses: dict[str, str] = {}
     by_name = {c["name"]: c for c in configs}
 
     def extend(done: dict[str, str]) -> list[dict]:
-        batch = [{**c, "collector": collector_name, "driver_node": node} for c in more(done)]
+        batch = located(more(done))
         by_name.update((c["name"], c) for c in batch)
         return batch
 
