@@ -208,6 +208,10 @@ def _print_summary(summary: dict, record) -> None:
     console.print(f"{summary['stop_reason']}: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f}s, "
                   f"final test accuracy {acc if acc is None else f'{acc:.4f}'}{of_round}; files in {record.path}",
                   markup=False)
+    for fault, rounds in (summary.get("faults_not_carried_out") or {}).items():
+        console.print(f"note: faults.{fault} was planned in round{'s' if len(rounds) > 1 else ''} "
+                      f"{', '.join(map(str, rounds))} and not carried out: this Ray has no node to remove but the head "
+                      f"and the coordinator's (run it on a cluster of 2+ nodes)", markup=False)
     ca = summary.get("client_accuracy") or {}
     if ca.get("clients"):
         groups = "; ".join(f"{label} {g['mean']:.4f}" for label, g in (ca.get("by_group") or {}).items())

@@ -54,10 +54,11 @@ def lose_node(node_id: str, timeout: float = 30.0, noticed_within: float = NOTIC
         time.sleep(0.1)
 
 
-def strike(workers: list, nodes: dict, faults, phase: str, keep: set[str]) -> dict:
+def strike(workers: list, nodes: dict, faults, phase: str, keep: set[str], missed: list | None = None) -> dict:
     """Carry out the crashes and node losses ``faults`` plans for ``phase``. ``nodes`` maps a
     worker handle to its node id. Returns {worker handle: cause} for the workers taken down; a
-    node loss with no removable node (a one-node cluster) takes nothing down."""
+    node loss with no removable node (a one-node cluster) takes nothing down, and is appended to
+    ``missed`` as ``node_failure@PHASE``, so that the run says which planned faults did not happen."""
     struck = {}
     for crash in faults.crashes:
         if crash.phase == phase and crash.worker < len(workers):
@@ -68,6 +69,8 @@ def strike(workers: list, nodes: dict, faults, phase: str, keep: set[str]) -> di
             continue
         candidates = removable_nodes(keep)
         if not candidates:
+            if missed is not None:
+                missed.append(f"node_failure@{phase}")
             continue
         node = candidates[loss.pick % len(candidates)]
         lose_node(node)

@@ -116,6 +116,7 @@ class Coordinator:
         self.workers: list = list(workers or [])
         self.groups = summation_groups(int(self.theta.size))
         self.final_eval: dict = {}  # the final model's evaluation, when the last round had none
+        self._missed: list[str] = []  # planned faults the round in flight could not carry out (chaos.strike)
         self.pool: dict = {}
         if resume is not None:
             self._restore(resume)
@@ -328,6 +329,7 @@ class Coordinator:
             dropped.setdefault(int(c), f"{cause}@training")
         active = [c for c in active if not dropped.get(c, "").endswith("@training")]
         extra, rejected = {}, {}
+        self._missed = []
         abort = alg.begin_round(t, sampled)
         spec = alg.client_spec() if abort is None else None
         if spec is not None and sc.output.client_accuracy and t + 1 == sc.training.rounds:
@@ -390,6 +392,8 @@ class Coordinator:
                      if "local_test_accuracy" in r.values}
             extra["client_accuracy"] = client_accuracy_summary(local, alg.client_groups())
         dropped.update({c: f"{REJECTED}@upload" for c in rejected})
+        if self._missed:
+            extra["faults_not_carried_out"] = sorted(set(self._missed))
         tallied = tally(dropped)
         if rejected:
             tallied["rejected"] = {str(c): why for c, why in sorted(rejected.items())}
@@ -442,7 +446,8 @@ class Coordinator:
             return {}
         if any(loss.phase == phase for loss in faults.nodes_lost):
             self._nodes = {w: info["node"] for w, info in zip(self.workers, self.worker_info()) if info}
-        return strike(self.workers, self._nodes, faults, phase, {ray.get_runtime_context().get_node_id()})
+        return strike(self.workers, self._nodes, faults, phase, {ray.get_runtime_context().get_node_id()},
+                      self._missed)
 
     def _plain_round(self, t, theta_ref, active, faults, dropped, spec, canaries=None, evaluate=False):
         """Local training without SecAgg, one message per worker: the survivors, and the sum of

@@ -346,6 +346,17 @@ class Timings:
         return dict(self.marks)
 
 
+def not_carried_out(rounds: Sequence[dict]) -> dict[str, list[int]]:
+    """{planned fault (``node_failure@PHASE``): the rounds in which it could not be carried out},
+    from the rows' ``faults_not_carried_out`` (runtime/chaos.strike): a node loss planned on a Ray
+    with no node to remove but the head and the coordinator's."""
+    out: dict[str, list[int]] = {}
+    for r in rounds:
+        for fault in r.get("faults_not_carried_out") or ():
+            out.setdefault(fault, []).append(r["round"])
+    return out
+
+
 def final_figures(rounds: Sequence[dict]) -> dict:
     """The summary's ``final_accuracy`` and ``final_loss``: the last evaluated round's. When that is
     not the last committed round (a run stopped between two evaluations of ``output.eval_every``),
@@ -373,6 +384,9 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
                "versions": versions()}
     if error:
         summary["error"] = error
+    missed = not_carried_out(rounds)
+    if missed:
+        summary["faults_not_carried_out"] = missed
     client_acc = next((r["client_accuracy"] for r in reversed(rounds) if "client_accuracy" in r), None)
     if client_acc is not None:  # rounds.jsonl keeps every client's figure; the summary the groups
         summary["client_accuracy"] = {k: v for k, v in client_acc.items() if k != "per_client"}

@@ -73,6 +73,24 @@ def test_planned_crashes_under_secagg_are_recorded_in_their_planned_phase(ray_se
     assert rows[1]["dropped"] == {"crash": {"unmask": len(after)}} and rows[1]["survived"] == 10
 
 
+def test_a_node_loss_planned_on_one_node_is_reported_as_not_carried_out(ray_session, tmp_path, capsys):
+    """The session Ray has one node, the coordinator's: a planned node loss has nothing to remove.
+    The run goes on losing no client, and says so in the rows, the summary and its last lines."""
+    from types import SimpleNamespace
+
+    from cli.run import _print_summary
+
+    sc = tiny_scenario(training={"rounds": 3}, faults={"node_failure": {"at_round": [1, 3], "phase": "upload"}})
+    summary, rows, _ = _run(sc, tmp_path / "one_node")
+    assert summary["stop_reason"] == "completed" and [r["survived"] for r in rows] == [10, 10, 10]
+    assert [r.get("faults_not_carried_out") for r in rows] == [["node_failure@upload"], None, ["node_failure@upload"]]
+    assert all(r["dropped"] == {} for r in rows)
+    assert summary["faults_not_carried_out"] == {"node_failure@upload": [1, 3]}
+    _print_summary(summary, SimpleNamespace(path=tmp_path / "one_node"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: faults.node_failure@upload was planned in rounds 1, 3 and not carried out" in out, out
+
+
 def _hang_run_clients(worker):
     # the worker's local training never returns: its run_clients hangs, while info() still answers
     return worker.__ray_call__.remote(lambda self: setattr(self, "_train", lambda *a, **k: time.sleep(600)))
