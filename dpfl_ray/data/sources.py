@@ -272,7 +272,9 @@ def _read_idx_folder(folder: Path, name: str, num_classes: int | None = None, fi
 def _idx(path: str) -> Dataset:
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise DPFLError(f"{folder} is not a folder", field="data.path")
+        raise DPFLError(f"{folder.absolute()} is not a folder: point data.path at the folder that holds the four IDX "
+                        f"files ({', '.join(m + '[.gz]' for m in _IDX_STEMS)}), or read Fashion-MNIST or MNIST by "
+                        f"name (data.source: fashion_mnist or mnist)", field="data.path")
     return _read_idx_folder(folder, folder.name)
 
 

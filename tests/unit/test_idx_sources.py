@@ -122,6 +122,16 @@ def test_missing_data_is_one_line_that_says_how_to_get_it(tmp_path, monkeypatch)
     assert all(stem in msg for stem in STEMS) and "apt-get" not in msg
 
 
+def test_an_idx_folder_that_is_not_there_is_one_line_naming_where_and_what(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DPFLError) as err:
+        load_source(DataConfig(source="idx", path="fashion-mnist"), 0)
+    msg = str(err.value)
+    assert err.value.field == "data.path" and len(msg.splitlines()) == 1
+    assert str(tmp_path / "fashion-mnist") in msg and all(stem in msg for stem in STEMS)
+    assert "data.source: fashion_mnist" in msg
+
+
 def test_a_folder_of_other_images_is_not_fashion_mnist(tmp_path):
     folder = idx_folder(tmp_path / "small")
     write_idx(folder / STEMS[0], np.zeros((20, 8, 8), dtype=np.uint8))
