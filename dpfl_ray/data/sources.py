@@ -250,11 +250,16 @@ def _find_idx(folder: Path, stem: str) -> Path | None:
     return None
 
 
+def _file_names(stems) -> str:
+    """IDX file stems as an error line names them: each may be gzipped."""
+    return ", ".join(f"{stem}[.gz]" for stem in stems)
+
+
 def _read_idx_folder(folder: Path, name: str, num_classes: int | None = None, field: str = "data.path") -> Dataset:
     files = [_find_idx(folder, s) for s in _IDX_STEMS]
     missing = [s for s, f in zip(_IDX_STEMS, files) if f is None]
     if missing:
-        raise DPFLError(f"missing {', '.join(s + '[.gz]' for s in missing)} in {folder}", field="data.path")
+        raise DPFLError(f"missing {_file_names(missing)} in {folder}", field="data.path")
     xtr, ytr, xte, yte = (read_idx_cached(f) for f in files)
     if xtr.ndim != 3 or xte.ndim != 3 or len(xtr) != len(ytr) or len(xte) != len(yte):
         raise DPFLError(f"IDX files in {folder} have inconsistent shapes", field=field)
@@ -273,7 +278,7 @@ def _idx(path: str) -> Dataset:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DPFLError(f"{folder.absolute()} is not a folder: point data.path at the folder that holds the four IDX "
-                        f"files ({', '.join(m + '[.gz]' for m in _IDX_STEMS)}), or read Fashion-MNIST or MNIST by "
+                        f"files ({_file_names(_IDX_STEMS)}), or read Fashion-MNIST or MNIST by "
                         f"name (data.source: fashion_mnist or mnist)", field="data.path")
     return _read_idx_folder(folder, folder.name)
 
@@ -296,7 +301,7 @@ def _named_idx(source: str, path: str | None) -> Dataset:
         folder = Path(path).expanduser()
         missing = _missing_idx(folder)
         if missing:
-            what = "is not a folder" if not folder.is_dir() else "lacks " + ", ".join(m + "[.gz]" for m in missing)
+            what = "is not a folder" if not folder.is_dir() else "lacks " + _file_names(missing)
             other = f"{install} (or set DPFL_DATA)" if install else f"put them in $DPFL_DATA/{subdirs[0]}"
             raise DPFLError(f"{folder} {what}: put {label}'s four IDX files there, or unset data.path and "
                             f"{other}", field="data.path")
