@@ -111,10 +111,15 @@ def _log_binom(n: int, k: int) -> float:
     return float(special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1))
 
 
-def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
+def poisson_subsampled_rdp(order: int, rate: float, rdp, generic: bool = True) -> float:
     """RDP at integer ``order`` >= 2 of a mechanism run on a Poisson sample at ``rate``, the mechanism's
     RDP given as the function ``rdp(order)``: Zhu & Wang 2019, Thm. 5 (an upper bound), and never above
-    the mechanism's own RDP."""
+    the mechanism's own RDP.
+
+    ``generic=False`` drops Thm. 5's factor 3 on the terms of order 3 and up, which covers the other
+    direction of the divergence for any mechanism: the exact form that Zhu & Wang prove for the
+    Gaussian and Laplace mechanisms only. No ledger uses it; it shows what the factor costs
+    (docs/distributed_dp.md)."""
     alpha, own = _subsampling_args(order, rate, "rate", rdp)
     if rate == 1:
         return own
@@ -123,7 +128,7 @@ def poisson_subsampled_rdp(order: int, rate: float, rdp) -> float:
     weights = [(1 - g) ** (alpha - 1) * (alpha * g - g + 1), special.comb(alpha, 2) * g ** 2 * (1 - g) ** (alpha - 2)]
     for ell in range(3, alpha + 1):
         terms.append((ell - 1) * rdp(ell) + _log_binom(alpha, ell) + (alpha - ell) * math.log1p(-g) + ell * math.log(g))
-        weights.append(3.0)
+        weights.append(3.0 if generic else 1.0)
     return min(float(special.logsumexp(terms, b=weights)) / (alpha - 1), own)
 
 

@@ -151,6 +151,20 @@ def test_poisson_subsampling_bound_covers_dp_accountings_sampled_gaussian_and_st
     assert eps_exact * (1 - 1e-9) <= eps_bound < 1.3 * eps_exact, (eps_bound, eps_exact)
 
 
+@pytest.mark.parametrize("q, z", [(0.01, 1.0), (0.1, 1.0), (0.05, 0.7)])
+def test_without_the_generic_factor_3_the_bound_is_dp_accountings_exact_sampled_gaussian(q, z):
+    # docs/distributed_dp.md: the integer mechanisms' premium under Poisson sampling is all Thm. 5's
+    # factor 3; the exact form Zhu & Wang prove for the Gaussian is dp_accounting's curve
+    acc = RdpAccountant(orders=list(rdp.ORDERS))
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+    exact = np.array(acc._rdp)  # noqa: SLF001 - the accountant's own curve, per order
+    tight = rdp.rdp_curve(lambda a: a / (2 * z * z), rate=q,
+                          bound=lambda a, g, f: rdp.poisson_subsampled_rdp(a, g, f, generic=False))
+    np.testing.assert_allclose(tight, exact, rtol=1e-9)
+    generic = rdp.rdp_curve(lambda a: a / (2 * z * z), rate=q)
+    assert np.all(generic >= tight) and np.any(generic > tight * 1.01)
+
+
 def test_epsilon_is_dp_accountings_conversion():
     z = 2.0
     acc = RdpAccountant(orders=list(rdp.ORDERS))
