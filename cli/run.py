@@ -39,11 +39,10 @@ def run(
     shutdown = Shutdown().install()
     sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
     plotting = _Plotting()  # matplotlib loads while Ray starts
-    import ray
-
     from dpfl_ray.runs.record import RunRecord
     from dpfl_ray.runtime.checkpoint import rows_covered
-    from dpfl_ray.runtime.driver import ensure_ray, ray_stopped, ray_to_watch, run_scenario, stop_ray, write_unstarted
+    from dpfl_ray.runtime.driver import (cluster_resources, ensure_ray, ray_stopped, ray_to_watch, run_scenario,
+                                         stop_ray, write_unstarted)
     from dpfl_ray.runtime.rescue import Watcher
     from dpfl_ray.runtime.resources import plan_pool
     if shutdown.requested:
@@ -60,7 +59,7 @@ def run(
         if shutdown.requested:  # a signal while Ray started (signals are only recorded: runtime/shutdown.py)
             raise KeyboardInterrupt("signal received while Ray started")
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
-        plan = plan_pool(sc.resources, ray.cluster_resources(), fed.num_clients)
+        plan = plan_pool(sc.resources, cluster_resources(), fed.num_clients)
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, rows_covered(checkpoint))
         # Ray's core ends this process on the spot when its node stops: the watcher then writes the files
         watcher = Watcher(record.path, t0, *ray_to_watch())

@@ -275,17 +275,15 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
     ``early_stop``: ASHA's settings (runtime/trials.early_stopping). ``more(statuses)``: the runs to
     run next once these ended (an adaptive search's next batch), trials of the same Tune experiment,
     or an empty list."""
-    import ray
-
     from dpfl_ray.runtime import trials
-    from dpfl_ray.runtime.driver import ensure_ray, stop_ray
+    from dpfl_ray.runtime.driver import cluster_resources, ensure_ray, stop_ray
     from dpfl_ray.runtime.shutdown import keep_handlers
 
     try:
         with keep_handlers():
             ensure_ray(address, pending_signal=lambda: shutdown.first)
         shutdown.install()  # ray.init's C++ core installs signal handlers of its own
-        configs = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
+        configs = trials.run_configs(sweep_dir, todo, scenario, timeout, cluster_resources(), max_concurrent)
         with _progress() as progress:
             total = len(configs)
             task = progress.add_task("runs", total=total, status="starting")
@@ -317,7 +315,7 @@ def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: flo
                 todo = more(done)
                 if shutdown.requested or not todo:
                     return []
-                batch = trials.run_configs(sweep_dir, todo, scenario, timeout, ray.cluster_resources(), max_concurrent)
+                batch = trials.run_configs(sweep_dir, todo, scenario, timeout, cluster_resources(), max_concurrent)
                 total += len(batch)
                 progress.update(task, total=total)
                 return batch

@@ -64,6 +64,11 @@ def ray_to_watch() -> tuple[str | None, set[int]]:
     return (None if sessions else _gcs_address()), sessions
 
 
+def cluster_resources() -> dict:
+    """The resources (CPU, GPU, ...) of the Ray this process joined, for sizing pools and trials."""
+    return ray.cluster_resources()
+
+
 def ray_stopped() -> bool:
     """Did :func:`stop_ray` run last and leave nothing of Ray behind in this process (or nothing
     that could still be stopped in order: a start abandoned, a head gone)?"""

@@ -285,3 +285,57 @@ def test_a_parked_coordinator_runs_the_next_run_as_a_fresh_one(ray_session, tmp_
     assert len(parked()) == 1 and parked() != [first]
     warm.clear()
     assert parked() == []
+
+
+def test_a_coordinator_killed_mid_run_leaves_its_checkpoint_and_the_resume_ends_as_an_uninterrupted_run(
+        ray_session, tmp_path, monkeypatch):
+    """README, "Faults, deadlines, checkpoints and sweeps": a run whose coordinator actor is killed
+    mid-run ends with the files of its last checkpoint and the --resume command, and the resume
+    ends with the uninterrupted run's model, ledger and rows (timings aside)."""
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.runtime import driver, warm
+    from dpfl_ray.runtime.checkpoint import open_for_resume, rows_covered
+
+    def private():
+        # rounds to spare: the driver reads the rows a poll behind the coordinator, so the kill after
+        # its first checkpoint must land before the run's end even on a loaded machine
+        return tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 40},
+                             sampling={"mode": "poisson", "rate": 0.3, "clients_per_round": None},
+                             privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}},
+                             output={"checkpoint_every": 5, "eval_every": 5})
+
+    def figures(rows):
+        return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
+
+    _, rounds_fresh, fresh = _run(private(), tmp_path, "fresh")
+    warm.clear()  # the run below starts a coordinator of its own, which the test kills
+    started = []
+    start = driver.start_coordinator
+    monkeypatch.setattr(driver, "start_coordinator", lambda args: started.append(start(args)) or started[-1])
+
+    killed = tmp_path / "killed"
+
+    def kill_after_the_first_checkpoint(event):
+        if event.get("event") == "round" and (killed / "checkpoint.npz").exists() and started:
+            ray_session.kill(started.pop())
+
+    sc = private()
+    with pytest.raises(DPFLError, match=r"the coordinator was lost .* resume with: dpfl run --resume "):
+        run_scenario(sc, build_federation(sc), RunRecord(killed), on_event=kill_after_the_first_checkpoint)
+    checkpoint, again = open_for_resume(killed)
+    last = int(checkpoint["round"])
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["stop_reason"] == "error" and 5 <= summary["rounds_completed"] == last < 40
+    # the rows are cut back to the checkpoint's round (its row evaluated by the driver where the round
+    # still awaited its evaluation), with the uninterrupted run's figures
+    rows = [json.loads(line) for line in (killed / "rounds.jsonl").read_text().splitlines()]
+    assert figures(rows) == figures(rounds_fresh[:last])
+    covered = rows_covered(checkpoint)
+    resumed = run_scenario(again, build_federation(again), RunRecord.reopen(killed, covered), resume=checkpoint)
+    assert resumed["stop_reason"] == "completed" and resumed["rounds_completed"] == 40
+    rows = [json.loads(line) for line in (killed / "rounds.jsonl").read_text().splitlines()]
+    assert figures(rows) == figures(rounds_fresh)
+    after = torch.load(killed / "model.pt")
+    assert all(torch.equal(fresh[k], after[k]) for k in fresh)
+    assert (killed / "ledger.json").read_bytes() == (tmp_path / "fresh" / "ledger.json").read_bytes()
+    warm.clear()

@@ -101,3 +101,19 @@ def test_no_import_circles():
     for node in sorted(GRAPH):
         if node not in state:
             visit(node)
+
+
+def _imports_ray(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(n == "ray" or n.startswith("ray.") for n in names):
+            return True
+    return False
+
+
+def test_only_the_runtime_imports_ray():
+    # README, "Layout": dpfl_ray/runtime/ is the only code that imports Ray
+    outside = sorted(name for name, path in project_modules().items()
+                     if not name.startswith("dpfl_ray.runtime") and _imports_ray(path))
+    assert outside == [], outside
