@@ -19,7 +19,7 @@ def submit(
     search: str = typer.Option("grid", "--search", help="a sweep job: grid, random or optuna, as `dpfl sweep "
                                "--search`"),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="a search job: points to draw"),
-    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="a search job: the seed it draws "
+    search_seed: Optional[int] = typer.Option(None, "--search-seed", min=0, help="a search job: the seed it draws "
                                               "with"),
     metric: Optional[str] = typer.Option(None, "--metric", help="an optuna search job: as `dpfl sweep --metric`"),
     scheduler: str = typer.Option("none", "--scheduler", help="a sweep job: none or asha, as `dpfl sweep --scheduler`"),

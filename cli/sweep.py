@@ -28,7 +28,7 @@ def sweep(
                                "drawn from the axes; optuna: --num-samples points asked of Optuna's TPE, "
                                "--max-concurrent (default 2) at a time, each batch from the results before it"),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="how many points a search draws"),
-    search_seed: Optional[int] = typer.Option(None, "--search-seed", help="the seed a search draws its points "
+    search_seed: Optional[int] = typer.Option(None, "--search-seed", min=0, help="the seed a search draws its points "
                                               "with (default 0)"),
     metric: Optional[str] = typer.Option(None, "--metric", help="optuna: what it optimises, final_accuracy "
                                          "(the default, maximised) or final_loss (minimised)"),
@@ -60,7 +60,8 @@ def sweep(
     from dpfl_ray.runtime.search import OptunaSearch
     from dpfl_ray.scenario import load_scenario
 
-    shutdown = Shutdown().install()  # a signal is recorded; the trials are told to stop (runtime/trials.py)
+    # Until the sweep directory is touched a signal ends the command at once (planning a large grid
+    # takes seconds); from there on it is only recorded, and the trials are told to stop (runtime/trials.py).
     try:
         base = load_scenario(scenario, set_)  # a bad scenario or --set is reported as itself
     except DPFLError:
@@ -83,6 +84,7 @@ def sweep(
         console.print(f"ok: {len(runs)} combinations{later}")
         return
     sweep_dir = out or default_run_dir(base.output.dir, f"{base.name}-sweep")
+    shutdown = Shutdown().install()
     with sw.SweepLock(sweep_dir):  # a second sweep on this directory is refused
         sw.prepare(sweep_dir, scenario, axes, seed_list, set_, drawn)
         todo, statuses = sw.set_aside(sweep_dir, runs, resumable)

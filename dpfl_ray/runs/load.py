@@ -17,6 +17,15 @@ from ..errors import DPFLError
 MANIFEST = "sweep.json"
 # Linux file names hold 255 bytes; a run's directory name also gets ".log" and ".N" (.incomplete/)
 MAX_NAME_BYTES = 240
+# The most runs one sweep (or search) plans: each is a whole federated run, and planning checks
+# every combination's scenario (a few ms each), so a larger grid is a typo, not an experiment.
+MAX_RUNS = 10_000
+
+
+def check_run_count(count: int, field: str) -> None:
+    if count > MAX_RUNS:
+        raise DPFLError(f"{count:,} runs; a sweep plans at most {MAX_RUNS:,} (split it into several sweeps)",
+                        field=field)
 
 
 def _load_summary(text: str):
@@ -61,6 +70,8 @@ def expand(grid: dict[str, list[str]], seeds: list[int] | None, base_sets: Seque
             raise DPFLError(f"{key} is also given with --set", field="--grid")
     if "seed" in set_keys and seeds is not None:
         raise DPFLError("seed is given with both --set and --seeds", field="--seeds")
+    combos = len(points) if points is not None else math.prod(len(v) for v in grid.values())
+    check_run_count(combos * len(seeds if seeds is not None else [None]), "--grid" if points is None else "--num-samples")
     runs, names = [], {}
     for seed in (seeds if seeds is not None else [None]):
         for combo in (points if points is not None else itertools.product(*grid.values())):

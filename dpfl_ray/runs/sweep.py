@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 from ..errors import DPFLError
 # The grid's expansion and the manifest live in load.py (report reads sweeps through it too);
 # they stay part of the sweep's API.
-from .load import MANIFEST, MAX_NAME_BYTES, SweepRun, _safe, expand, load_run, sweep_run_dirs  # noqa: F401
+from .load import (MANIFEST, MAX_NAME_BYTES, MAX_RUNS, SweepRun, _safe, check_run_count, expand, load_run,  # noqa: F401
+                   sweep_run_dirs)
 from ..scenario import load_scenario
 
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
@@ -308,6 +309,8 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
                      else " of another space or --search-seed")
             raise DPFLError(f"{sweep_dir} holds {theirs}{other if theirs == ours else ''}; "
                             f"this is {ours}: choose another --out", field="--out")
+        if search is None:
+            _check_grows(sweep_dir, old, grid, seeds)
     elif _foreign_files(sweep_dir):
         raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -316,6 +319,26 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, old_path)
     (sweep_dir / "scenario.yaml").write_bytes(text)
+
+
+def _check_grows(sweep_dir: Path, old: dict, grid: dict, seeds: list[int] | None) -> None:
+    """A grid's sweep directory reopened keeps every run it holds: the same axes in the same order
+    (a run's directory is named by them), each with every value it had, and every seed it had; more
+    values and seeds may follow. Else sweep.json, sweep.csv and the plots would drop those runs."""
+    old_grid, old_seeds = old.get("grid") or {}, old.get("seeds")
+    if list(old_grid) != list(grid):
+        raise DPFLError(f"{sweep_dir} holds a sweep over {', '.join(old_grid) or 'no axis'}, this one is over "
+                        f"{', '.join(grid) or 'no axis'}: a rerun keeps the axes in their order (choose another --out)",
+                        field="--grid")
+    for key, values in old_grid.items():
+        dropped = [v for v in values if v not in grid[key]]
+        if dropped:
+            raise DPFLError(f"{sweep_dir} holds runs of {key}={','.join(dropped)}, which this grid leaves out: a rerun "
+                            "may add values, not drop them (give them again, or choose another --out)", field="--grid")
+    if (old_seeds is None) != (seeds is None) or any(s not in seeds for s in old_seeds or ()):
+        held = "no --seeds" if old_seeds is None else "--seeds " + ",".join(map(str, old_seeds))
+        raise DPFLError(f"{sweep_dir} holds runs of {held}: a rerun may add seeds, not drop them (give them again, or "
+                        "choose another --out)", field="--seeds")
 
 
 def _what_search(manifest: dict | None) -> str:

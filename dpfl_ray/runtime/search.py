@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import DPFLError
-from ..runs.sweep import DISTRIBUTION_SPEC, is_distribution, parse_grid
+from ..runs.sweep import DISTRIBUTION_SPEC, check_run_count, is_distribution, parse_grid
 
 SEARCHES = ("grid", "random", "optuna")
 # What --search optuna may optimise (a number in each run's summary.json) and in which direction.
@@ -56,6 +56,8 @@ def _bounds(key: str, spec: str) -> tuple[str, float, float]:
         raise DPFLError(f"{key}: {spec.strip()} needs low > 0", field="--grid")
     if kind == "randint" and not (low.is_integer() and high.is_integer() and high - low >= 1):
         raise DPFLError(f"{key}: {spec.strip()} needs integers low < high (high is excluded)", field="--grid")
+    if kind == "randint" and max(abs(low), abs(high)) > 2 ** 53:
+        raise DPFLError(f"{key}: {spec.strip()} needs bounds within +-2^53", field="--grid")
     return kind, low, high
 
 
@@ -126,6 +128,8 @@ class RandomSearch:
 
         if self.samples < 1:
             raise DPFLError(f"must be at least 1 (got {self.samples})", field="--num-samples")
+        check_run_count(self.samples, "--num-samples")
+        check_run_count(self.samples, "--num-samples")
         domains = [(key, _domain(key, axis)) for key, axis in self.space.items()]
         points: list[tuple[str, ...]] = []
         seen: set[tuple[str, ...]] = set()
@@ -188,6 +192,7 @@ class OptunaSearch:
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise DPFLError(f"must be at least 1 (got {self.samples})", field="--num-samples")
+        check_run_count(self.samples, "--num-samples")
         if self.metric not in METRICS:
             raise DPFLError(f"{self.metric!r} is not one of {', '.join(METRICS)}", field="--metric")
         if self.batch < 1:

@@ -50,6 +50,7 @@ def test_each_axis_draws_from_its_own_distribution():
     ("training.lr=uniform(1)", "needs two numbers"),
     ("training.lr=uniform(0,inf)", "needs finite bounds"),
     ("training.local_epochs=randint(1,1.5)", "needs integers"),
+    ("training.rounds=randint(1,99999999999999999999999)", "needs bounds within"),
     ("seed=randint(0,5)", "--seeds"),
     ("training.lr=0.1,0.1", "one value twice"),
 ])
@@ -63,6 +64,16 @@ def test_a_space_smaller_than_the_samples_asked_for_is_refused():
     assert len(RandomSearch(space, 4).points()) == 4
     with pytest.raises(DPFLError, match="fewer than 5"):
         RandomSearch(space, 5).points()
+
+
+def test_a_search_of_more_runs_than_a_sweep_plans_is_refused_before_it_draws():
+    # a billion samples once drew for as long as it was let (and a signal could not stop it)
+    space = parse_space(["training.lr=loguniform(1e-3,1)"])
+    with pytest.raises(DPFLError, match="1,000,000,000 runs; a sweep plans at most 10,000") as err:
+        RandomSearch(space, 10 ** 9).points()
+    assert err.value.field == "--num-samples"
+    with pytest.raises(DPFLError, match="at most 10,000"):
+        OptunaSearch(space, 10 ** 9)
 
 
 def test_a_grid_without_search_refuses_a_distribution():

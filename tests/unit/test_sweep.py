@@ -158,6 +158,38 @@ def test_unfinished_runs_are_moved_aside_and_run_again(scenario, tmp_path):
     assert json.loads((out / runs[0].name / "summary.json").read_text())["stop_reason"] == "completed"
 
 
+def test_a_grid_of_more_runs_than_a_sweep_plans_is_refused_before_it_expands():
+    grid = {"training.lr": [str(i) for i in range(200)], "training.batch_size": [str(i) for i in range(1, 201)]}
+    with pytest.raises(DPFLError, match="40,000 runs; a sweep plans at most 10,000") as err:
+        sw.expand(grid, None)
+    assert err.value.field == "--grid"
+    with pytest.raises(DPFLError, match="20,000 runs"):
+        sw.expand({"training.lr": [str(i) for i in range(100)]}, list(range(200)))
+
+
+def test_a_reopened_grid_may_grow_but_never_drop_the_runs_it_holds(scenario, tmp_path):
+    out = tmp_path / "sweep"
+    sw.prepare(out, scenario, GRID, [0, 1], [])
+    manifest = (out / sw.MANIFEST).read_bytes()
+    fewer = {"faults.dropout.rate": ["0", "0.3"], "privacy.calibration": ["none", "baek"]}
+    with pytest.raises(DPFLError, match=r"holds runs of faults.dropout.rate=0.1, which this grid leaves out") as err:
+        sw.prepare(out, scenario, fewer, [0, 1], [])
+    assert err.value.field == "--grid"
+    with pytest.raises(DPFLError, match="keeps the axes in their order"):
+        sw.prepare(out, scenario, dict(reversed(list(GRID.items()))), [0, 1], [])
+    with pytest.raises(DPFLError, match="keeps the axes"):
+        sw.prepare(out, scenario, {**GRID, "training.lr": ["0.1"]}, [0, 1], [])
+    with pytest.raises(DPFLError, match="holds runs of --seeds 0,1: a rerun may add seeds") as err:
+        sw.prepare(out, scenario, GRID, [1, 2], [])
+    assert err.value.field == "--seeds"
+    with pytest.raises(DPFLError, match="--seeds 0,1"):
+        sw.prepare(out, scenario, GRID, None, [])
+    assert (out / sw.MANIFEST).read_bytes() == manifest  # nothing was rewritten
+    more = {"faults.dropout.rate": ["0", "0.1", "0.3", "0.5"], "privacy.calibration": ["none", "baek"]}
+    sw.prepare(out, scenario, more, [0, 1, 2], [])  # more values and seeds: the sweep grows
+    assert json.loads((out / sw.MANIFEST).read_text())["grid"] == more
+
+
 def test_a_sweep_directory_belongs_to_one_scenario(scenario, tmp_path):
     out = tmp_path / "sweep"
     sw.prepare(out, scenario, GRID, None, ["training.rounds=2"])
