@@ -443,6 +443,10 @@ def measure(names: list[str], repeat: int = 1, overrides: list[str] | None = Non
         raise DPFLError("must be at least 1", field="--repeat")
     for n in names:
         scenario(n, overrides)  # an unknown name or a bad override fails before anything runs
+    if workdir is not None:
+        from dpfl_ray.runs.record import check_writable
+
+        check_writable(workdir, field="--keep")
     if workdir is not None and Path(workdir).exists() and any(Path(workdir).iterdir()):
         # its runs' folders would refuse their `--out`, and report.json would be overwritten
         raise DPFLError(f"{workdir} already holds files; choose an empty or new folder", field="--keep")

@@ -34,8 +34,14 @@ def load_images(data: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     if data == "random":
         g = np.random.default_rng(seed)
         return g.random((4000, 1, 28, 28), dtype=np.float32), g.integers(0, 10, 4000)
-    with np.load(data) as f:
-        return f["x_train"].astype(np.float32), f["y_train"].astype(np.int64)
+    from dpfl_ray.errors import DPFLError
+
+    try:
+        with np.load(data) as f:
+            return f["x_train"].astype(np.float32), f["y_train"].astype(np.int64)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DPFLError(f"{data}: not mnist5k, random, or an .npz holding x_train and y_train "
+                        f"({type(err).__name__})", field="--data") from None
 
 
 def _sync(device: torch.device) -> None:
@@ -51,6 +57,10 @@ def time_paths(model_name: str = "cnn", clients: int = 5, examples: int = 50, ba
     with the channels-last pool and with the model's own max-pool kernel."""
     dev = torch.device(device)
     x_all, y_all = load_images(data, seed)
+    if examples > len(y_all):
+        from dpfl_ray.errors import DPFLError
+
+        raise DPFLError(f"{examples} examples per client, but {data} holds {len(y_all)}", field="--examples")
     g = np.random.default_rng(seed)
     picks = [g.choice(len(y_all), examples, replace=False) for _ in range(clients)]
     xs, ys = [x_all[p] for p in picks], [y_all[p] for p in picks]

@@ -28,6 +28,8 @@ def _read(path: Path, required: bool) -> dict:
         return {}
     try:
         data = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise DPFLError(f"{path.name} is not UTF-8 text", field=str(path.parent)) from None
     except json.JSONDecodeError as err:
         raise DPFLError(f"{path.name} is not valid JSON ({err.msg}, line {err.lineno})", field=str(path.parent))
     if not isinstance(data, dict):
@@ -70,7 +72,9 @@ def audit(
             delta = _read(run_dir / "ledger.json", required=False).get("delta")
         if delta is None:
             raise DPFLError("the run records no delta; give --delta", field="delta")
-    seed = int(record.get("seed", 0))
+    seed = record.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise DPFLError(f"its seed must be an integer, got {seed!r}", field=AUDIT_FILE)
     results = {tm: estimate_epsilon(stats[tm], delta, confidence=confidence, bootstrap=bootstrap, seed=seed)
                for tm in chosen}
     if json_out:

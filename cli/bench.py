@@ -62,7 +62,7 @@ def secagg(
     noise: str = typer.Option("none", "--noise", help="none | skellam | discrete_gaussian: the clients' vectors "
                               "are model updates carrying integer noise in Z_2^bits (distributed DP, "
                               "docs/distributed_dp.md), timed beside the continuous Gaussian in 32-bit fixed point"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", min=0),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Time one secure aggregation (real keys, real masks) and the same sum in plain NumPy; with
@@ -239,7 +239,7 @@ def run_workloads(
     workloads: list[str] = typer.Argument(None, help="workload names (default: W1 W2); see `dpfl bench workloads`"),
     repeat: int = typer.Option(1, "--repeat", help="runs of each; reports the median, min and max"),
     set_: list[str] = typer.Option([], "--set", help="override a scenario field of every workload (repeatable)"),
-    timeout: float = typer.Option(1200.0, "--timeout", help="seconds allowed to each subprocess"),
+    timeout: float = typer.Option(1200.0, "--timeout", min=1, help="seconds allowed to each subprocess"),
     floor: bool = typer.Option(True, "--floor/--no-floor", help="also time the 1-thread PyTorch floor"),
     keep: Optional[Path] = typer.Option(None, "--keep", help="keep the runs' directories and report.json under this folder"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),

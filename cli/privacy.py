@@ -60,6 +60,14 @@ def _mechanism(mechanism: str, distributed_options: bool) -> str:
     return mechanism
 
 
+def _not_nbafl(mechanism: str, command: str) -> None:
+    """``noise`` and ``table`` speak of a noise multiplier; NbAFL's noise comes from its own epsilon."""
+    if mechanism == "nbafl":
+        raise DPFLError(f"`dpfl privacy {command}` is for dp_fedavg and baek, whose noise is a multiplier; nbafl "
+                        "calibrates its noise from its epsilon: dpfl privacy epsilon --mechanism nbafl ...",
+                        field="mechanism")
+
+
 def _booked(mechanism: str, z: float, samp: Sampling) -> float:
     """The multiplier the ledger books for a round whose noise is z (std / clip norm for dp_fedavg,
     std / 2C for baek): the algorithms' own rule (dpfl_ray.privacy.sensitivity)."""
@@ -307,6 +315,7 @@ def noise(
 
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
     mechanism = _mechanism(mechanism, False)
+    _not_nbafl(mechanism, "noise")
     cal = calibrate_noise(epsilon, delta, samp, rounds, accountant)
     booked, achieved = cal.noise_multiplier, cal.epsilon
     z = booked / _booked(mechanism, 1.0, samp)  # the booked multiplier is linear in z
@@ -371,6 +380,7 @@ def table(
     budget_list = _floats(budgets, "budgets")
     round_list = _ints(rounds, "rounds")
     mechanism = _mechanism(mechanism, any(rates))
+    _not_nbafl(mechanism, "table")
     _check_noise(noise_multiplier)
     booked = _booked(mechanism, noise_multiplier, samp)
     curves = [EpsilonCurve(booked, samp, delta, accountant, r) for r in rates]

@@ -48,10 +48,13 @@ def report(
     out: Path = typer.Option(Path("report"), "--out", help="folder for the plots and report.csv"),
 ) -> None:
     """Compare runs: a table of accuracy and privacy, plus accuracy/epsilon plots and a CSV."""
+    from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs.load import load_runs
     from dpfl_ray.runs.report import cells, write_report
 
     runs, notes = load_runs(run_dirs)  # every input is checked before anything is written
+    if any(run.path.resolve() == out.resolve() for run in runs):  # its own accuracy.png would be replaced
+        raise DPFLError(f"{out} is one of the run directories reported: choose another folder", field="--out")
     rows, written = write_report(runs, out)
     texts = [cells(row) for row in rows]
     table = _wide_table(texts)

@@ -49,9 +49,13 @@ def _dry_run(folder: Path, spec, sets: list[str], data: Optional[Path], only: li
     from dpfl_ray.runs import reproduce as rp
     from dpfl_ray.runs import sweep as sw
 
+    rp.plan(folder, spec, False, sets, str(data) if data else None, only)  # a name of no run is one line
     for quick in (False, True):
         names = rp.plan_names(spec, quick)
-        runs = rp.plan(folder, spec, quick, sets, str(data) if data else None, [n for n in only if n in names])
+        chosen = [n for n in only if n in names]
+        if only and not chosen:  # none of them is a quick run
+            continue
+        runs = rp.plan(folder, spec, quick, sets, str(data) if data else None, chosen)
         sw.validate(None, runs, build_data=False)  # the data may live elsewhere: its files are not read here
         for run in runs:
             _say(f"{'quick' if quick else 'full '} {run.name}: {run.scenario.name} {' '.join(run.overrides)}".rstrip())

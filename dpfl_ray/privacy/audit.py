@@ -299,9 +299,17 @@ def statistics_from_record(record: dict) -> dict[str, CanaryStatistics]:
     try:
         if record.get("format") != RECORD_FORMAT:
             raise DPFLError(f"unknown audit record format {record.get('format')!r}", field="format")
-        return {tm: CanaryStatistics(tm, np.asarray(s["inserted"], np.float64), np.asarray(s["held_out"], np.float64),
-                                     int(s["dim"]), int(s["rounds"]))
-                for tm, s in record["statistics"].items() if tm in THREAT_MODELS}
+        stats = {tm: CanaryStatistics(tm, np.asarray(s["inserted"], np.float64),
+                                      np.asarray(s["held_out"], np.float64), int(s["dim"]), int(s["rounds"]))
+                 for tm, s in record["statistics"].items() if tm in THREAT_MODELS}
+        for tm, s in stats.items():  # as AuditAccumulator.to_record writes them
+            if s.inserted.ndim != 1 or s.held_out.ndim != 1 or s.held_out.size not in (0, s.inserted.size):
+                raise DPFLError(f"{tm}: {s.inserted.size} inserted and {s.held_out.size} held-out canaries; a record "
+                                "holds one statistic per canary, as many held out as inserted (or none)",
+                                field="audit")
+            if s.dim < 1 or s.rounds < 1:
+                raise DPFLError(f"{tm}: dim {s.dim} and rounds {s.rounds} must be at least 1", field="audit")
+        return stats
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         if isinstance(err, DPFLError):
             raise

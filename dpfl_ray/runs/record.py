@@ -103,7 +103,7 @@ def dumps(obj, **kwargs) -> str:
     return json.dumps(sanitise(obj), allow_nan=False, default=_jsonable, **kwargs)
 
 
-def check_writable(path: str | Path) -> None:
+def check_writable(path: str | Path, field: str = "--out") -> None:
     """Raise a DPFLError unless ``path`` can be created (or is a folder we can write in).
 
     Probes the nearest existing ancestor with a temporary file that is removed at once, so a
@@ -114,13 +114,13 @@ def check_writable(path: str | Path) -> None:
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise DPFLError(f"cannot create {path}: {ancestor} is not a folder", field="--out")
+        raise DPFLError(f"cannot create {path}: {ancestor} is not a folder", field=field)
     try:
         fd, probe = tempfile.mkstemp(prefix=".dpfl-write-check-", dir=ancestor)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
-        raise DPFLError(f"cannot write in {ancestor} ({err.strerror or err})", field="--out") from None
+        raise DPFLError(f"cannot write in {ancestor} ({err.strerror or err})", field=field) from None
 
 
 class RunRecord:

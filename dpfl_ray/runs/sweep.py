@@ -30,6 +30,7 @@ from ..errors import DPFLError
 from .load import (MANIFEST, MAX_NAME_BYTES, MAX_RUNS, SweepRun, _safe, check_run_count, expand, load_run,  # noqa: F401
                    sweep_run_dirs)
 from ..scenario import load_scenario
+from .record import check_writable
 
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
@@ -193,6 +194,7 @@ class SweepLock:
         self.path = self.dir / (manifest + ".lock")
 
     def acquire(self) -> "SweepLock":
+        check_writable(self.dir)  # a file, or a folder this process cannot write in: one line naming --out
         if _foreign_files(self.dir, self.manifest):
             raise DPFLError(f"{self.dir} already holds files that are not a {self.what}; choose another --out",
                             field="--out")
@@ -299,6 +301,8 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
             old = json.loads(old_path.read_text())
         except ValueError:
             raise DPFLError(f"{old_path} is not valid JSON", field="--out") from None
+        if not isinstance(old, dict):
+            raise DPFLError(f"{old_path} is not a sweep's manifest (a JSON object)", field="--out")
         for key, what in (("scenario_sha256", "scenario file"), ("sets", "--set overrides")):
             if old.get(key) != manifest[key]:
                 raise DPFLError(f"{sweep_dir} holds a sweep of another {what}; choose another --out", field="--out")

@@ -348,6 +348,41 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     assert files_under(tmp_path) == before
 
 
+@pytest.mark.parametrize("args, needle", [
+    # a search or grid too large to plan once ran for as long as it was let, deaf to Ctrl-C
+    (("sweep", "{tiny}", "--grid", "training.lr=loguniform(1e-3,1)", "--search", "random", "--num-samples",
+      "1000000000", "--dry-run"), "--num-samples: 1,000,000,000 runs; a sweep plans at most 10,000"),
+    (("sweep", "{tiny}", "--grid", "training.rounds=randint(1,99999999999999999999999)", "--search", "random",
+      "--num-samples", "2", "--dry-run"), "needs bounds within +-2^53"),
+    (("sweep", "{tiny}", "--grid", "training.lr=0.1", "--out", "{tiny}"), "--out: cannot create"),
+    # a name of no run passed a dry run; nbafl's noise is no multiplier
+    (("reproduce", "geyer2017", "--only", "bogus", "--dry-run"), "--only: 'bogus' is not a run of geyer2017"),
+    (("privacy", "noise", "--epsilon", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5",
+      "--mechanism", "nbafl"), "mechanism: `dpfl privacy noise` is for dp_fedavg and baek"),
+    # the benchmarks' options name themselves
+    (("bench", "run", "W1", "--keep", "{tiny}"), "--keep: cannot create"),
+    (("bench", "local", "--data", "{tiny}", "--model", "logistic"), "--data: "),
+    (("bench", "local", "--data", "random", "--examples", "100000000"), "--examples: 100000000 examples per client"),
+])
+def test_the_other_commands_findings_are_one_line(tiny, tmp_path, args, needle):
+    from tests.helpers import dpfl_in_process
+
+    before = files_under(tmp_path)
+    res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
+    _one_line_in_process(res, needle)
+    assert files_under(tmp_path) == before
+
+
+def test_report_refuses_to_write_into_a_run_it_reports(tmp_path):
+    from tests.helpers import dpfl_in_process
+
+    run = _run_dir(tmp_path / "run", {"name": "x", "final_accuracy": 0.5}, '{"round": 1, "test_accuracy": 0.5}\n')
+    before = {p: p.read_bytes() for p in run.iterdir()}
+    res = dpfl_in_process("report", run, "--out", run)
+    _one_line_in_process(res, "is one of the run directories reported")
+    assert {p: p.read_bytes() for p in run.iterdir()} == before
+
+
 def test_a_budget_the_first_round_passes_names_the_accountant_that_answered(tiny):
     from tests.helpers import dpfl_in_process
 

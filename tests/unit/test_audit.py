@@ -213,6 +213,16 @@ def test_record_recomputes_the_same_estimate():
         assert estimate_epsilon(s, 1e-5, seed=4) == acc.estimate(1e-5, tm)
     with pytest.raises(DPFLError):
         statistics_from_record({"format": 1, "statistics": {"final_model": {"inserted": []}}})
+    # a record edited by hand: fewer held-out canaries than inserted ones once gave an interval whose
+    # low end was above its high one, and dim or rounds below 1 went through
+    good = json.loads(json.dumps(acc.to_record()))
+    tm = next(iter(good["statistics"]))
+    for change, needle in (({"held_out": [0.1, 0.2]}, "as many held out as inserted"),
+                           ({"dim": -3}, "must be at least 1"), ({"rounds": 0}, "must be at least 1")):
+        bad = json.loads(json.dumps(good))
+        bad["statistics"][tm].update(change)
+        with pytest.raises(DPFLError, match=needle):
+            statistics_from_record(bad)
 
 
 @pytest.mark.parametrize("call, field", [
