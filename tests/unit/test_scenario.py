@@ -188,3 +188,30 @@ def test_every_shipped_scenario_loads_and_reading_one_loads_no_torch():
     out = json.loads(res.stdout)
     assert out["files"] >= 70 and not out["torch"], out
     assert {"adap_dpfl", "huang2020", "nbafl", "baek", "dp_fedavg"} <= set(out["algorithms"]), out
+
+
+def test_the_readme_s_scenario_block_is_a_valid_scenario_naming_every_field():
+    """README, "A scenario, field by field": the block loads as a scenario, and every field of every
+    section the block spells out is in it (a new field with no line there fails here)."""
+    import yaml
+    from pydantic import BaseModel
+
+    from dpfl_ray.scenario import Scenario
+
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## A scenario, field by field"):].split("```yaml\n", 1)[1].split("```", 1)[0]
+    raw = yaml.safe_load(block)
+    scenario_from_dict(raw)
+
+    def missing(model, section: dict, path: str = "") -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            key = field.alias or name
+            if key not in section:
+                out.append(path + key)
+            elif isinstance(section[key], dict) and isinstance(field.annotation, type) \
+                    and issubclass(field.annotation, BaseModel):
+                out += missing(field.annotation, section[key], f"{path}{key}.")
+        return out
+
+    assert missing(Scenario, raw) == []
