@@ -21,7 +21,8 @@ def add_pending_row(scenario, fed, record, state: dict) -> None:
     set_flat(model, np.asarray(state["arrays"]["theta"], dtype=np.float32))
     with one_thread():
         acc, loss = evaluate(model, ds.x_test, ds.y_test)
-    record.add_round({**state["pending"], "test_accuracy": acc, "test_loss": loss})
+    row = {k: v for k, v in state["pending"].items() if k != "event"}  # as _write_events writes a round
+    record.add_round({**row, "test_accuracy": acc, "test_loss": loss})
 
 
 def committed_from_checkpoint(scenario, fed, state: dict) -> dict:

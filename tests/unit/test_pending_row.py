@@ -31,7 +31,8 @@ def test_the_pending_round_gets_the_row_its_model_scores(tmp_path, one_torch_thr
     pending = {"round": 2, "sampled": 10, "survived": 10, "test_accuracy": None, "test_loss": None, "seconds": 0.1}
     record.add_round({**pending, "test_accuracy": 0.9})  # written by a driver before it died: dropped, rewritten
     record.close()
-    write_checkpoint(run, {"round": 2, "pending": pending, "arrays": {"theta": theta}})
+    # the coordinator keeps the round's event, whose "event" key no row carries
+    write_checkpoint(run, {"round": 2, "pending": {"event": "round", **pending}, "arrays": {"theta": theta}})
     state = read_checkpoint(run)
 
     reopened = RunRecord.reopen(run, rows_covered(state))
