@@ -60,6 +60,9 @@ def _mechanism(mechanism: str, distributed_options: bool) -> str:
     return mechanism
 
 
+MAX_TABLE_COLUMNS = 20
+
+
 def _not_nbafl(mechanism: str, command: str) -> None:
     """``noise`` and ``table`` speak of a noise multiplier; NbAFL's noise comes from its own epsilon."""
     if mechanism == "nbafl":
@@ -195,6 +198,11 @@ def epsilon(
     from dpfl_ray.privacy.validation import _check_noise
 
     mechanism = _mechanism(mechanism, bool(dropout_rate or calibration_dropout_rate or calibration != "none"))
+    if mechanism != "nbafl":
+        for given, name in ((nbafl_epsilon is not None, "nbafl_epsilon"), (exposures is not None, "exposures"),
+                            (secagg, "secagg")):
+            if given:
+                raise DPFLError(f"is for --mechanism nbafl; {mechanism} would leave it unused", field=name)
     if mechanism == "nbafl":
         return _nbafl_epsilon(rounds, delta, accountant, nbafl_epsilon, clip_norm, min_size, exposures, clients,
                               threat_model, secagg, as_json)
@@ -379,6 +387,8 @@ def table(
     rates = _floats(dropout_rates, "dropout_rates")
     budget_list = _floats(budgets, "budgets")
     round_list = _ints(rounds, "rounds")
+    if len(round_list) > MAX_TABLE_COLUMNS:  # each column is a composition of its own (seconds with pld)
+        raise DPFLError(f"{len(round_list)} round counts; a table shows at most {MAX_TABLE_COLUMNS}", field="rounds")
     mechanism = _mechanism(mechanism, any(rates))
     _not_nbafl(mechanism, "table")
     _check_noise(noise_multiplier)

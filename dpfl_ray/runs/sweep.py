@@ -65,6 +65,10 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
         if key in grid:
             raise DPFLError(f"{key} is given twice", field="--grid")
         vals = split_values(values)
+        other = CALL_LIKE.match(values)
+        if other and other.group(1) not in DISTRIBUTIONS:
+            raise DPFLError(f"{key}={values.strip()}: {other.group(1)} is not a distribution to draw from (those are "
+                            f"{', '.join(DISTRIBUTIONS)}, with --search random or optuna)", field="--grid")
         if is_distribution(values):
             raise DPFLError(f"{key}={values.strip()} is a distribution to draw from: give --search random "
                             "--num-samples N", field="--grid")
@@ -82,6 +86,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
 # A random search's axis (runtime/search.py): ``loguniform(1e-3,1)``, ``uniform(a,b)``, ``randint(a,b)``.
 DISTRIBUTIONS = ("uniform", "loguniform", "randint")
 DISTRIBUTION_SPEC = re.compile(r"^\s*(" + "|".join(DISTRIBUTIONS) + r")\s*\((.*)\)\s*$")
+CALL_LIKE = re.compile(r"^\s*([A-Za-z_]\w*)\s*\(.*\)\s*$")  # name(...): a distribution, or a typo of one
 
 
 def is_distribution(value: str) -> bool:

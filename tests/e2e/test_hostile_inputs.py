@@ -355,6 +355,12 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     (("sweep", "{tiny}", "--grid", "training.rounds=randint(1,99999999999999999999999)", "--search", "random",
       "--num-samples", "2", "--dry-run"), "needs bounds within +-2^53"),
     (("sweep", "{tiny}", "--grid", "training.lr=0.1", "--out", "{tiny}"), "--out: cannot create"),
+    (("sweep", "{tiny}", "--grid", "training.lr=normal(0,1)", "--dry-run"), "normal is not a distribution"),
+    # an option the command would leave unused, and a table of a thousand compositions
+    (("privacy", "epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta",
+      "1e-5", "--nbafl-epsilon", "3"), "nbafl_epsilon: is for --mechanism nbafl"),
+    (("privacy", "table", "--dropout-rates", "0", "--rounds", ",".join(str(i) for i in range(1, 31))),
+     "rounds: 30 round counts; a table shows at most 20"),
     # a name of no run passed a dry run; nbafl's noise is no multiplier
     (("reproduce", "geyer2017", "--only", "bogus", "--dry-run"), "--only: 'bogus' is not a run of geyer2017"),
     (("privacy", "noise", "--epsilon", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5",
