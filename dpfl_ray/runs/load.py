@@ -138,11 +138,20 @@ def _loads(text: str):
     return json.loads(text, parse_constant=lambda _: None)
 
 
+# What a run writes: accuracies are fractions, rounds count from 1, counts and epsilons are not negative.
+RANGES = {"final_accuracy": (0.0, 1.0), "test_accuracy": (0.0, 1.0), "round": (1, math.inf),
+          "rounds_completed": (0, math.inf), "rounds_planned": (0, math.inf), "survived": (0, math.inf),
+          "sampled": (0, math.inf), "epsilon": (0.0, math.inf), "epsilon_claimed": (0.0, math.inf)}
+
+
 def _check_numbers(obj: dict, keys: tuple[str, ...], where: str, run_dir: Path) -> None:
     for key in keys:
         value = obj.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise DPFLError(f"{where}: {key} must be a number or null, got {value!r:.40}", field=str(run_dir))
+        low, high = RANGES.get(key, (-math.inf, math.inf))
+        if value is not None and not low <= value <= high:
+            raise DPFLError(f"{where}: {key} must be in [{low:g}, {high:g}], got {value!r:.40}", field=str(run_dir))
 
 
 def _read_json(path: Path, run_dir: Path, loads=_loads) -> dict:

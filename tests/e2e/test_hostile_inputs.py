@@ -129,6 +129,8 @@ def _run_dir(path: Path, summary, rounds_text: str) -> Path:
     ({"name": "x"}, '{"round": 1, "test_accuracy": "0.9"}\n', "rounds.jsonl line 1: test_accuracy must be a number"),
     ({"name": "x", "final_accuracy": "high"}, '{"round": 1}\n', "summary.json: final_accuracy must be a number"),
     ({"name": "x", "epsilon": True}, '{"round": 1}\n', "summary.json: epsilon must be a number"),
+    ({"name": "x"}, '{"round": 1, "test_accuracy": 2.5}\n', "rounds.jsonl line 1: test_accuracy must be in [0, 1]"),
+    ({"name": "x"}, '{"round": -5}\n', "rounds.jsonl line 1: round must be in [1, inf]"),
 ])
 def test_report_on_broken_runs(tmp_path, summary, rounds, needle):
     run = _run_dir(tmp_path / "run", summary, rounds)
