@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dpfl_ray import rng as rngmod
+from dpfl_ray.errors import DPFLError
 from dpfl_ray.training.local import local_update
 from dpfl_ray.training.local_batched import batched_local_updates
 from dpfl_ray.training.models import build_model, get_flat
@@ -34,8 +35,6 @@ def load_images(data: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     if data == "random":
         g = np.random.default_rng(seed)
         return g.random((4000, 1, 28, 28), dtype=np.float32), g.integers(0, 10, 4000)
-    from dpfl_ray.errors import DPFLError
-
     try:
         with np.load(data) as f:
             return f["x_train"].astype(np.float32), f["y_train"].astype(np.int64)
@@ -58,8 +57,6 @@ def time_paths(model_name: str = "cnn", clients: int = 5, examples: int = 50, ba
     dev = torch.device(device)
     x_all, y_all = load_images(data, seed)
     if examples > len(y_all):
-        from dpfl_ray.errors import DPFLError
-
         raise DPFLError(f"{examples} examples per client, but {data} holds {len(y_all)}", field="--examples")
     g = np.random.default_rng(seed)
     picks = [g.choice(len(y_all), examples, replace=False) for _ in range(clients)]

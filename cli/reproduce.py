@@ -49,10 +49,8 @@ def _dry_run(folder: Path, spec, sets: list[str], data: Optional[Path], only: li
     from dpfl_ray.runs import reproduce as rp
     from dpfl_ray.runs import sweep as sw
 
-    rp.plan(folder, spec, False, sets, str(data) if data else None, only)  # a name of no run is one line
-    for quick in (False, True):
-        names = rp.plan_names(spec, quick)
-        chosen = [n for n in only if n in names]
+    for quick in (False, True):  # the full runs first: a name of no run is one line there
+        chosen = [n for n in only if n in rp.plan_names(spec, quick)] if quick else only
         if only and not chosen:  # none of them is a quick run
             continue
         runs = rp.plan(folder, spec, quick, sets, str(data) if data else None, chosen)

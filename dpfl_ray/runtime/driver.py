@@ -19,6 +19,7 @@ from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
 from .checkpoint import rows_covered, write_checkpoint
 from .messages import Pending
+from .recovery import add_pending_row, committed_from_checkpoint, head_unreachable, row_of
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
 
 
@@ -183,8 +184,6 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     # the state is then the driver's last checkpoint, or the initial one if no round was seen.
     state = _committed(coord, scenario, fed, seen, record) if coord is not None and answered and not lost else None
     if state is None and last_checkpoint is not None:
-        from .recovery import add_pending_row, committed_from_checkpoint
-
         state = committed_from_checkpoint(scenario, fed, last_checkpoint)
         record.close()
         record = RunRecord.reopen(record.path, rows_covered(last_checkpoint))
@@ -235,8 +234,6 @@ def _ask(ref, timeout_s: float = CALL_TIMEOUT_SECONDS, shutdown: Shutdown | None
     driver checks that the head's GCS still takes connections, and stops with HeadLost if not.
     A signal recorded by ``shutdown`` meanwhile ends the wait (KeyboardInterrupt): the first reply
     waits for the coordinator's process to start, seconds on a loaded machine."""
-    from .recovery import head_unreachable
-
     global _HEAD_LOST
     end = time.monotonic() + timeout_s
     while True:
@@ -255,8 +252,6 @@ def _ask(ref, timeout_s: float = CALL_TIMEOUT_SECONDS, shutdown: Shutdown | None
 
 def _lost(err: Exception) -> str:
     """What was lost, in one line: the head, if it no longer answers, else the coordinator."""
-    from .recovery import head_unreachable
-
     global _HEAD_LOST
     gcs = _gcs_address()
     if isinstance(err, HeadLost) or head_unreachable(gcs):
@@ -285,7 +280,7 @@ def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up
             if up_to is not None and ev["round"] > up_to:
                 break
             if not record.rounds or ev["round"] > record.rounds[-1]["round"]:
-                record.add_round({k: v for k, v in ev.items() if k != "event"})
+                record.add_round(row_of(ev))
         seen += 1
         if on_event:
             on_event(ev)

@@ -8,6 +8,11 @@ import socket
 import numpy as np
 
 
+def row_of(event: dict) -> dict:
+    """The row rounds.jsonl holds for a coordinator's round event: the event without its kind."""
+    return {k: v for k, v in event.items() if k != "event"}
+
+
 def add_pending_row(scenario, fed, record, state: dict) -> None:
     """The row of a checkpoint's last round when it still awaited its evaluation (``pending``):
     evaluated here, on the checkpoint's model, in the test ranges the pool uses (one thread), so
@@ -21,8 +26,7 @@ def add_pending_row(scenario, fed, record, state: dict) -> None:
     set_flat(model, np.asarray(state["arrays"]["theta"], dtype=np.float32))
     with one_thread():
         acc, loss = evaluate(model, ds.x_test, ds.y_test)
-    row = {k: v for k, v in state["pending"].items() if k != "event"}  # as _write_events writes a round
-    record.add_round({**row, "test_accuracy": acc, "test_loss": loss})
+    record.add_round({**row_of(state["pending"]), "test_accuracy": acc, "test_loss": loss})
 
 
 def committed_from_checkpoint(scenario, fed, state: dict) -> dict:
