@@ -351,7 +351,7 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
 
 
 @pytest.mark.parametrize("args, needle", [
-    # a search or grid too large to plan once ran for as long as it was let, deaf to Ctrl-C
+    # a search or grid too large to plan is refused before it draws or expands anything
     (("sweep", "{tiny}", "--grid", "training.lr=loguniform(1e-3,1)", "--search", "random", "--num-samples",
       "1000000000", "--dry-run"), "--num-samples: 1,000,000,000 runs; a sweep plans at most 10,000"),
     (("sweep", "{tiny}", "--grid", "training.rounds=randint(1,99999999999999999999999)", "--search", "random",
@@ -363,7 +363,7 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
       "1e-5", "--nbafl-epsilon", "3"), "nbafl_epsilon: is for --mechanism nbafl"),
     (("privacy", "table", "--dropout-rates", "0", "--rounds", ",".join(str(i) for i in range(1, 31))),
      "rounds: 30 round counts; a table shows at most 20"),
-    # a name of no run passed a dry run; nbafl's noise is no multiplier
+    # a name of no run fails a dry run too; nbafl's noise is no multiplier
     (("reproduce", "geyer2017", "--only", "bogus", "--dry-run"), "--only: 'bogus' is not a run of geyer2017"),
     (("privacy", "noise", "--epsilon", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5",
       "--mechanism", "nbafl"), "mechanism: `dpfl privacy noise` is for dp_fedavg and baek"),

@@ -213,8 +213,8 @@ def test_record_recomputes_the_same_estimate():
         assert estimate_epsilon(s, 1e-5, seed=4) == acc.estimate(1e-5, tm)
     with pytest.raises(DPFLError):
         statistics_from_record({"format": 1, "statistics": {"final_model": {"inserted": []}}})
-    # a record edited by hand: fewer held-out canaries than inserted ones once gave an interval whose
-    # low end was above its high one, and dim or rounds below 1 went through
+    # a record edited by hand: fewer held-out canaries than inserted ones would give an interval whose
+    # low end is above its high one; dim and rounds are at least 1
     good = json.loads(json.dumps(acc.to_record()))
     tm = next(iter(good["statistics"]))
     for change, needle in (({"held_out": [0.1, 0.2]}, "as many held out as inserted"),

@@ -67,7 +67,7 @@ def test_a_space_smaller_than_the_samples_asked_for_is_refused():
 
 
 def test_a_search_of_more_runs_than_a_sweep_plans_is_refused_before_it_draws():
-    # a billion samples once drew for as long as it was let (and a signal could not stop it)
+    # a billion samples would draw for as long as they are let: refused before the first draw
     space = parse_space(["training.lr=loguniform(1e-3,1)"])
     with pytest.raises(DPFLError, match="1,000,000,000 runs; a sweep plans at most 10,000") as err:
         RandomSearch(space, 10 ** 9).points()
