@@ -19,6 +19,7 @@ import typer
 # (dp_accounting, and torch through the algorithms: ~3 s) is imported by the commands that use it.
 from dpfl_ray.defaults import DEFAULT_ACCOUNTANT, DEFAULT_MAX_ROUNDS
 from dpfl_ray.errors import DPFLError
+from dpfl_ray.privacy.dropouts import CALIBRATIONS
 
 if TYPE_CHECKING:
     from dpfl_ray.privacy.ledger import Sampling
@@ -155,6 +156,16 @@ def _calibration_note(calibration: str, min_weight_fraction: float, dropout_rate
     return note
 
 
+def _check_used_by_calibration(calibration: str, min_weight_fraction: float | None,
+                               calibration_dropout_rate: float | None) -> None:
+    """A calibration option the chosen --calibration never reads is refused, not silently dropped."""
+    for value, name, users in ((min_weight_fraction, "min_weight_fraction", ("baek-extended", "layered")),
+                               (calibration_dropout_rate, "calibration_dropout_rate", ("baek", "baek-extended"))):
+        if value is not None and calibration in CALIBRATIONS and calibration not in users:
+            raise DPFLError(f"is for --calibration {' or '.join(users)}; --calibration {calibration} "
+                            "would leave it unused", field=name)
+
+
 @app.command()
 @user_errors
 def epsilon(
@@ -167,8 +178,8 @@ def epsilon(
     accountant: AccountantOpt = DEFAULT_ACCOUNTANT,
     dropout_rate: Annotated[float, typer.Option(help="Dropout rate R in [0, 1): fraction of the sampled weight lost before upload.")] = 0.0,
     calibration: Annotated[str, typer.Option(help="Noise after dropouts: none, baek, baek-extended or layered (see above).")] = "none",
-    min_weight_fraction: Annotated[float, typer.Option(help="F in (0, 1]: baek-extended draws the first noise for n_0 = F*n; layered tolerates dropout up to 1-F.")] = 0.5,
-    calibration_dropout_rate: Annotated[float, typer.Option(help="Fraction in [0, 1] of the survivors that vanish before sending their calibration term (baek, baek-extended).")] = 0.0,
+    min_weight_fraction: Annotated[Optional[float], typer.Option(help="F in (0, 1] (default 0.5): baek-extended draws the first noise for n_0 = F*n; layered tolerates dropout up to 1-F.")] = None,
+    calibration_dropout_rate: Annotated[Optional[float], typer.Option(help="Fraction in [0, 1] (default 0) of the survivors that vanish before sending their calibration term (baek, baek-extended).")] = None,
     mechanism: MechanismOpt = "auto",
     nbafl_epsilon: Annotated[Optional[float], typer.Option(help="nbafl: the paper's epsilon for the whole training.")] = None,
     clip_norm: Annotated[float, typer.Option(help="nbafl: C, the clipping bound of the parameters.")] = 1.0,
@@ -197,6 +208,9 @@ def epsilon(
     from dpfl_ray.privacy.ledger import EpsilonCurve, FixedSizeSampling
     from dpfl_ray.privacy.validation import _check_noise
 
+    _check_used_by_calibration(calibration, min_weight_fraction, calibration_dropout_rate)
+    min_weight_fraction = 0.5 if min_weight_fraction is None else min_weight_fraction
+    calibration_dropout_rate = 0.0 if calibration_dropout_rate is None else calibration_dropout_rate
     mechanism = _mechanism(mechanism, bool(dropout_rate or calibration_dropout_rate or calibration != "none"))
     if mechanism != "nbafl":
         for given, name in ((nbafl_epsilon is not None, "nbafl_epsilon"), (exposures is not None, "exposures"),
