@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, err_console, fail, user_errors
+from .common import console, err_console, fail, folder_option, user_errors
 
 app = typer.Typer(help="Benchmarks (each reported next to a baseline measured in the same run).",
                   no_args_is_help=True)
@@ -241,7 +241,7 @@ def run_workloads(
     set_: list[str] = typer.Option([], "--set", help="override a scenario field of every workload (repeatable)"),
     timeout: float = typer.Option(1200.0, "--timeout", min=1, help="seconds allowed to each subprocess"),
     floor: bool = typer.Option(True, "--floor/--no-floor", help="also time the 1-thread PyTorch floor"),
-    keep: Optional[Path] = typer.Option(None, "--keep", help="keep the runs' directories and report.json under this folder"),
+    keep: Optional[Path] = typer.Option(None, "--keep", parser=folder_option, help="keep the runs' directories and report.json under this folder"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run workloads through `dpfl run` and through the compute floor, each in its own process:

@@ -77,6 +77,16 @@ def user_errors(fn):
     return wrapper
 
 
+def folder_option(text: str):
+    """The parser of every option that names an output folder: an empty value (an unset shell
+    variable, ``--out ""``) is refused; as a Path it would silently mean the current folder."""
+    from pathlib import Path
+
+    if isinstance(text, str) and not text.strip():  # a default arrives as a Path
+        raise typer.BadParameter("is empty: give a folder")
+    return Path(text)
+
+
 def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
 

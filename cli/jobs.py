@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import ADDRESS_HELP, console, fail, follow_job, user_errors, write_job_log
+from .common import ADDRESS_HELP, console, fail, folder_option, follow_job, user_errors, write_job_log
 
 app = typer.Typer(help="Ray Jobs on a cluster: list, status, logs, stop, fetch.", no_args_is_help=True)
 
@@ -116,7 +116,7 @@ def fetch(job_id: str = typer.Argument(...),
 
 
 @app.command("entrypoint", hidden=True)
-def entrypoint(out: Path = typer.Option(..., "--out")) -> None:
+def entrypoint(out: Path = typer.Option(..., "--out", parser=folder_option)) -> None:
     """Inside a Ray Job: `dpfl run` the scenario `dpfl submit` shipped (or, for a sweep job, `dpfl
     sweep` it with the shipped options), then pack the run (or sweep) directory into the log
     (dpfl_ray/runs/bundle.py) -- also after a failure or a stop, whatever was written."""

@@ -11,7 +11,7 @@ import typer
 from rich.measure import Measurement
 from rich.table import Table
 
-from .common import console, user_errors
+from .common import console, folder_option, user_errors
 
 HEADERS = ["run", "scenario", "rounds", "stop", "final acc", "best acc", "epsilon", "eps claimed", "eps assumed",
            "eps vs server", "eps empirical [95%]", "calibration", "delta", "survivors/round", "wall s"]
@@ -45,7 +45,7 @@ def _run_cards(rows: list[list[str]]) -> list[Table]:
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run directories written by `dpfl run`, or sweep directories "
                                                 "written by `dpfl sweep` (each of their runs)"),
-    out: Path = typer.Option(Path("report"), "--out", help="folder for the plots and report.csv"),
+    out: Path = typer.Option(Path("report"), "--out", parser=folder_option, help="folder for the plots and report.csv"),
 ) -> None:
     """Compare runs: a table of accuracy and privacy, plus accuracy/epsilon plots and a CSV."""
     from dpfl_ray.errors import DPFLError

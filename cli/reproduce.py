@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .common import console, user_errors
+from .common import console, folder_option, user_errors
 from .sweep import resumable, resuming, run_on_tune
 
 
@@ -66,7 +66,7 @@ def reproduce(
                                                      "holding a paper.yaml"),
     list_: bool = typer.Option(False, "--list", help="list the papers and their runs"),
     quick: bool = typer.Option(False, "--quick", help="the CI-sized version of the runs (the paper's quick: section)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="directory (default runs/reproduce/PAPER[-quick]); an "
+    out: Optional[Path] = typer.Option(None, "--out", parser=folder_option, help="directory (default runs/reproduce/PAPER[-quick]); an "
                                                            "existing one is resumed"),
     data: Optional[Path] = typer.Option(None, "--data", help="set data.path=DATA on every run (a folder of IDX files)"),
     set_: list[str] = typer.Option([], "--set", help="override a field in every run (repeatable)"),

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .common import console, preflight, user_errors
+from .common import console, folder_option, preflight, user_errors
 
 
 def _progress() -> Progress:
@@ -24,7 +24,7 @@ def _progress() -> Progress:
 def run(
     scenario: Optional[Path] = typer.Argument(None, help="scenario YAML file (not with --resume)"),
     set_: list[str] = typer.Option([], "--set", help="override a field: --set training.rounds=5 (repeatable)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: OUTPUT.DIR/NAME/TIMESTAMP)"),
+    out: Optional[Path] = typer.Option(None, "--out", parser=folder_option, help="run directory (default: OUTPUT.DIR/NAME/TIMESTAMP)"),
     address: Optional[str] = typer.Option(
         None, "--address", help="join a Ray cluster: HOST:PORT (its GCS), ray://HOST:10001 or auto (default: the "
         "cluster RAY_ADDRESS names, as inside a Ray Job; else a private local Ray)"),

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .common import console, user_errors
+from .common import console, folder_option, user_errors
 
 
 def _num(value, fmt: str) -> str:
@@ -40,7 +40,7 @@ def sweep(
                                                    "runs goes on at each milestone (default 4)"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="seeds to repeat every combination with: 0,1,2"),
     set_: list[str] = typer.Option([], "--set", help="override a field in every run (repeatable)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="sweep directory (default: OUTPUT.DIR/NAME-sweep/TIMESTAMP); "
+    out: Optional[Path] = typer.Option(None, "--out", parser=folder_option, help="sweep directory (default: OUTPUT.DIR/NAME-sweep/TIMESTAMP); "
                                                             "an existing one is resumed"),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="seconds one run may take"),
     address: Optional[str] = typer.Option(None, "--address", help="the Ray cluster every run joins: HOST:PORT, "

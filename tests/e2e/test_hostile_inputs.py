@@ -381,6 +381,18 @@ def test_the_other_commands_findings_are_one_line(tiny, tmp_path, args, needle):
     assert files_under(tmp_path) == before
 
 
+@pytest.mark.parametrize("args", [("run", "{tiny}", "--out", ""), ("sweep", "{tiny}", "--out", " "),
+                                  ("reproduce", "geyer2017", "--quick", "--out", ""), ("report", "{run}", "--out", ""),
+                                  ("bench", "run", "W1", "--keep", "")])
+def test_an_empty_output_folder_is_refused_not_read_as_the_current_one(tiny, tmp_path, args):
+    """A usage error, so through the real `dpfl`, whose entry point makes it one line; run in an
+    empty folder, which it must leave empty."""
+    run = _run_dir(tmp_path / "run", {"name": "x", "final_accuracy": 0.5}, '{"round": 1, "test_accuracy": 0.5}\n')
+    (cwd := tmp_path / "cwd").mkdir()
+    assert_one_error_line(dpfl(*(a.format(tiny=tiny, run=run) for a in args), cwd=cwd), "is empty: give a folder")
+    assert not any(cwd.iterdir())
+
+
 def test_report_refuses_to_write_into_a_run_it_reports(tmp_path):
     from tests.helpers import dpfl_in_process
 
