@@ -40,12 +40,27 @@ def dashboard_address(address: str | None, environ=None) -> str:
             continue
         value = value.strip().rstrip("/")
         if value.startswith(("http://", "https://")):
-            return value
-        if source == "--address":
+            return _checked_url(value, source)
+        if source != "RAY_ADDRESS":  # RAY_ADDRESS may name a GCS (HEAD:6379) for `dpfl run`: not ours to judge
             raise DPFLError(f"{value}: jobs go through the dashboard, http://HEAD:8265 (with `ray up`, forward it with "
-                            "`ray dashboard cluster.yaml`)", field="--address")
+                            "`ray dashboard cluster.yaml`)", field=source)
     raise DPFLError("give the cluster's dashboard address, --address http://HEAD:8265 (or set RAY_API_SERVER_ADDRESS)",
                     field="--address")
+
+
+def _checked_url(value: str, source: str) -> str:
+    """``value`` if it names a host (and a port that is a number), else the error naming ``source``."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        ok = bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError on a port that is no number
+    except ValueError:
+        ok = False
+    if not ok:
+        raise DPFLError(f"{value}: not a dashboard address such as http://HEAD:8265", field=source)
+    return value
 
 
 def submission_id(name: str | None, scenario_name: str, now: float | None = None) -> str:

@@ -266,6 +266,12 @@ def test_dashboard_address_sources():
         dashboard_address("h:6379", {})
     with pytest.raises(DPFLError, match="--address http://HEAD:8265"):
         dashboard_address(None, {"RAY_ADDRESS": "10.0.0.1:6379"})
+    # a dashboard variable that is set but no dashboard is named, not passed over
+    with pytest.raises(DPFLError, match="^RAY_API_SERVER_ADDRESS: garbage: jobs go through the dashboard"):
+        dashboard_address(None, {"RAY_API_SERVER_ADDRESS": "garbage", "RAY_ADDRESS": "http://c:3"})
+    for bad in ("http://[::1", "http://h:port", "https://:8265"):
+        with pytest.raises(DPFLError, match="^--address: .*not a dashboard address"):
+            dashboard_address(bad, {})
 
 
 def test_submission_ids():
