@@ -417,6 +417,16 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
         for key in ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min"):
             if key in last:
                 summary[key] = last[key]
+    elif state is None and rounds and "epsilon" in rounds[-1]:
+        # a private run whose coordinator was lost before any checkpoint: its ledger went with it,
+        # but the rows kept each committed round's epsilon, and the summary must not drop what was spent
+        last = rounds[-1]
+        summary.update(epsilon=last["epsilon"], delta=scenario.privacy.delta,
+                       ledger="unavailable: the coordinator died before handing it back; epsilon is the last "
+                              "committed round's, from rounds.jsonl")
+        for key in ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min", "epsilon_assumed"):
+            if key in last:
+                summary[key] = last[key]
     if state is not None and "checkpoint" in state and scenario.output.checkpoint_every:
         write_checkpoint(record.path, state["checkpoint"])
     if state is not None and "audit" in state:  # the canaries' statistics: `dpfl audit` reads them
