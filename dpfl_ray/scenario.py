@@ -490,6 +490,12 @@ class Scenario(_Section):
         if self.privacy.audit is not None and not cls.client_level():
             raise ValueError(f"privacy.audit: canary clients audit client-level mechanisms; "
                              f"{self.training.algorithm} has none to audit")
+        if self.output.client_accuracy and cls.client_level():
+            # each client's model before its noise is a function of its data alone: its accuracy
+            # would leave the run outside the client-level guarantee the ledger books
+            raise ValueError(f"output.client_accuracy: {self.training.algorithm} adds its noise after the local "
+                             "training, so each client's own model is not covered by its guarantee; it is for "
+                             "record-level algorithms (huang2020, adap_dpfl) and runs without privacy")
         return self
 
     @model_validator(mode="after")

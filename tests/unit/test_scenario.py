@@ -215,3 +215,15 @@ def test_the_readme_s_scenario_block_is_a_valid_scenario_naming_every_field():
         return out
 
     assert missing(Scenario, raw) == []
+
+
+def test_client_accuracy_is_refused_where_each_client_s_model_is_not_covered():
+    """A client-level algorithm adds its noise after the local training: each client's own model, and
+    so its accuracy, is a function of that client's data alone."""
+    base = load_scenario(ROOT / "scenarios" / "huang2020_clfl_mnist_u10.yaml").model_dump(mode="json")
+    with pytest.raises(DPFLError, match="^output.client_accuracy: dp_fedavg adds its noise after the local "
+                                        "training"):
+        scenario_from_dict(base, ["output.client_accuracy=true"])
+    for name in ("huang2020_mnist_u10.yaml", "quickstart.yaml"):  # record-level, and no privacy at all
+        raw = load_scenario(ROOT / "scenarios" / name).model_dump(mode="json")
+        assert scenario_from_dict(raw, ["output.client_accuracy=true"]).output.client_accuracy
