@@ -37,7 +37,7 @@ from ..privacy.dropouts import (
     server_view, tolerated_dropouts,
 )
 from ..privacy.randomness import ChaChaNormal, DPRandomness
-from ..privacy.sampling import sampling_of
+from ..privacy.sampling import FixedSizeSampling, sampling_of
 from ..privacy.sensitivity import booked_noise_multiplier, l2_sensitivity
 from .base import (
     Abort, Aggregate, Algorithm, ClientNoise, ClientSpec, Mechanism, RingEncoding, RoundOutcome, UnmaskPlan,
@@ -292,7 +292,8 @@ class Baek(Algorithm):
         if self._quantised_layers:  # the survivors' draws carry up to (1 + 1/Q) total + N: covered once total >= N Q
             spread *= math.sqrt(1.0 + 2.0 / LAYER_QUANTA)
         return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm,
-                         2.0 * self.clip_norm * self.z * spread, 2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA)
+                         2.0 * self.clip_norm * self.z * spread, 2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA,
+                         replace_one=isinstance(self.sampling, FixedSizeSampling))
 
     def _released_event(self, survived: int, calibrated: bool = False, senders: int | None = None):
         """What the round hands the server. Without a calibration: the sum of the survivors' shares (a

@@ -294,12 +294,16 @@ class RingPlan:
 
 
 def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float, noise_std: float,
-              sensitivity: float, max_wrap_probability: float = 1e-4, beta: float = math.exp(-0.5)) -> RingPlan:
+              sensitivity: float, max_wrap_probability: float = 1e-4, beta: float = math.exp(-0.5),
+              replace_one: bool = False) -> RingPlan:
     """The finest scale at which ``shares`` clients' vectors of norm <= ``clip_norm`` (in sum at most
     shares * clip_norm), rounded and carrying noise whose sum has std ``noise_std`` (model units),
     wrap in Z_(2^bits) with probability at most ``max_wrap_probability``; and the event the round
     releases, with the rounded sensitivity of one client (``sensitivity`` in model units,
-    conditional rounding at ``beta``). The discrete Gaussian's share variance is rounded up to an
+    conditional rounding at ``beta``). Under ``replace_one`` one client's rounded vector leaves and
+    another's comes in: each is rounded on its own, so the sum moves by up to twice one rounded
+    bound, 2 B(clip_norm), more than B(2 clip_norm) by the rounding's sqrt(dim) term; the larger of
+    that and B(sensitivity) is booked. The discrete Gaussian's share variance is rounded up to an
     integer, so its sum carries at least the asked noise. A ring too small for any scale is a
     one-line error naming bits."""
     from ..secagg.ring import padded_dim, wrap_probability
@@ -320,6 +324,8 @@ def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float
             wrap = wrap_probability(bits, d, shares * clip_norm * scale, shares, skellam_variance=local)
             variance = total
         l2 = rounded_l2_bound(sensitivity * scale, d, beta)
+        if replace_one:
+            l2 = max(l2, 2.0 * rounded_l2_bound(clip_norm * scale, d, beta))
         event = DiscreteNoiseSumDpEvent(mechanism, rounded_l1_bound(l2, d), l2, variance, int(shares), d)
         return RingPlan(int(bits), scale, local, event, wrap)
 

@@ -356,6 +356,22 @@ def test_the_ring_plan_keeps_wraps_rare_and_costs_what_its_bits_allow(mechanism)
     assert _baek_epsilon(plans[12]) > 1.05 * generic
 
 
+def test_under_replace_one_the_plan_books_two_clients_rounded_vectors():
+    """A fixed-size cohort's neighbour swaps one client for another, each vector rounded on its own:
+    the sum moves by up to 2 B(C s), which exceeds B(2 C s) by the rounding's sqrt(d) term (at 12
+    bits 11% more sensitivity here)."""
+    from dpfl_ray.secagg.ring import padded_dim
+
+    clip, beta = 0.5, math.exp(-0.5)
+    add = rdp.plan_ring("skellam", 12, 100, 26010, clip, 2 * clip, 2 * clip)
+    swap = rdp.plan_ring("skellam", 12, 100, 26010, clip, 2 * clip, 2 * clip, replace_one=True)
+    assert swap.scale == add.scale and swap.event.variance == add.event.variance  # the same ring and noise
+    one = rdp.rounded_l2_bound(clip * swap.scale, padded_dim(26010), beta)
+    assert swap.event.l2 == 2 * one and add.event.l2 == rdp.rounded_l2_bound(2 * clip * add.scale, padded_dim(26010), beta)
+    assert swap.event.l2 > 1.1 * add.event.l2
+    assert swap.event.l1 >= 2 * one * min(math.sqrt(padded_dim(26010)), one)  # each of the two, at most
+
+
 def test_a_ring_too_small_for_the_cohort_is_one_line_naming_bits():
     with pytest.raises(DPFLError, match="^bits: a 4-bit ring cannot hold"):
         rdp.plan_ring("skellam", 4, 500, 26010, 1.0, 2.0, 2.0)
