@@ -176,6 +176,29 @@ def _fresh_accountant(name: str, relation: NeighboringRelation, budget: float = 
     return _ClassicRdpAccountant(relation)
 
 
+def accountant_state(accountant: dp_accounting.PrivacyAccountant) -> tuple[dict, dict[str, np.ndarray]]:
+    """What :func:`restore_accountant` rebuilds ``accountant`` from, bit for bit: ``(meta, arrays)``."""
+    if isinstance(accountant, _BoundedPLDAccountant):
+        return accountant.state()
+    if isinstance(accountant, _MemoRdpAccountant):  # its orders are its class's: the curve is its state
+        return {"type": "rdp"}, {"rdp": np.array(accountant._rdp, dtype=np.float64)}  # pylint: disable=protected-access
+    raise TypeError(f"no saved state for {type(accountant).__name__}")
+
+
+def restore_accountant(name: str, relation: NeighboringRelation, meta: dict,
+                       arrays: dict[str, np.ndarray]) -> dp_accounting.PrivacyAccountant:
+    """The accountant ``name`` as :func:`accountant_state` saved it."""
+    if name == "pld":
+        return _BoundedPLDAccountant.from_state(relation, meta, arrays)
+    accountant = _fresh_accountant(name, relation)
+    saved = np.array(arrays["rdp"], dtype=np.float64)
+    if saved.shape != accountant._rdp.shape:  # pylint: disable=protected-access
+        raise DPFLError(f"a saved {name} state has {saved.size} orders, not {accountant._rdp.size}",  # pylint: disable=protected-access
+                        field="checkpoint")
+    accountant._rdp = saved  # pylint: disable=protected-access
+    return accountant
+
+
 def _accountant_details(name: str, accountant: dp_accounting.PrivacyAccountant | None = None) -> dict:
     """What computed the numbers: ``name`` as asked, and for 'pld' the grid it used or its fallback."""
     if name == "pld":

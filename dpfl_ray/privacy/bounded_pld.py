@@ -284,6 +284,73 @@ class _BoundedPLDAccountant(dp_accounting.PrivacyAccountant):
         return delta if self._rdp is None else self._smaller(delta, float(self._rdp.get_delta(target_epsilon)))
 
 
+    # --- state, for a checkpoint ----------------------------------------------------------------
+    # A resumed run continues from the composed distribution itself: composing its rounds again
+    # costs what the live run spent on them (~0.1 s a round at 1e-4), and only the same calls in the
+    # same order give the same floats. Every value is kept exactly (float64 arrays, JSON floats).
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """``(meta, arrays)``: JSON-able values and float/int arrays that :meth:`from_state` rebuilds
+        this accountant from, bit for bit."""
+        meta = {"type": "pld", "budget": self._budget, "vdi": self._vdi, "fell_back": self._fell_back,
+                "non_private": self._non_private, "answered": self._answered, "why": self._why,
+                "rdp": self._rdp is not None, "pld": None}
+        events = np.array(self._events, dtype=np.float64).reshape(-1, 3)
+        arrays = {"events_zq": events[:, :2].copy(), "events_count": events[:, 2].astype(np.int64)}
+        if self._rdp is not None:
+            arrays["rdp"] = np.array(self._rdp._rdp, dtype=np.float64)  # pylint: disable=protected-access
+        if self._pld is not None:
+            # pylint: disable=protected-access
+            pmfs = {"remove": self._pld._pmf_remove} if self._pld._symmetric else \
+                {"remove": self._pld._pmf_remove, "add": self._pld._pmf_add}
+            meta["pld"] = {}
+            for side, pmf in pmfs.items():
+                meta["pld"][side], side_arrays = _pmf_state(pmf)
+                arrays.update({f"{side}.{k}": v for k, v in side_arrays.items()})
+        return meta, arrays
+
+    @classmethod
+    def from_state(cls, neighboring_relation: NeighboringRelation, meta: dict,
+                   arrays: dict[str, np.ndarray]) -> "_BoundedPLDAccountant":
+        acc = cls(neighboring_relation, float(meta["budget"]))
+        acc._vdi = None if meta["vdi"] is None else float(meta["vdi"])
+        acc._fell_back, acc._non_private = bool(meta["fell_back"]), bool(meta["non_private"])
+        acc._answered, acc._why = str(meta["answered"]), str(meta["why"])
+        counts = np.asarray(arrays["events_count"], dtype=np.int64)
+        zq = np.asarray(arrays["events_zq"], dtype=np.float64).reshape(len(counts), 2)
+        acc._events = [(float(z), float(q), int(c)) for (z, q), c in zip(zq, counts)]
+        if meta["rdp"]:
+            acc._rdp = dp_accounting.rdp.RdpAccountant(neighboring_relation=neighboring_relation)
+            acc._rdp._rdp = np.array(arrays["rdp"], dtype=np.float64)  # pylint: disable=protected-access
+        if meta["pld"] is not None:
+            pmfs = {side: _pmf_from_state(m, {k.split(".", 1)[1]: v for k, v in arrays.items()
+                                              if k.startswith(side + ".")})
+                    for side, m in meta["pld"].items()}
+            acc._pld = pld_lib.PrivacyLossDistribution(pmfs["remove"], pmfs.get("add"))
+        return acc
+
+
+def _pmf_state(pmf) -> tuple[dict, dict[str, np.ndarray]]:
+    # pylint: disable=protected-access
+    meta = {"discretization": pmf._discretization, "infinity_mass": pmf._infinity_mass,
+            "pessimistic": pmf._pessimistic_estimate}
+    if isinstance(pmf, pld_pmf.DensePLDPmf):
+        return {**meta, "dense": True, "lower_loss": int(pmf._lower_loss)}, {"probs": np.array(pmf._probs, np.float64)}
+    # a sparse PMF's dict order is the order its compositions sum in: kept
+    losses, probs = zip(*pmf._loss_probs.items()) if pmf._loss_probs else ((), ())
+    return {**meta, "dense": False}, {"losses": np.array(losses, dtype=np.int64),
+                                      "probs": np.array(probs, dtype=np.float64)}
+
+
+def _pmf_from_state(meta: dict, arrays: dict[str, np.ndarray]):
+    disc, inf_mass, pess = float(meta["discretization"]), float(meta["infinity_mass"]), bool(meta["pessimistic"])
+    if meta["dense"]:
+        return pld_pmf.DensePLDPmf(disc, int(meta["lower_loss"]), np.array(arrays["probs"], dtype=np.float64),
+                                   inf_mass, pess)
+    loss_probs = {int(k): float(v) for k, v in zip(arrays["losses"], arrays["probs"])}
+    return pld_pmf.SparsePLDPmf(loss_probs, disc, inf_mass, pess)
+
+
 _CachedPLDAccountant = _BoundedPLDAccountant  # the name before the bounds came
 
 

@@ -89,6 +89,10 @@ class RunPrivacy:
         if self.noise_multiplier is None and p.target_epsilon is not None:
             self.noise_multiplier = calibrated_noise_multiplier(scenario, weights, sizes, p.accountant)
             self.calibrated = True
+        # the ledgers' accountants as of the last committed round (taken at the commit, when no
+        # other thread advances them), for the checkpoint: a resume restores them instead of
+        # composing every past round again
+        self._tracks: dict | None = None
 
     def bind(self, algorithm) -> None:
         self.algorithm = algorithm
@@ -156,7 +160,18 @@ class RunPrivacy:
         if p.geyer is not None:
             # the shadow ledger holds exactly rounds 1..t+1 now: the nominal delta at Geyer's epsilon
             row["delta_at_epsilon"] = self.shadow.delta_for_epsilon(p.geyer.epsilon)
+        self._snapshot_tracks(t + 1)
         return row
+
+    def _ledgers(self):
+        return [(name, ledger) for name, ledger in (("ledger", self.ledger), ("shadow", self.shadow),
+                                                    ("assumed", self.assumed)) if ledger is not None]
+
+    def _snapshot_tracks(self, rounds_done: int) -> None:
+        """The accountants after round ``rounds_done``: the shadow too holds exactly rounds
+        1..rounds_done at a commit (next_round_fits booked this round before it ran)."""
+        if self.sc.output.checkpoint_every:
+            self._tracks = {"round": rounds_done, **{name: ledger.tracks_state() for name, ledger in self._ledgers()}}
 
     def _round_epsilons(self, ledger: PrivacyLedger) -> tuple[float, float | None]:
         """The ledger's epsilon after a round, and its claimed epsilon where the row reports one.
@@ -218,32 +233,45 @@ class RunPrivacy:
         hold the next round's plan: that is booked again when the round runs)."""
         shadow = self.shadow.to_dict(include_epsilon=False)
         shadow["rounds"] = [r for r in shadow["rounds"] if r["round"] <= rounds_done]
-        return {"ledger": self.ledger.to_dict(include_epsilon=False), "shadow": shadow, "exhausted": self.exhausted,
-                "noise_multiplier": self.noise_multiplier, "calibrated": self.calibrated,
-                "server_blind": self.server_blind, "arrays": {"server_precision": self.server_precision,
-                                                              **({} if self.server_rdp is None
-                                                                 else {"server_rdp": self.server_rdp})},
-                "assumed": None if self.assumed is None else self.assumed.to_dict(include_epsilon=False),
-                "assumption": self.assumption}
+        out = {"ledger": self.ledger.to_dict(include_epsilon=False), "shadow": shadow, "exhausted": self.exhausted,
+               "noise_multiplier": self.noise_multiplier, "calibrated": self.calibrated,
+               "server_blind": self.server_blind, "arrays": {"server_precision": self.server_precision,
+                                                             **({} if self.server_rdp is None
+                                                                else {"server_rdp": self.server_rdp})},
+               "assumed": None if self.assumed is None else self.assumed.to_dict(include_epsilon=False),
+               "assumption": self.assumption}
+        if self._tracks is not None and self._tracks["round"] == rounds_done:
+            out["tracks"] = {"round": rounds_done}
+            for name, ledger in self._ledgers():
+                metas, arrays = self._tracks.get(name, ([], {}))
+                out["tracks"][name] = metas
+                out["arrays"].update({f"tracks.{name}.{k}": v for k, v in arrays.items()})
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """The bookkeeping of a checkpoint, its ledgers' accountants advanced in the steps the live
         run took (``bind`` first: which ones advance depends on the algorithm)."""
+        tracks = state.get("tracks")  # the accountants as they stood (absent in an older checkpoint)
         saved = PrivacyLedger.from_dict(state["ledger"])
         self.ledger = PrivacyLedger(accountant=saved.accountant, delta=saved.delta)
-        for r in saved.rounds:  # recorded and asked round by round, as account() did
+        for r in saved.rounds:  # recorded (and without saved accountants asked) round by round, as account() did
             self.ledger.record_round(r.noise_multipliers, r.sampling, reason=r.reason, covered=r.covered,
                                      claimed_noise_multiplier=r.claimed_noise_multipliers, round=r.round,
                                      public=r.public, paper_epsilon=r.paper_epsilon, claim_note=r.claim_note,
                                      dropouts=r.dropouts, mechanism=r.mechanism)
-            self._round_epsilons(self.ledger)
+            if tracks is None:
+                self._round_epsilons(self.ledger)
         self.shadow = PrivacyLedger.from_dict(state["shadow"])
         self.assumed = PrivacyLedger.from_dict(state["assumed"]) if state.get("assumed") else None
         self.assumption = state.get("assumption", "")
-        # the live run asks these every round (or never reads them): one by one is how they advanced
-        for ledger in (self.shadow, self.assumed):
-            if ledger is not None:
+        for name, ledger in self._ledgers():
+            if tracks is not None:
+                prefix = f"tracks.{name}."
+                ledger.restore_tracks(tracks.get(name, []), {k.removeprefix(prefix): v
+                                                             for k, v in state["arrays"].items() if k.startswith(prefix)})
+            elif name != "ledger":  # the live run asks these every round (or never): one by one is how they advanced
                 ledger.replay()
+        self._snapshot_tracks(len(self.ledger.rounds))
         self.exhausted, self.calibrated = state["exhausted"], state["calibrated"]
         self.noise_multiplier, self.server_blind = state["noise_multiplier"], state["server_blind"]
         self.server_precision = np.array(state["arrays"]["server_precision"], dtype=np.float64)

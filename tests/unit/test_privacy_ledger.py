@@ -303,3 +303,55 @@ def test_classic_orders_are_tf_privacy_2019():
     assert CLASSIC_RDP_ORDERS[98] == pytest.approx(10.9)
     assert CLASSIC_RDP_ORDERS[99:] == tuple(range(12, 64))
     assert ledger_mod.PLD_VALUE_DISCRETIZATION_INTERVAL == 1e-4
+
+
+def _live_rounds(ledger, schedule, first_round):
+    """Record each (z, q) and ask both epsilons after it, as the runtime does every round."""
+    out = []
+    for i, (z, q) in enumerate(schedule):
+        ledger.record_round(z, PoissonSampling(q), reason="r", claimed_noise_multiplier=1.5 * z,
+                            round=first_round + i)
+        out.append((ledger.epsilon(), ledger.claimed_epsilon(), ledger.delta_for_epsilon(1.0)))
+    return out
+
+
+@pytest.mark.parametrize("accountant, schedule", [
+    ("pld", MIXED),  # dense distributions on the usual grid
+    ("pld", [(40.0, 0.001)] * 3 + [(30.0, 0.002)] * 2),  # sparse ones: a few hundred losses each
+    ("pld", [(0.05, 0.5)] * 4),  # a coarse grid, answered with rdp beside it
+    ("rdp", MIXED),
+    ("rdp-classic", MIXED),
+])
+def test_a_ledger_restored_with_its_accountants_goes_on_to_the_bit_without_composing_again(accountant, schedule,
+                                                                                          monkeypatch):
+    """A checkpoint keeps each accountant as it stands (tracks_state): the ledger rebuilt from it
+    composes none of the past rounds, and every later round answers with the uninterrupted
+    ledger's floats."""
+    live = PrivacyLedger(accountant=accountant, delta=DELTA)
+    _live_rounds(live, schedule, 1)
+    metas, arrays = live.tracks_state()
+    # as a checkpoint holds them: JSON, and arrays through an .npz
+    saved, metas = json.loads(json.dumps(live.to_dict(include_epsilon=False))), json.loads(json.dumps(metas))
+    restored = PrivacyLedger.from_dict(saved)
+    restored.restore_tracks(metas, {k: np.array(v) for k, v in arrays.items()})
+    assert [(m["kind"], m["n"]) for m in metas] == [("effective", len(schedule)), ("claimed", len(schedule))]
+
+    def no_composition(*_):
+        raise AssertionError("a restored accountant composed a past round again")
+
+    with monkeypatch.context() as m:
+        m.setattr(dpa.PrivacyAccountant, "compose", no_composition)
+        assert restored.epsilon() == live.epsilon() and restored.claimed_epsilon() == live.claimed_epsilon()
+    more = schedule[::-1]
+    assert _live_rounds(restored, more, len(schedule) + 1) == _live_rounds(live, more, len(schedule) + 1)
+    assert restored.history() == live.history()
+    assert restored.to_dict() == live.to_dict()
+
+
+def test_saved_accountants_that_cover_rounds_the_ledger_does_not_hold_are_refused():
+    live = PrivacyLedger(accountant="rdp", delta=DELTA)
+    _live_rounds(live, MIXED, 1)
+    metas, arrays = live.tracks_state()
+    short = PrivacyLedger.from_dict({**live.to_dict(include_epsilon=False), "rounds": live.to_dict()["rounds"][:3]})
+    with pytest.raises(DPFLError, match="^checkpoint: a saved accountant covers 6 rounds"):
+        short.restore_tracks(metas, arrays)
