@@ -147,10 +147,14 @@ class ClientSpec:
     def ring_words(self, update: np.ndarray, theta: np.ndarray, client_id: int, weight: float) -> np.ndarray:
         """w_i times the client's upload, scaled, rotated, rounded to integers within the round's norm
         bound, plus its integer noise share, mod 2^bits: its uint32 summand in secure aggregation."""
+        return self.ring_words_of(self.prepare(update, theta), client_id, weight)
+
+    def ring_words_of(self, prepared: np.ndarray, client_id: int, weight: float) -> np.ndarray:
+        """:meth:`ring_words` of a vector :meth:`prepare` gave (and the server's check passed)."""
         from ..secagg.ring import conditional_round, rotate, rotation_signs, to_ring
 
         ring = self.ring
-        value = self.prepare(update, theta).astype(np.float64) * float(weight)
+        value = prepared.astype(np.float64) * float(weight)
         signs = rotation_signs(ring.rotation_seed, value.size)
         ints = conditional_round(rotate(value * ring.scale, signs), self.noise.rounding_generator(client_id),
                                  ring.rounding_bound)
@@ -160,9 +164,17 @@ class ClientSpec:
         """What leaves the client, before weighting: the (clipped) update or parameters."""
         return self.vector(theta + update if self.send_parameters else update)
 
+    def prepared_dim(self, dim: int) -> int:
+        """The length of :meth:`prepare`'s vector for a model of ``dim`` values."""
+        return dim + (1 if self.clip_norm and self.indicator else 0)
+
     def plain_value(self, update: np.ndarray, theta: np.ndarray, client_id: int) -> np.ndarray:
         """The client's upload when the server sees it alone (no secure aggregation)."""
-        value = self.prepare(update, theta)
+        return self.plain_value_of(self.prepare(update, theta), client_id)
+
+    def plain_value_of(self, prepared: np.ndarray, client_id: int) -> np.ndarray:
+        """:meth:`plain_value` of a vector :meth:`prepare` gave (and the server's check passed)."""
+        value = prepared
         if self.noise is None:
             return value
         if self.noise.on_weighted_sum:
@@ -171,7 +183,11 @@ class ClientSpec:
 
     def weighted_value(self, update: np.ndarray, theta: np.ndarray, client_id: int, weight: float) -> np.ndarray:
         """w_i times the client's upload, with its noise: its summand in secure aggregation."""
-        value = self.prepare(update, theta) * np.float32(weight)
+        return self.weighted_value_of(self.prepare(update, theta), client_id, weight)
+
+    def weighted_value_of(self, prepared: np.ndarray, client_id: int, weight: float) -> np.ndarray:
+        """:meth:`weighted_value` of a vector :meth:`prepare` gave (and the server's check passed)."""
+        value = prepared * np.float32(weight)
         if self.noise is None:
             return value
         if self.noise.on_weighted_sum:

@@ -47,15 +47,14 @@ def check_update(vector, expected_dim: int, max_norm: float | None) -> str | Non
         return f"shape: {tuple(v.shape)} instead of ({expected_dim},)"
     if not np.issubdtype(v.dtype, np.number):
         return f"shape: {v.dtype} values instead of numbers"
-    bad = int(np.isnan(v).sum()) if np.issubdtype(v.dtype, np.inexact) else 0
-    if bad:
-        return f"nan: {bad} of {expected_dim} values are NaN"
-    bad = int(np.isinf(v).sum()) if np.issubdtype(v.dtype, np.inexact) else 0
-    if bad:
-        return f"inf: {bad} of {expected_dim} values are infinite"
-    norm = float(np.linalg.norm(v.astype(np.float64)))
-    if max_norm is not None and norm > max_norm:
-        return f"norm: {norm:.3g} exceeds faults.max_update_norm={max_norm:g}"
+    # The reason names no figure of the vector (how many NaNs, its norm): it reaches rounds.jsonl by
+    # client id, and the check stands for a validity proof that says pass or fail and nothing more.
+    if np.issubdtype(v.dtype, np.inexact) and np.isnan(v).any():
+        return "nan: NaN values"
+    if np.issubdtype(v.dtype, np.inexact) and np.isinf(v).any():
+        return "inf: infinite values"
+    if max_norm is not None and float(np.linalg.norm(v.astype(np.float64))) > max_norm:
+        return f"norm: above faults.max_update_norm={max_norm:g}"
     return None
 
 

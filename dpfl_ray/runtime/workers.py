@@ -175,19 +175,22 @@ class ClientWorker:
 
     def _checked_updates(self, round_idx: int, theta: np.ndarray, cids: list[int], spec: ClientSpec,
                          chaos: WorkerChaos) -> dict[int, tuple[np.ndarray | None, str | None]]:
-        """Each client's local update, corrupted if the fault plan says so, and the server's check
-        of it (NaN, Inf, shape, absurd norm): (update, None) or (None, why it is refused). The
-        check runs here, before the update is summed or masked, because after that no one can
-        look at it alone."""
+        """What each client sends (its update prepared as ``spec`` says: clipped, before weighting
+        and noise), corrupted if the fault plan says so, and the server's check of it (NaN, Inf,
+        shape, absurd norm): (vector, None) or (None, why it is refused). The check runs here,
+        before the vector is summed or masked, because after that no one can look at it alone;
+        it stands for the validity proof a client would attach, so it sees what the client sends,
+        never the update before its clipping (whose norm the data decides)."""
         out = {}
         trained = self._train(round_idx, theta, cids, spec)
         if spec.evaluate_local:
             self._evaluate_local(theta, trained)
         for cid, delta in trained.items():
-            if cid in chaos.corrupt:
-                delta = corrupt(delta, chaos.corrupt[cid], corruption_rng(self.sc.seed, round_idx, cid))
-            reason = check_update(delta, theta.size, chaos.max_norm)
-            out[cid] = (None, reason) if reason else (delta, None)
+            sent = spec.prepare(delta, theta)
+            if cid in chaos.corrupt:  # a faulty client: what it sends is broken, whatever it clipped
+                sent = corrupt(sent, chaos.corrupt[cid], corruption_rng(self.sc.seed, round_idx, cid))
+            reason = check_update(sent, spec.prepared_dim(theta.size), chaos.max_norm)
+            out[cid] = (None, reason) if reason else (sent, None)
         return out
 
     def _evaluate_local(self, theta: np.ndarray, trained: dict[int, np.ndarray]) -> None:
@@ -230,13 +233,13 @@ class ClientWorker:
             checked = self._checked_updates(round_idx, theta, [c for _, c in part], spec, chaos)
             reports.update(self._reports)
             for g, cid in part:
-                delta, reason = checked.pop(cid)
+                sent, reason = checked.pop(cid)
                 if cid in lost:
                     continue
                 if reason:
                     rejected[cid] = reason
                     continue
-                value = spec.plain_value(delta, theta, cid)
+                value = spec.plain_value_of(sent, cid)
                 ids.append(cid)
                 if spec.per_client:
                     uploads.append(value)
@@ -277,17 +280,17 @@ class ClientWorker:
         clipped, rejected = 0, {}
         checked = self._checked_updates(round_idx, theta, list(clients), spec, chaos)
         for cid, idx in clients.items():
-            delta, reason = checked[cid]
+            sent, reason = checked[cid]
             if reason:  # refused before it is masked: the client never joins the protocol
                 rejected[cid] = reason
                 continue
             if spec.ring is not None:  # integer noise: the client's words of Z_2^b itself (secagg/ring.py)
                 try:
-                    self._sa["inputs"][idx] = spec.ring_words(delta, theta, cid, weights[cid])
+                    self._sa["inputs"][idx] = spec.ring_words_of(sent, cid, weights[cid])
                 except EncodingError as err:
                     return PhaseReply(aborted=f"client {cid}: {err}")
             else:
-                value = spec.weighted_value(delta, theta, cid, weights[cid])
+                value = spec.weighted_value_of(sent, cid, weights[cid])
                 try:
                     enc = encode(value, bits=config.bits, scale=encoding.scale, n_summands=encoding.n_summands,
                                  rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),

@@ -130,6 +130,20 @@ def test_without_a_planned_deadline_a_slow_round_stops_the_run_and_drops_no_clie
     assert (tmp_path / "slow" / "rounds.jsonl").read_text() == ""
 
 
+def test_the_update_check_sees_what_a_client_sends_and_its_reason_names_no_figure_of_it(ray_session, tmp_path):
+    """DP-FedAvg clips each update to C = 0.5; the check (a validity proof's stand-in) sees the
+    clipped vector: at lr 5 every raw update is far above max_update_norm 0.6, and none is refused;
+    the two faulty clients' broken uploads are, and the reason reaching rounds.jsonl names no norm."""
+    full = {"mode": "fixed", "clients_per_round": 20}
+    sc = tiny_scenario(sampling=full, training={"algorithm": "dp_fedavg", "lr": 5.0},
+                       privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}},
+                       faults={"corrupt": {"kind": ["norm"], "clients": [2, 7]}, "max_update_norm": 0.6})
+    _, rows, state = _run(sc, tmp_path / "clipped")
+    assert [r["rejected"] for r in rows] == [{"2": "norm: above faults.max_update_norm=0.6",
+                                              "7": "norm: above faults.max_update_norm=0.6"}] * 3
+    assert all(r["survived"] == 18 for r in rows) and torch.isfinite(_flat(state)).all()
+
+
 def test_nan_inf_and_wrong_shape_updates_never_reach_the_model(ray_session, tmp_path):
     corrupt = [1, 5, 9, 13]
     full = {"mode": "fixed", "clients_per_round": 20}  # every client, every round
