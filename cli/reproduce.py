@@ -87,7 +87,9 @@ def reproduce(
     from dpfl_ray.runs import sweep as sw
     from dpfl_ray.runtime.shutdown import Shutdown
 
-    shutdown = Shutdown().install()  # a signal is recorded; the runs are told to stop (runtime/trials.py)
+    # Until the reproduction's directory is touched a signal ends the command at once (checking every
+    # run's scenario and partition takes seconds); from there on it is only recorded, and the runs
+    # are told to stop (runtime/trials.py).
     if list_:
         return _list_papers()
     if paper is None:
@@ -102,6 +104,7 @@ def reproduce(
     data_here = rp.data_of(runs)
     out_dir = out or Path("runs") / "reproduce" / (spec.paper + ("-quick" if quick else ""))
     command = shlex.join(["dpfl", *sys.argv[1:]])
+    shutdown = Shutdown().install()
     with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction"):
         rp.prepare(out_dir, spec, quick, runs)
         todo, statuses = sw.set_aside(out_dir, runs, resumable)
