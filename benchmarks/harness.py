@@ -9,6 +9,7 @@ is each process's VmHWM, read from /proc while the process tree runs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -236,6 +237,14 @@ def _run_tree(cmd: list[str], timeout: float, role: str, log: Path) -> tuple[int
             sampler.kill_tree()
             stdout, _ = proc.communicate()
             rc = 124
+        except BaseException:  # Ctrl-C or SIGTERM of the bench: the child has a session of its own, no signal reached it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+            sampler.stop()
+            sampler.kill_tree()
+            raise
         t_end = time.time()
         sampler.stop()
         sampler.kill_tree()  # a Ray daemon left behind by a crashed driver
@@ -388,10 +397,11 @@ class RunningRay:
         except DPFLError:
             return False
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 20.0) -> None:
+        """``ray start --block`` stops its daemons on SIGTERM; after ``grace`` s they are killed."""
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=grace)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         self.sampler.stop()
@@ -483,6 +493,11 @@ def measure(names: list[str], repeat: int = 1, overrides: list[str] | None = Non
             if head is not None and i == warm[-1]:  # its daemons would load the machine under the rest
                 head.stop()
                 head = None
+    except BaseException:  # Ctrl-C or SIGTERM (cli/bench.py): no time for a graceful stop
+        if head is not None:
+            head.stop(grace=2.0)
+            head = None
+        raise
     finally:
         if head is not None:
             head.stop()

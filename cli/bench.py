@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -257,7 +258,14 @@ def run_workloads(
             console.print(f"  {s['workload']} {kind}: train {s.get('train_seconds', 0):.2f}s, process "
                           f"{s.get('process_seconds', 0):.2f}s {state}", highlight=False)
 
-    report = measure(names, repeat, set_, timeout, floor, keep, on_sample=progress)
+    def stop(signum, _frame):  # SIGTERM as Ctrl-C: the runs in flight and a started Ray head are stopped
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        report = measure(names, repeat, set_, timeout, floor, keep, on_sample=progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if as_json:
         print(json.dumps(report))
         return

@@ -185,3 +185,39 @@ def test_a_report_names_its_host_and_how_fast_one_thread_of_it_is():
     assert isinstance(m["cpu_model"], str) and m["cpu_model"]
     assert set(m["probe"]) == {"python_loop_s", "torch_matmul_s"}
     assert all(0 < v < 60 for v in m["probe"].values()), m["probe"]
+
+
+def test_an_interrupted_bench_ends_the_run_it_was_timing(tmp_path):
+    """Each timed run has a session of its own, so Ctrl-C at the terminal never reaches it: the
+    harness ends it (and every process under it) before the interrupt goes on."""
+    import signal
+    import sys
+
+    import psutil
+
+    from benchmarks.harness import _run_tree
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    pids = tmp_path / "pids"
+    child = ("import os, subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; "
+             f"time.sleep(60)']); open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{g.pid}}'); time.sleep(60)")
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _run_tree([sys.executable, "-c", child], 60, "driver", tmp_path / "log")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # gone
+            return False
+
+    started = [int(pid) for pid in pids.read_text().split()]  # the run and the process it started
+    assert len(started) == 2
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in started if running(pid)], timeout=5)  # SIGKILL lands
+    assert not any(running(p.pid) for p in alive)
