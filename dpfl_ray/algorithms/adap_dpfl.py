@@ -107,9 +107,12 @@ class AdapDPFL(Algorithm):
 
     @classmethod
     def adjacencies(cls, sc) -> dict[str, tuple[str, ...]]:
-        """DP-SGD with Poisson lots of expected size L, the sum divided by L: add/remove one record,
-        with the lot rate q = L / n of the client's record count n taken as public."""
-        return {"add_remove": ("each client's record count n (the lot rate q = L / n)",)}
+        """DP-SGD with Poisson lots of expected size L, the sum divided by L. The run releases each
+        client's record count n (the lot rate q = L / n, eq. 1's aggregation weights), so neighbours
+        must share it: zero-out, one record replaced by a null record that contributes nothing
+        (not the paper's add/remove, under which n would differ and the release shows it). For a
+        Poisson-sampled Gaussian its RDP is add/remove's, which is what the ledgers compute."""
+        return {"zero_out": ("each client's record count n (the lot rate q = L / n, the aggregation weights)",)}
 
     @classmethod
     def check_scenario(cls, sc) -> None:

@@ -260,3 +260,28 @@ def test_a_server_adam_wants_one_lot_per_client_round():
     with pytest.raises(DPFLError, match=r"^privacy.adap_dpfl.optimizer_state: 'server' .*\.steps: 1 \(it is 2\)$"):
         load_scenario("scenarios/papers/fu2022/adap.yaml", ["privacy.adap_dpfl.optimizer_state=server",
                                                             "privacy.adap_dpfl.steps=2", "data.source=mnist5k"])
+
+
+def test_adap_dpfl_is_booked_under_zero_out_whose_rdp_is_add_remove_s_for_its_events():
+    """The run releases each client's record count (q = L/n, eq. 1's weights), so its neighbours keep
+    it: zero-out, not the paper's add/remove. For every event its clients book (one Poisson lot, with
+    or without the norm query, over several steps), dp_accounting's RDP under zero-out (its
+    REPLACE_SPECIAL) is the add/remove curve the ledgers compute, to the bit."""
+    from pathlib import Path
+
+    from dpfl_ray.algorithms.adap_dpfl import AdapDPFL
+    from dpfl_ray.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parents[2] / "scenarios" / "papers" / "fu2022" / "adap.yaml")
+    relation, public = AdapDPFL.adjacency(sc)
+    assert relation == "zero_out" and "record count n" in public[0]
+    with pytest.raises(ValueError, match="only zero_out"):
+        AdapDPFL.adjacency(sc.model_copy(update={"privacy": sc.privacy.model_copy(update={"adjacency": "add_remove"})}))
+    for with_query in (False, True):
+        event = dp_accounting.SelfComposedDpEvent(round_events(78 / 5400, 3.7, book_threshold_query=with_query)[0], 3)
+        curves = []
+        for rel in (dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, dp_accounting.NeighboringRelation.REPLACE_SPECIAL):
+            acc = RdpAccountant(neighboring_relation=rel)
+            acc.compose(event)
+            curves.append(acc._rdp)
+        assert np.array_equal(*curves) and curves[0].any()
