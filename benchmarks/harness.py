@@ -364,7 +364,11 @@ class RunningRay:
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.sampler = TreeSampler(self.proc.pid, "ray_system")
         self.sampler.start()
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: the caller holds no head to stop
+            self.stop(grace=2.0)
+            raise
 
     def _wait_ready(self, timeout: float = 120.0) -> None:
         import socket

@@ -157,13 +157,16 @@ def _calibration_note(calibration: str, min_weight_fraction: float, dropout_rate
 
 
 def _check_used_by_calibration(calibration: str, min_weight_fraction: float | None,
-                               calibration_dropout_rate: float | None) -> None:
+                               calibration_dropout_rate: float | None, dropout_rate: float) -> None:
     """A calibration option the chosen --calibration never reads is refused, not silently dropped."""
     for value, name, users in ((min_weight_fraction, "min_weight_fraction", ("baek-extended", "layered")),
                                (calibration_dropout_rate, "calibration_dropout_rate", ("baek", "baek-extended"))):
         if value is not None and calibration in CALIBRATIONS and calibration not in users:
             raise DPFLError(f"is for --calibration {' or '.join(users)}; --calibration {calibration} "
                             "would leave it unused", field=name)
+    if calibration_dropout_rate is not None and calibration == "baek" and not dropout_rate:
+        raise DPFLError("baek calibrates only after dropouts: give --dropout-rate, or it is left unused",
+                        field="calibration_dropout_rate")
 
 
 @app.command()
@@ -208,7 +211,7 @@ def epsilon(
     from dpfl_ray.privacy.ledger import EpsilonCurve, FixedSizeSampling
     from dpfl_ray.privacy.validation import _check_noise
 
-    _check_used_by_calibration(calibration, min_weight_fraction, calibration_dropout_rate)
+    _check_used_by_calibration(calibration, min_weight_fraction, calibration_dropout_rate, dropout_rate)
     min_weight_fraction = 0.5 if min_weight_fraction is None else min_weight_fraction
     calibration_dropout_rate = 0.0 if calibration_dropout_rate is None else calibration_dropout_rate
     mechanism = _mechanism(mechanism, bool(dropout_rate or calibration_dropout_rate or calibration != "none"))

@@ -239,8 +239,10 @@ class Baek(Algorithm):
         self.clip_norm = float(p.clipping.norm)
         self.z = float(noise_multiplier)
         self.weights = np.asarray(weights, dtype=np.float64)
-        # Baek's 2C already covers an overcommitted cohort's displacement (one in, one out)
-        self.sampling, frac, _ = sampling_of(scenario.sampling, len(weights))
+        # Baek's 2C already covers an overcommitted cohort's displacement (one in, one out); after
+        # the rounding of integer noise it does not (plan_ring's replace_one)
+        self.sampling, frac, displacement = sampling_of(scenario.sampling, len(weights))
+        self.one_in_one_out = isinstance(self.sampling, FixedSizeSampling) or displacement > 1
         self.expected_weight = frac * float(np.sum(self.weights))
         self.n0 = self.min_fraction * self.expected_weight if self.mode == "baek-extended" else None
         self.plan: RoundPlan | None = None
@@ -293,7 +295,7 @@ class Baek(Algorithm):
             spread *= math.sqrt(1.0 + 2.0 / LAYER_QUANTA)
         return plan_ring(self.integer, self.bits, shares, self.dim, self.clip_norm,
                          2.0 * self.clip_norm * self.z * spread, 2.0 * self.clip_norm, self.max_wrap, ROUNDING_BETA,
-                         replace_one=isinstance(self.sampling, FixedSizeSampling))
+                         replace_one=self.one_in_one_out)
 
     def _released_event(self, survived: int, calibrated: bool = False, senders: int | None = None):
         """What the round hands the server. Without a calibration: the sum of the survivors' shares (a

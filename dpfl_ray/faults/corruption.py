@@ -1,9 +1,10 @@
 """Corrupt updates (docs/faults.md): how a faulty client spoils its update, and the check that
 keeps such an update from ever reaching the model.
 
-The check runs where an individual update still exists: in the worker, before its group sum or
-its SecAgg masking (a stand-in for the client-side validity proof a deployment would need, since
-the server never sees an individual masked input), or at the coordinator for per-client uploads.
+The check runs in the worker on what each client sends (its update as the algorithm prepares it:
+clipped, before weighting and noise), before its group sum or its SecAgg masking: a stand-in for
+the client-side validity proof a deployment would need, since the server never sees an individual
+masked input.
 """
 from __future__ import annotations
 

@@ -3,8 +3,10 @@
 Client-level DP (:class:`~dpfl_ray.privacy.ledger.PrivacyLedger`) has one ledger for the run; with
 record-level DP every client protects its *own records* and spends its *own* budget, so each client
 has an accountant: its DP-SGD steps are booked as ``PoissonSampledDpEvent(q, Gaussian(sigma))``,
-Huang's noisy arg-max as a pure-DP event (see :mod:`dpfl_ray.algorithms.huang2020_core`), all under
-the add/remove-one-record relation of dp_accounting's ``RdpAccountant``.
+Huang's noisy arg-max as a pure-DP event (see :mod:`dpfl_ray.algorithms.huang2020_core`), all computed
+under the add/remove-one-record relation of dp_accounting's ``RdpAccountant``: the run's own relation
+(ledger.json's ``adjacency``) is met through the events (Huang's replace-one books doubled
+sensitivities; Fu's zero-out has add/remove's curve for Poisson lots).
 
 Speed: a client's RDP curve is the sum of its events' curves times their counts (RDP composes by
 addition, which is exactly what ``RdpAccountant.compose`` does). Each *distinct* event's curve is

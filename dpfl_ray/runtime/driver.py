@@ -423,7 +423,8 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
         last = rounds[-1]
         summary.update(epsilon=last["epsilon"], delta=scenario.privacy.delta,
                        ledger="unavailable: the coordinator died before handing it back; epsilon is the last "
-                              "committed round's, from rounds.jsonl")
+                              "row's of rounds.jsonl (a round committed after it, still awaiting its "
+                              "evaluation, is not in it)")
         for key in ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min", "epsilon_assumed"):
             if key in last:
                 summary[key] = last[key]

@@ -9,8 +9,9 @@ by the realised size would make the sensitivity data-dependent).
 Lots are Poisson (each example independently with probability q = L/n: the sampled Gaussian
 mechanism that dp_accounting's ``PoissonSampledDpEvent`` describes) or fixed batches of a fresh
 permutation per epoch. :meth:`DPSGDResult.dp_event` is what the caller books on the client's own
-ledger (:mod:`dpfl_ray.privacy.client_ledgers`); the neighbouring relation is add/remove one record
-of this client.
+ledger (:mod:`dpfl_ray.privacy.client_ledgers`), computed under add/remove one record of this
+client; for Poisson lots that is also the zero-out curve, the relation under which a run that
+publishes n (Fu et al.'s q = L/n) is booked (docs/sensitivity.md).
 
 Randomness: the lots and the noise are the (purpose, round, client) streams of the run's
 :class:`~dpfl_ray.privacy.randomness.DPRandomness` ("dpsgd_lots", "dpsgd_noise"), so a client's update

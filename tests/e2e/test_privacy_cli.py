@@ -195,6 +195,8 @@ def test_calibration_text_line():
           "--min-weight-fraction", "0.5"], "min_weight_fraction"),
         (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration", "layered",
           "--calibration-dropout-rate", "0.1"], "calibration_dropout_rate"),
+        (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration", "baek",
+          "--calibration-dropout-rate", "0.1"], "calibration_dropout_rate"),  # no dropout: nothing to calibrate
         (["epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--rounds", "10", "--delta", "1e-5", "--calibration", "layered",
           "--dropout-rate", "0.3", "--min-weight-fraction", "0.8"], "dropout_rate"),
     ],

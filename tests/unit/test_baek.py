@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from dpfl_ray.algorithms import Abort, CalibrationSum, RoundOutcome, UnmaskPlan
-from dpfl_ray.algorithms.baek import Baek
+from dpfl_ray.algorithms.baek import ROUNDING_BETA, Baek
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.faults.plan import plan_round
 from dpfl_ray.privacy.dropouts import (
@@ -623,3 +623,27 @@ def test_survivors_that_send_no_calibration_term_never_cost_more_than_the_round_
     assert eps[0] == pytest.approx(5.8242, abs=1e-3) and eps[70] == pytest.approx(7.9451, abs=1e-3)
     assert eps[1] < eps[70] and eps[69] < 1.1 * eps[70]
     assert all(e <= worst + 1e-9 for e in eps.values()), (eps, worst)
+
+
+@pytest.mark.parametrize("sampling, one_in_one_out", [
+    ({"mode": "poisson", "rate": 0.25, "clients_per_round": None}, False),
+    ({"mode": "poisson", "rate": 0.25, "clients_per_round": None, "overcommit": 1.5}, True),  # one in, one out
+    ({"mode": "fixed", "clients_per_round": 10, "rate": None}, True),
+])
+def test_integer_noise_books_two_rounded_vectors_where_a_neighbour_swaps_a_client(sampling, one_in_one_out):
+    """Each client's vector is rounded on its own: where a neighbour puts one client in and another
+    out (a fixed-size cohort, or Poisson with overcommit), the sum moves by twice one rounded bound."""
+    from dpfl_ray.privacy import discrete_rdp as rdp
+    from dpfl_ray.secagg.ring import padded_dim
+
+    raw = _integer_scenario("none", "skellam", bits=14).model_dump(mode="json")
+    raw["sampling"] = {**raw["sampling"], **sampling}
+    sc = scenario_from_dict(raw)
+    alg = Baek(sc, np.ones(40), 1.0)
+    alg.bind_model(26010)
+    assert alg.one_in_one_out is one_in_one_out
+    plan = alg._ring_plan(10)
+    d, beta = padded_dim(alg.dim), ROUNDING_BETA
+    single = rdp.rounded_l2_bound(alg.clip_norm * plan.scale, d, beta)
+    expected = 2 * single if one_in_one_out else rdp.rounded_l2_bound(2 * alg.clip_norm * plan.scale, d, beta)
+    assert plan.event.l2 == expected
