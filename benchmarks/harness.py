@@ -242,12 +242,11 @@ def _run_tree(cmd: list[str], timeout: float, role: str, log: Path) -> tuple[int
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
-            sampler.stop()
-            sampler.kill_tree()
             raise
-        t_end = time.time()
-        sampler.stop()
-        sampler.kill_tree()  # a Ray daemon left behind by a crashed driver
+        finally:
+            t_end = time.time()
+            sampler.stop()
+            sampler.kill_tree()  # what the run left: a Ray daemon of a crashed driver, an interrupted run's processes
     return rc, t_start, t_end, sampler, stdout
 
 

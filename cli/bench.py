@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, err_console, fail, folder_option, user_errors
+from .common import console, err_console, fail, folder_option, interrupt, user_errors
 
 app = typer.Typer(help="Benchmarks (each reported next to a baseline measured in the same run).",
                   no_args_is_help=True)
@@ -258,10 +258,7 @@ def run_workloads(
             console.print(f"  {s['workload']} {kind}: train {s.get('train_seconds', 0):.2f}s, process "
                           f"{s.get('process_seconds', 0):.2f}s {state}", highlight=False)
 
-    def stop(signum, _frame):  # SIGTERM as Ctrl-C: the runs in flight and a started Ray head are stopped
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, interrupt)  # as Ctrl-C: the runs in flight and a Ray head are stopped
     try:
         report = measure(names, repeat, set_, timeout, floor, keep, on_sample=progress)
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 
 import typer
@@ -85,6 +86,12 @@ def folder_option(text: str):
     if isinstance(text, str) and not text.strip():  # a default arrives as a Path
         raise typer.BadParameter("is empty: give a folder")
     return Path(text)
+
+
+def interrupt(signum, _frame) -> None:
+    """A signal handler that stops a command as Ctrl-C does (SIGTERM from `ray job stop`, a bench
+    stopped by its caller), so its ``finally`` clauses run."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def stdout_is_tty() -> bool:

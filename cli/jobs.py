@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import ADDRESS_HELP, console, fail, folder_option, follow_job, user_errors, write_job_log
+from .common import ADDRESS_HELP, console, fail, folder_option, follow_job, interrupt, user_errors, write_job_log
 
 app = typer.Typer(help="Ray Jobs on a cluster: list, status, logs, stop, fetch.", no_args_is_help=True)
 
@@ -147,7 +147,7 @@ def entrypoint(out: Path = typer.Option(..., "--out", parser=folder_option)) -> 
     path.write_text(text)
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         # `ray job stop` sends SIGTERM: stop the run between rounds, like Ctrl-C, and still pack it
-        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGTERM, interrupt)
     code = 0
     command = ["run", str(path), "--out", str(out)]
     if sweep_args is not None:
@@ -166,10 +166,6 @@ def entrypoint(out: Path = typer.Option(..., "--out", parser=folder_option)) -> 
             sys.stdout.flush()
             print("\n".join(bundle_lines(out, name)), flush=True)
     raise typer.Exit(code)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _scenario_name(path: Path) -> str:

@@ -144,13 +144,10 @@ class ClientSpec:
         """The round's integer-noise encoding, when the client's noise lives in SecAgg's ring."""
         return getattr(self.noise, "ring", None)
 
-    def ring_words(self, update: np.ndarray, theta: np.ndarray, client_id: int, weight: float) -> np.ndarray:
-        """w_i times the client's upload, scaled, rotated, rounded to integers within the round's norm
-        bound, plus its integer noise share, mod 2^bits: its uint32 summand in secure aggregation."""
-        return self.ring_words_of(self.prepare(update, theta), client_id, weight)
-
-    def ring_words_of(self, prepared: np.ndarray, client_id: int, weight: float) -> np.ndarray:
-        """:meth:`ring_words` of a vector :meth:`prepare` gave (and the server's check passed)."""
+    def ring_words(self, prepared: np.ndarray, client_id: int, weight: float) -> np.ndarray:
+        """w_i times the client's upload (``prepared``: what :meth:`prepare` gave), scaled, rotated,
+        rounded to integers within the round's norm bound, plus its integer noise share, mod 2^bits:
+        its uint32 summand in secure aggregation."""
         from ..secagg.ring import conditional_round, rotate, rotation_signs, to_ring
 
         ring = self.ring
@@ -168,12 +165,9 @@ class ClientSpec:
         """The length of :meth:`prepare`'s vector for a model of ``dim`` values."""
         return dim + (1 if self.clip_norm and self.indicator else 0)
 
-    def plain_value(self, update: np.ndarray, theta: np.ndarray, client_id: int) -> np.ndarray:
-        """The client's upload when the server sees it alone (no secure aggregation)."""
-        return self.plain_value_of(self.prepare(update, theta), client_id)
-
-    def plain_value_of(self, prepared: np.ndarray, client_id: int) -> np.ndarray:
-        """:meth:`plain_value` of a vector :meth:`prepare` gave (and the server's check passed)."""
+    def plain_value(self, prepared: np.ndarray, client_id: int) -> np.ndarray:
+        """The client's upload when the server sees it alone (no secure aggregation), from what
+        :meth:`prepare` gave."""
         value = prepared
         if self.noise is None:
             return value
@@ -181,12 +175,9 @@ class ClientSpec:
             raise ValueError("noise shared over the weighted sum needs secure aggregation")
         return (value.astype(np.float64) + self.noise.sample(client_id, 1.0, value.size)).astype(np.float32)
 
-    def weighted_value(self, update: np.ndarray, theta: np.ndarray, client_id: int, weight: float) -> np.ndarray:
-        """w_i times the client's upload, with its noise: its summand in secure aggregation."""
-        return self.weighted_value_of(self.prepare(update, theta), client_id, weight)
-
-    def weighted_value_of(self, prepared: np.ndarray, client_id: int, weight: float) -> np.ndarray:
-        """:meth:`weighted_value` of a vector :meth:`prepare` gave (and the server's check passed)."""
+    def weighted_value(self, prepared: np.ndarray, client_id: int, weight: float) -> np.ndarray:
+        """w_i times the client's upload (what :meth:`prepare` gave), with its noise: its summand in
+        secure aggregation."""
         value = prepared * np.float32(weight)
         if self.noise is None:
             return value

@@ -371,6 +371,10 @@ def final_figures(rounds: Sequence[dict]) -> dict:
     return figures
 
 
+# The epsilons a round's row reports beside its ``epsilon`` that the summary repeats from the last row.
+ROW_EPSILONS = ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min")
+
+
 def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, timings: Timings | None = None,
            workers: Sequence = (), workers_wait_s: float = CALL_TIMEOUT_SECONDS) -> dict:
     """Write ledger.json, model.pt, summary.json (and the checkpoint, audit and plots) for
@@ -414,9 +418,7 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
                            noise_multiplier_assumed=ledger["noise_multiplier_assumed"])
         if ledger.get("record_level"):  # one ledger per client: the row's epsilon is the worst client's
             summary["record_level"] = True
-        for key in ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min"):
-            if key in last:
-                summary[key] = last[key]
+        summary.update({k: last[k] for k in ROW_EPSILONS if k in last})
     elif state is None and rounds and "epsilon" in rounds[-1]:
         # a private run whose coordinator was lost before any checkpoint: its ledger went with it,
         # but the rows kept each committed round's epsilon, and the summary must not drop what was spent
@@ -425,9 +427,7 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
                        ledger="unavailable: the coordinator died before handing it back; epsilon is the last "
                               "row's of rounds.jsonl (a round committed after it, still awaiting its "
                               "evaluation, is not in it)")
-        for key in ("epsilon_nominal", "epsilon_claimed", "epsilon_median", "epsilon_min", "epsilon_assumed"):
-            if key in last:
-                summary[key] = last[key]
+        summary.update({k: last[k] for k in (*ROW_EPSILONS, "epsilon_assumed") if k in last})
     if state is not None and "checkpoint" in state and scenario.output.checkpoint_every:
         write_checkpoint(record.path, state["checkpoint"])
     if state is not None and "audit" in state:  # the canaries' statistics: `dpfl audit` reads them

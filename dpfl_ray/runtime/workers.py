@@ -239,7 +239,7 @@ class ClientWorker:
                 if reason:
                     rejected[cid] = reason
                     continue
-                value = spec.plain_value_of(sent, cid)
+                value = spec.plain_value(sent, cid)
                 ids.append(cid)
                 if spec.per_client:
                     uploads.append(value)
@@ -286,11 +286,11 @@ class ClientWorker:
                 continue
             if spec.ring is not None:  # integer noise: the client's words of Z_2^b itself (secagg/ring.py)
                 try:
-                    self._sa["inputs"][idx] = spec.ring_words_of(sent, cid, weights[cid])
+                    self._sa["inputs"][idx] = spec.ring_words(sent, cid, weights[cid])
                 except EncodingError as err:
                     return PhaseReply(aborted=f"client {cid}: {err}")
             else:
-                value = spec.weighted_value_of(sent, cid, weights[cid])
+                value = spec.weighted_value(sent, cid, weights[cid])
                 try:
                     enc = encode(value, bits=config.bits, scale=encoding.scale, n_summands=encoding.n_summands,
                                  rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),

@@ -335,7 +335,7 @@ def test_baek_calibration_with_integer_shares_releases_the_fresh_shares_and_book
     ring, noise = spec.ring, spec.noise
     rng = np.random.default_rng(0)
     updates = {c: rng.normal(0, 0.05, dim).astype(np.float32) for c in survivors}
-    words = {c: spec.ring_words(updates[c], np.zeros(dim, np.float32), c, 1.0) for c in survivors}
+    words = {c: spec.ring_words(spec.prepare(updates[c], np.zeros(dim, np.float32)), c, 1.0) for c in survivors}
     terms = {c: noise.calibration_term(c, 1.0, ring.dim, 7.0) for c in survivors}
     first = {c: noise.integer_share(c, ring) for c in survivors}
     fresh_var = calibration_share_variance(ring, 10, 7)
@@ -418,8 +418,8 @@ def test_baek_extended_with_integer_shares_starts_from_the_floor_and_always_cali
     assert noise.first_shares == pytest.approx(5.0) and fresh_var == pytest.approx(
         local * 5 / 10 if mechanism == "skellam" else math.ceil(local * 5 / 10))
     rng = np.random.default_rng(1)
-    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
-             for c in survivors}
+    words = {c: spec.ring_words(spec.prepare(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32)),
+                                c, 1.0) for c in survivors}
     first = {c: noise.integer_share(c, ring) for c in survivors}
     fresh = {c: draw(mechanism, noise.randomness.generator("calibration", 0, c), fresh_var, ring.dim) for c in survivors}
     a = ring_sum(list(words.values()), ring.bits)
@@ -485,8 +485,8 @@ def _layers_removed_in_the_ring(alg, spec, survivors, removed, dim):
 
     ring, noise = spec.ring, spec.noise
     rng = np.random.default_rng(0)
-    words = {c: spec.ring_words(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32), c, 1.0)
-             for c in survivors}
+    words = {c: spec.ring_words(spec.prepare(rng.normal(0, 0.05, dim).astype(np.float32), np.zeros(dim, np.float32)),
+                                c, 1.0) for c in survivors}
     seeds = {c: {k: noise.layer_seed(c, k) for k in removed} for c in survivors}
     a = ring_sum([words[c] for c in survivors], ring.bits)
     kept = sum(from_ring(words[c], ring.bits) - sum(noise.layer_ints(seeds[c][k], k) for k in removed)

@@ -21,7 +21,7 @@ def scenario(**privacy):
 def _uploads(algo, updates):
     """What the workers send: each update prepared as the round's ClientSpec says."""
     spec = algo.client_spec()
-    return {c: spec.plain_value(u, np.zeros_like(u), c) for c, u in updates.items()}
+    return {c: spec.plain_value(spec.prepare(u, np.zeros_like(u)), c) for c, u in updates.items()}
 
 
 def test_clipping_and_expected_denominator_without_noise_effect():

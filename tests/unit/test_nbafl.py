@@ -60,9 +60,9 @@ def test_clients_send_clipped_parameters_with_uplink_noise():
     clipped = spec.prepare(update, theta)  # ||(15,15,15,15)|| = 30 > C = 20
     np.testing.assert_allclose(clipped, np.full(4, 10.0), rtol=1e-6)
     assert np.linalg.norm(spec.prepare(np.zeros(4, np.float32), np.ones(4, np.float32))) == pytest.approx(2.0)
-    sent = spec.plain_value(update, theta, 3)
+    sent = spec.plain_value(spec.prepare(update, theta), 3)
     noise = sent - clipped
-    assert np.array_equal(sent, spec.plain_value(update, theta, 3))  # seeded per (round, client)
+    assert np.array_equal(sent, spec.plain_value(spec.prepare(update, theta), 3))  # seeded per (round, client)
     assert not np.allclose(noise, 0)
 
 
@@ -259,7 +259,7 @@ def test_replacing_one_record_separates_releases_within_the_booked_multiplier(on
                                   lr=tr.lr, clip_norm=tr.clip_norm, rng=rngmod.generator(s, "batches", 0, 0),
                                   torch_seed=rngmod.int_seed(s, "torch", 0, 0), prox_mu=spec.prox_mu)
             clean[cid].append(spec.prepare(update, theta))
-            released[cid].append(spec.plain_value(update, theta, cid))
+            released[cid].append(spec.plain_value(spec.prepare(update, theta), cid))
     assert max(np.linalg.norm(v) for v in clean[1]) <= 1.0 + 1e-6  # clipped to C
     direction = np.mean(clean[1], axis=0) - np.mean(clean[0], axis=0)
     a, b = (np.asarray(released[c], dtype=np.float64) @ (direction / np.linalg.norm(direction)) for c in (0, 1))

@@ -48,7 +48,7 @@ def _dp_fedavg(randomness):
     _, alg = _algorithm(randomness, {"algorithm": "dp_fedavg"}, {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}})
     assert alg.begin_round(0, list(range(K))) is None
     spec = alg.client_spec()
-    ups = {c: spec.plain_value(u, np.zeros_like(u), c) for c, u in _updates(6).items()}
+    ups = {c: spec.plain_value(spec.prepare(u, np.zeros_like(u)), c) for c, u in _updates(6).items()}
     return alg.finish(RoundOutcome(0, tuple(ups), updates=ups), 6).delta
 
 
@@ -74,7 +74,7 @@ def _nbafl(randomness):
     cohort = (3, 7)
     assert alg.begin_round(0, list(cohort)) is None
     spec, theta, ups = alg.client_spec(), np.zeros(6, np.float32), _updates(6)
-    uploads = {c: spec.plain_value(ups[c], theta, c) for c in cohort}
+    uploads = {c: spec.plain_value(spec.prepare(ups[c], theta), c) for c in cohort}
     return alg.finish(RoundOutcome(0, cohort, updates=uploads, theta=theta), 6).delta
 
 
