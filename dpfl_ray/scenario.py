@@ -63,10 +63,19 @@ class DataConfig(_Section):
     partition: PartitionConfig = PartitionConfig()
     validation_fraction: float = Field(0.0, ge=0, lt=0.5, description="hold this fraction of the training "
                                        "examples out of every client as the server's validation split")
+    normalize: list[float] | None = Field(
+        None, min_length=2, max_length=2, description="[mean, std]: every input value becomes (x - mean) / std, training and test alike; "
+                          "constants stated here (public), never measured on the clients' data")
     # synthetic source only
     synthetic_examples: int = Field(2000, ge=10, le=MAX_EXAMPLES)
     synthetic_features: int = Field(20, ge=1, le=MAX_SYNTHETIC_VALUES // 10)
     synthetic_classes: int = Field(2, ge=2, le=10_000)
+
+    @model_validator(mode="after")
+    def _normalize_divides(self):
+        if self.normalize is not None and not self.normalize[1] > 0:
+            raise ValueError(f"data.normalize is [mean, std]; std must be above 0, got {self.normalize[1]}")
+        return self
 
     @model_validator(mode="after")
     def _needs_path(self):

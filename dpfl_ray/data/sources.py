@@ -331,6 +331,18 @@ def _embedded(src: str) -> Dataset:
 
 
 def load_source(data_cfg, seed: int) -> Dataset:
+    ds = _load_source(data_cfg, seed)
+    if data_cfg.normalize is None:
+        return ds
+    mean, std = (np.float32(v) for v in data_cfg.normalize)
+
+    def scaled(x: np.ndarray) -> np.ndarray:  # float32 throughout: the same bits on every host
+        return np.divide(np.subtract(x, mean, dtype=np.float32), std, dtype=np.float32)
+
+    return Dataset(ds.name, scaled(ds.x_train), ds.y_train, scaled(ds.x_test), ds.y_test, ds.num_classes)
+
+
+def _load_source(data_cfg, seed: int) -> Dataset:
     src = data_cfg.source
     if src in ("mnist5k", "digits", "iris"):
         return _embedded(src)

@@ -61,6 +61,10 @@ BRING_BACK_TIMEOUT_S = 300.0
 ASK_TIMEOUT_S = 5.0
 # How long the sweep waits, after a stop was asked, for its trials to write their files and return.
 STOP_GRACE_SECONDS = 30.0
+# How long a sweep waits while none of its trials runs and one waits for its placement group (a busy
+# shared cluster, or resources that another job holds): the trials not started are then "not run"
+# (the next command runs them), instead of a sweep that waits forever.
+RESOURCE_WAIT_SECONDS = 600.0
 # Metrics a trial reports to Tune for every round (and the run's final status at its end).
 ROUND_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "epsilon_claimed", "survived", "sampled")
 
@@ -442,6 +446,15 @@ class _Queue(Searcher):
         pass
 
 
+def _bundle_total(bundles: Sequence[dict]) -> str:
+    """A trial's placement group as one phrase: "2 CPU, 0.5 GPU"."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + float(v)
+    return ", ".join(f"{v:g} {k}" for k, v in need.items()) or "its resources"
+
+
 class _Grace(Stopper):
     """Stops (kills) the trials still running STOP_GRACE_SECONDS after the stop file was written."""
 
@@ -452,7 +465,10 @@ class _Grace(Stopper):
         return False
 
     def stop_all(self) -> bool:
-        return self.stop_since is not None and time.monotonic() - self.stop_since > STOP_GRACE_SECONDS
+        return self.starved or (self.stop_since is not None
+                                and time.monotonic() - self.stop_since > STOP_GRACE_SECONDS)
+
+    starved = False  # no trial ran for RESOURCE_WAIT_SECONDS while one waited for its resources
 
 
 class _Watch(Callback):
@@ -471,10 +487,30 @@ class _Watch(Callback):
     def __setstate__(self, state: dict) -> None:
         self.__init__(Shutdown(), Path(os.devnull), {}, {}, None, None, _Grace())
 
+    waiting_since: float | None = None  # since when a trial waits for resources and none runs
+
     def on_step_begin(self, iteration: int, trials: list, **info) -> None:
         if self.shutdown.requested and self.grace.stop_since is None:
             self.flag.touch()
             self.grace.stop_since = time.monotonic()
+        self._starving([t for t in trials if t.status == "PENDING"], any(t.status == "RUNNING" for t in trials))
+
+    def _starving(self, pending: list, running: bool) -> None:
+        """A sweep whose trials all wait for resources the cluster never frees ends after
+        RESOURCE_WAIT_SECONDS: each waiting run is "not run", with what it waited for."""
+        if running or not pending or self.grace.stop_since is not None:
+            self.waiting_since = None
+            return
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        if now - self.waiting_since < RESOURCE_WAIT_SECONDS or self.grace.starved:
+            return
+        self.grace.starved = True
+        for trial in pending:
+            need = _bundle_total(trial.config.get("bundles") or [])
+            self._done(trial, f"not run: waited {RESOURCE_WAIT_SECONDS:.0f} s for {need} that the cluster never had "
+                              "free (its other jobs hold them); run the same command again to run it")
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
         config = self.by_name.get(trial.config.get("name"))

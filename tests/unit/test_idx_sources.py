@@ -236,3 +236,25 @@ def test_cli_run_without_the_files_is_one_error_line(tmp_path):
     res = dpfl("run", scenario, "--set", "data.source=fashion_mnist", "--set", f"data.path={tmp_path / 'empty'}")
     line = assert_one_error_line(res, "data.path")
     assert "apt-get install dataset-fashion-mnist" in line and not (tmp_path / "runs").exists()
+
+
+def test_normalize_maps_train_and_test_through_the_stated_constants_and_nothing_else(tmp_path):
+    folder = idx_folder(tmp_path / "data")
+    plain = load_source(DataConfig(source="idx", path=str(folder)), 0)
+    scaled = load_source(DataConfig(source="idx", path=str(folder), normalize=[0.25, 0.5]), 0)
+    for name in ("x_train", "x_test"):
+        a, b = getattr(plain, name), getattr(scaled, name)
+        assert b.dtype == np.float32 and b.shape == a.shape
+        assert np.array_equal(b, (a - np.float32(0.25)) / np.float32(0.5))
+    assert float(scaled.x_train.min()) == -0.5 and float(scaled.x_train.max()) == 1.5  # pixel 0 and 255
+    assert np.array_equal(plain.y_train, scaled.y_train) and np.array_equal(plain.y_test, scaled.y_test)
+    again = load_source(DataConfig(source="idx", path=str(folder)), 0)  # the cache holds the raw bytes
+    assert np.array_equal(plain.x_train, again.x_train)
+
+
+def test_a_normalize_that_divides_by_zero_is_one_error_line(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(dict(TINY, output={"dir": str(tmp_path / "runs")})))
+    res = dpfl("run", scenario, "--set", "data.normalize=[0.5, 0]")
+    assert_one_error_line(res, "data.normalize")
+    assert not (tmp_path / "runs").exists()
