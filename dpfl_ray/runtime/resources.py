@@ -77,12 +77,18 @@ def trials_that_fit(cluster: dict, bundles: list[dict[str, float]]) -> int:
     """How many trials of these bundles the cluster's totals hold at once (at least 1: Ray then
     says what is missing). Bundles are summed per resource, which is exact on one node and an upper
     bound across nodes."""
+    need = bundle_total(bundles)
+    fits = [math.floor(float(cluster.get(k, 0)) / v + 1e-9) for k, v in need.items() if v > 0]
+    return max(1, min(fits)) if fits else 1
+
+
+def bundle_total(bundles: list[dict[str, float]]) -> dict[str, float]:
+    """A placement group's bundles summed per resource."""
     need: dict[str, float] = {}
     for bundle in bundles:
         for k, v in bundle.items():
-            need[k] = need.get(k, 0.0) + v
-    fits = [math.floor(float(cluster.get(k, 0)) / v + 1e-9) for k, v in need.items() if v > 0]
-    return max(1, min(fits)) if fits else 1
+            need[k] = need.get(k, 0.0) + float(v)
+    return need
 
 
 def assign_clients(client_ids, sizes: np.ndarray, num_workers: int) -> list[list[int]]:

@@ -45,7 +45,7 @@ from ray.tune import Callback, Stopper
 from ray.tune.search import ConcurrencyLimiter, Searcher
 
 from . import warm
-from .resources import trial_bundles, trial_workers, trials_that_fit
+from .resources import bundle_total, trial_bundles, trial_workers, trials_that_fit
 from .shutdown import Shutdown
 
 STOP_FLAG = ".stop"
@@ -446,15 +446,6 @@ class _Queue(Searcher):
         pass
 
 
-def _bundle_total(bundles: Sequence[dict]) -> str:
-    """A trial's placement group as one phrase: "2 CPU, 0.5 GPU"."""
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for k, v in bundle.items():
-            need[k] = need.get(k, 0.0) + float(v)
-    return ", ".join(f"{v:g} {k}" for k, v in need.items()) or "its resources"
-
-
 class _Grace(Stopper):
     """Stops (kills) the trials still running STOP_GRACE_SECONDS after the stop file was written."""
 
@@ -508,7 +499,8 @@ class _Watch(Callback):
             return
         self.grace.starved = True
         for trial in pending:
-            need = _bundle_total(trial.config.get("bundles") or [])
+            need = ", ".join(f"{v:g} {k}" for k, v in bundle_total(trial.config.get("bundles") or []).items()) \
+                or "its resources"
             self._done(trial, f"not run: waited {RESOURCE_WAIT_SECONDS:.0f} s for {need} that the cluster never had "
                               "free (its other jobs hold them); run the same command again to run it")
 
