@@ -14,6 +14,7 @@ noise are drawn here, so the numbers are not the runs' own.
     python docs/experiments/fu2022_adam_state.py fresh 4.0 80 69 5   # 69 lots per client round, print every 5
     python docs/experiments/fu2022_adam_state.py server 2.0 2567     # one Adam at the server
     python docs/experiments/fu2022_adam_state.py shared 2.0 2567     # one Adam state for every client in turn
+    python docs/experiments/fu2022_adam_state.py server 2.0 2567 1 250 --standardize  # inputs (x - 0.2860) / 0.3530
 
 Modes: ``fresh``, a new Adam in every client round (the runtime's ``optimizer_state: round``);
 ``persistent``, each client's Adam state kept from its round to its next (``optimizer_state: client``);
@@ -58,6 +59,10 @@ Measured 2026-11-26 (Intel Xeon, 2 cores, the two modes side by side, one thread
   noise-decay run's sigma replayed (its rounds.jsonl, 6,063 rounds, 4 -> 2.67, C = 1): 0.648 / 0.697 /
   0.709 / 0.722 / 0.728 / 0.737 / **0.739** at round 6,063 (test loss 0.94-0.96 near round 1,000, 1.09-1.18
   from round 4,000 on, in both).
+- constant sigma 2, 2,567 rounds, inputs standardized (``--standardize``: data.normalize [0.2860, 0.3530]),
+  side by side (2026-12-02, AMD EPYC, beside a paper-scale run), at rounds 250 / 500 / 1,000 / 1,500 /
+  2,000 / 2,567: server 0.655 / 0.706 / 0.729 / 0.745 / 0.754 / **0.760** (968 s); fresh 0.498 / 0.600 /
+  0.652 / 0.696 / 0.709 / **0.719** (984 s).
 See docs/reproductions.md (Fu et al. 2022).
 """
 import json
@@ -93,10 +98,12 @@ def adam_step(opt, params: dict, names: list[str], flat: torch.Tensor) -> None:
 
 
 def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, clip: float = 1.0, lot: int = 78,
-         lr: float = 1e-3) -> None:
+         lr: float = 1e-3, standardize: bool = False) -> None:
     sigmas = sigma_schedule(sigma)
     torch.set_num_threads(1)
-    sc = load_scenario("scenarios/papers/fu2022/const_sigma.yaml")
+    # --standardize: inputs (x - 0.2860) / 0.3530, as the _standardized runs of paper.yaml
+    sc = load_scenario("scenarios/papers/fu2022/const_sigma.yaml",
+                       ["data.normalize=[0.2860, 0.3530]"] if standardize else [])
     fed = build_federation(sc)
     ds = fed.dataset
     model = build_model(sc.model, ds.input_shape, ds.num_classes, sc.seed)
@@ -152,4 +159,5 @@ def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, cl
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:6]))
+    args = [a for a in sys.argv[1:] if a != "--standardize"]
+    main(args[0], args[1], *(int(a) for a in args[2:5]), standardize="--standardize" in sys.argv)
