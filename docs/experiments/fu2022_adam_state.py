@@ -15,6 +15,7 @@ noise are drawn here, so the numbers are not the runs' own.
     python docs/experiments/fu2022_adam_state.py server 2.0 2567     # one Adam at the server
     python docs/experiments/fu2022_adam_state.py shared 2.0 2567     # one Adam state for every client in turn
     python docs/experiments/fu2022_adam_state.py server 2.0 2567 1 250 --standardize  # inputs (x - 0.2860) / 0.3530
+    python docs/experiments/fu2022_adam_state.py fresh 2.0 2567 1 250 --standardize --clip=1e-6  # another constant C
 
 Modes: ``fresh``, a new Adam in every client round (the runtime's ``optimizer_state: round``);
 ``persistent``, each client's Adam state kept from its round to its next (``optimizer_state: client``);
@@ -159,5 +160,8 @@ def main(mode: str, sigma: str, rounds: int, lots: int = 1, every: int = 250, cl
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--standardize"]
-    main(args[0], args[1], *(int(a) for a in args[2:5]), standardize="--standardize" in sys.argv)
+    flags = [a for a in sys.argv[1:] if a.startswith("--")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    clips = [float(f.split("=", 1)[1]) for f in flags if f.startswith("--clip=")]  # --clip=C: the constant threshold
+    main(args[0], args[1], *(int(a) for a in args[2:5]), standardize="--standardize" in flags,
+         **({"clip": clips[-1]} if clips else {}))

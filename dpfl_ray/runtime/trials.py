@@ -498,11 +498,17 @@ class _Watch(Callback):
         if now - self.waiting_since < RESOURCE_WAIT_SECONDS or self.grace.starved:
             return
         self.grace.starved = True
+        import ray
+
+        have = ray.cluster_resources()
         for trial in pending:
-            need = ", ".join(f"{v:g} {k}" for k, v in bundle_total(trial.config.get("bundles") or []).items()) \
-                or "its resources"
-            self._done(trial, f"not run: waited {RESOURCE_WAIT_SECONDS:.0f} s for {need} that the cluster never had "
-                              "free (its other jobs hold them); run the same command again to run it")
+            need = bundle_total(trial.config.get("bundles") or [])
+            what = ", ".join(f"{v:g} {k}" for k, v in need.items()) or "its resources"
+            short = [f"{float(have.get(k, 0)):g} {k}" for k, v in need.items() if v > float(have.get(k, 0)) + 1e-9]
+            why = (f"that the cluster does not have (it has {', '.join(short)})" if short
+                   else "that the cluster never had free (other jobs hold them)")
+            self._done(trial, f"not run: waited {RESOURCE_WAIT_SECONDS:.0f} s for {what} {why}; "
+                              "run the same command again to run it")
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
         config = self.by_name.get(trial.config.get("name"))

@@ -76,27 +76,20 @@ def test_only_the_run_s_own_directory_is_unpacked(tmp_path):
 
 def test_a_sweep_whose_trials_never_get_their_resources_ends_and_says_what_they_waited_for(ray_session, tmp_path,
                                                                                           monkeypatch):
-    """Another job holds every CPU of the cluster: the sweep's one trial waits for its placement group,
-    none runs, and after RESOURCE_WAIT_SECONDS the sweep ends with the run "not run" (the next
-    command runs it) instead of waiting forever."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-
+    """The sweep's one trial waits for a placement group the cluster cannot give it (here three GPUs
+    of the two it has; on a shared cluster, what other jobs hold: Tune waits alike), none runs, and
+    after RESOURCE_WAIT_SECONDS the sweep ends with the run "not run" (the next command runs it)
+    instead of waiting forever."""
     from dpfl_ray.runtime import trials
     from dpfl_ray.runtime.shutdown import Shutdown
 
     monkeypatch.setattr(trials, "RESOURCE_WAIT_SECONDS", 3.0)
-    free = ray.available_resources().get("CPU", 0.0)
-    other_job = placement_group([{"CPU": free}])
-    ray.get(other_job.ready(), timeout=60)
-    config = {"name": "seed=0", "bundles": [{}, {"CPU": 1.0}], "rounds": 1}
+    config = {"name": "seed=0", "bundles": [{}, {"CPU": 1.0, "GPU": 3.0}], "rounds": 1}
     done: list = []
     started = time.monotonic()
-    try:
-        statuses = trials.run_trials(tmp_path / "sweep", [config], 1, Shutdown(),
-                                     on_done=lambda c, status: done.append((c["name"], status)))
-    finally:
-        remove_placement_group(other_job)
+    statuses = trials.run_trials(tmp_path / "sweep", [config], 1, Shutdown(),
+                                 on_done=lambda c, status: done.append((c["name"], status)))
     assert time.monotonic() - started < 120
     assert statuses == dict(done) and set(statuses) == {"seed=0"}
-    assert statuses["seed=0"].startswith("not run: waited 3 s for 1 CPU that the cluster never had free")
+    assert statuses["seed=0"].startswith("not run: waited 3 s for 1 CPU, 3 GPU that the cluster does not have (it has 2 GPU)")
     assert not (tmp_path / "sweep" / "seed=0").exists()
