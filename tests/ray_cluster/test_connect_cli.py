@@ -25,13 +25,17 @@ def _one_error_line(result, *needles):
     return lines[0]
 
 
-def test_a_dead_address_fails_within_15_s_with_one_line(tmp_path):
+def test_a_dead_address_fails_before_ray_s_own_minute_of_retries_with_one_line(tmp_path):
+    """A refused connection is answered at once; what the bound measures is the process's start
+    and imports (16 s once on a 2-core host running five CPU-bound jobs beside the suite). Without
+    the probe, ray.init waits on an address like this for minutes (runtime/connect.py), so 30 s
+    still tells the two apart."""
     t0 = time.monotonic()
     r = dpfl("run", SCENARIO, "--address", "127.0.0.1:1", "--out", tmp_path / "run", env=client_env(), timeout=60)
     took = time.monotonic() - t0
     line = _one_error_line(r, "127.0.0.1:1", "connection refused")
     print(f"[wall] dpfl run --address 127.0.0.1:1: {took:.1f}s -> {line}")
-    assert took < 15
+    assert took < 30
     assert not (tmp_path / "run").exists()
 
 
