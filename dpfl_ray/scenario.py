@@ -64,8 +64,9 @@ class DataConfig(_Section):
     validation_fraction: float = Field(0.0, ge=0, lt=0.5, description="hold this fraction of the training "
                                        "examples out of every client as the server's validation split")
     normalize: list[float] | None = Field(
-        None, min_length=2, max_length=2, description="[mean, std]: every input value becomes (x - mean) / std, training and test alike; "
-                          "constants stated here (public), never measured on the clients' data")
+        None, min_length=2, max_length=2,
+        description="[mean, std]: every input value becomes (x - mean) / std, training and test alike; "
+                    "constants stated here (taken as public), never computed at run time")
     # synthetic source only
     synthetic_examples: int = Field(2000, ge=10, le=MAX_EXAMPLES)
     synthetic_features: int = Field(20, ge=1, le=MAX_SYNTHETIC_VALUES // 10)

@@ -61,9 +61,9 @@ BRING_BACK_TIMEOUT_S = 300.0
 ASK_TIMEOUT_S = 5.0
 # How long the sweep waits, after a stop was asked, for its trials to write their files and return.
 STOP_GRACE_SECONDS = 30.0
-# How long a sweep waits while none of its trials runs and one waits for its placement group (a busy
-# shared cluster, or resources that another job holds): the trials not started are then "not run"
-# (the next command runs them), instead of a sweep that waits forever.
+# How long a sweep waits while none of its trials runs and one waits for its placement group (what
+# other jobs hold, or more than the cluster has): the trials not started are then "not run" (the next
+# command runs them), instead of a sweep that waits forever.
 RESOURCE_WAIT_SECONDS = 600.0
 # Metrics a trial reports to Tune for every round (and the run's final status at its end).
 ROUND_METRICS = ("round", "test_accuracy", "test_loss", "epsilon", "epsilon_claimed", "survived", "sampled")
