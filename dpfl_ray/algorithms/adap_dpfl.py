@@ -35,7 +35,8 @@ from ..training.dpsgd_config import AdamState, DPSGDConfig
 from ..privacy.client_ledgers import ClientLedgers
 from ..privacy.randomness import DPRandomness
 from .adap_dpfl_core import (
-    claimed_ledgers, client_config, decayed_noise_multiplier, initial_clip_threshold, next_clip_threshold, round_events,
+    MIN_CLIP_NORM, claimed_ledgers, client_config, decayed_noise_multiplier, initial_clip_threshold, next_clip_threshold,
+    round_events,
 )
 from .base import Aggregate, Algorithm, ClientReport, ClientSpec, LocalProcedure, RoundOutcome
 from .fedavg import FedAvg
@@ -67,6 +68,7 @@ class AdapDPSGD(LocalProcedure):
     adam_states: tuple[tuple[int, AdamState], ...] = ()
     keep_adam_state: bool = False
     optimizer: str = "adam"
+    min_clip_norm: float = MIN_CLIP_NORM
 
     def _threshold(self, model, theta, x, client_id, seed) -> float:
         if self.alpha is None:
@@ -80,7 +82,7 @@ class AdapDPSGD(LocalProcedure):
             probe = torch.zeros((1, *x.shape[1:]), dtype=torch.float32, device=next(model.parameters()).device)
             num_classes = int(model(probe).shape[-1])
         return initial_clip_threshold(model, theta, x.shape[1:], num_classes, self.lot_size, seed=seed,
-                                      client_id=client_id)
+                                      client_id=client_id, floor=self.min_clip_norm)
 
     def run(self, model, theta, x, y, *, seed, round_idx, client_id):
         from ..training.local_dp import dpsgd_update
@@ -95,7 +97,7 @@ class AdapDPSGD(LocalProcedure):
         res = dpsgd_update(model, theta, x, y, cfg, seed=seed, round_idx=round_idx, client_id=client_id,
                            randomness=self.randomness, adam_state=dict(self.adam_states).get(client_id),
                            keep_adam_state=self.keep_adam_state)
-        nxt = clip if self.alpha is None else next_clip_threshold(res, self.alpha)
+        nxt = clip if self.alpha is None else next_clip_threshold(res, self.alpha, self.min_clip_norm)
         claimed = _claimed_event(res.sampling_rate, res.noise_multiplier, res.steps)
         return res.update, ClientReport(events=((res.dp_event(), 1),), claimed_events=((claimed, 1),),
                                         values={"clip_norm": float(nxt), "clip_used": float(clip)},
@@ -173,7 +175,8 @@ class AdapDPFL(Algorithm):
         states = tuple((c, self.adam_states[c]) for c in self._sampled if c in self.adam_states)
         return ClientSpec(local=AdapDPSGD(self.sigma, a.lot_size, a.lr, a.steps, a.alpha, self.clip_norm, clips,
                                           self.randomness, states, keep_adam_state=a.optimizer_state == "client",
-                                          optimizer="none" if a.optimizer_state == "server" else "adam"))
+                                          optimizer="none" if a.optimizer_state == "server" else "adam",
+                                          min_clip_norm=a.min_clip_norm))
 
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         for c, report in outcome.reports.items():

@@ -45,7 +45,10 @@ if TYPE_CHECKING:  # torch is loaded where a client trains (training.local_dp), 
 __all__ = ["initial_clip_threshold", "next_clip_threshold", "decayed_noise_multiplier", "client_config",
            "round_events", "claimed_ledgers", "label_sorted_fragments", "MIN_CLIP_NORM"]
 
-# A threshold of exactly 0 would divide by zero in the clip; eq. 6's |.| makes 0 a measure-zero event.
+# The default floor of eq. 6's threshold (privacy.adap_dpfl.min_clip_norm). Eq. 6 as printed, at alpha < 1,
+# shrinks the threshold about alpha-fold every round towards 0, where the clip divides by zero; the paper
+# names no floor. At 1e-6 a noisy mean gradient's coordinates (~sigma C / L) come near Adam's epsilon
+# (1e-8), which then shrinks Adam's steps (docs/reproductions.md, Fu et al., experiment 11).
 MIN_CLIP_NORM = 1e-6
 
 
@@ -56,7 +59,7 @@ def _positive(v, name: str) -> float:
 
 
 def initial_clip_threshold(model: nn.Module, theta: np.ndarray, input_shape: Sequence[int], num_classes: int,
-                           lot_size: int, *, seed: int, client_id: int) -> float:
+                           lot_size: int, *, seed: int, client_id: int, floor: float = MIN_CLIP_NORM) -> float:
     """C_0^k: the mean per-example gradient norm at ``theta`` on a lot of random noise (uniform
     inputs, uniform labels; Fu et al. 2022, Sec. IV-A). No record of the client is read, so it
     costs no privacy."""
@@ -65,12 +68,12 @@ def initial_clip_threshold(model: nn.Module, theta: np.ndarray, input_shape: Seq
     g = rngmod.generator(seed, "fu_initial_clip", -1, client_id)
     x = g.random((int(lot_size), *input_shape), dtype=np.float32)
     y = g.integers(0, num_classes, int(lot_size)).astype(np.int64)
-    return max(float(per_example_grad_norms(model, theta, x, y).mean()), MIN_CLIP_NORM)
+    return max(float(per_example_grad_norms(model, theta, x, y).mean()), floor)
 
 
-def next_clip_threshold(result: DPSGDResult, alpha: float) -> float:
+def next_clip_threshold(result: DPSGDResult, alpha: float, floor: float = MIN_CLIP_NORM) -> float:
     """C_{t+1}^k from round t's released norm sums (eq. 6-8): alpha * |noisy sum / L|, averaged over
-    the round's steps when there are several."""
+    the round's steps when there are several, and never under ``floor``."""
     alpha = _positive(alpha, "alpha")
     if result.noisy_norm_sums is None:
         raise DPFLError("the local update did not release the norm sum (release_norm_sum=False)",
@@ -78,7 +81,7 @@ def next_clip_threshold(result: DPSGDResult, alpha: float) -> float:
     if not result.noisy_norm_sums:
         return result.clip_norm  # no step ran: nothing new was learned about the norms
     mean = float(np.mean(result.noisy_norm_sums)) / result.lot_size
-    return max(alpha * abs(mean), MIN_CLIP_NORM)
+    return max(alpha * abs(mean), floor)
 
 
 def decayed_noise_multiplier(sigma: float, validation_losses: Sequence[float], beta: float) -> float:

@@ -58,6 +58,9 @@ def test_clipping_recursion_takes_the_absolute_noisy_mean_and_never_reaches_zero
     assert next_clip_threshold(neg, 0.5) == pytest.approx(0.5 * 12.0 / 10)
     assert next_clip_threshold(replace(res, noisy_norm_sums=(0.0,)), 0.5) == MIN_CLIP_NORM
     assert next_clip_threshold(replace(res, noisy_norm_sums=(4.0, 8.0)), 1.0) == pytest.approx(0.6)
+    # privacy.adap_dpfl.min_clip_norm: the floor is a stated setting; above it, the recursion is unchanged
+    assert next_clip_threshold(replace(res, noisy_norm_sums=(0.0,)), 0.5, floor=1e-2) == 1e-2
+    assert next_clip_threshold(neg, 0.5, floor=1e-2) == next_clip_threshold(neg, 0.5)
     with pytest.raises(DPFLError, match="release_norm_sum"):
         next_clip_threshold(replace(res, noisy_norm_sums=None), 1.0)
 
