@@ -5,3 +5,6 @@ command reads them while it lists its options, before any accounting library is 
 DEFAULT_ACCOUNTANT = "pld"
 #: where searches over the number of rounds stop ("at least this many")
 DEFAULT_MAX_ROUNDS = 10**7
+#: the default floor of Fu et al.'s adaptive clipping threshold (privacy.adap_dpfl.min_clip_norm; the
+#: reason for its value: algorithms/adap_dpfl_core.py)
+MIN_CLIP_NORM = 1e-6

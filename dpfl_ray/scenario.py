@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .defaults import MIN_CLIP_NORM
 from .errors import DPFLError
 
 
@@ -205,7 +206,7 @@ class AdapDPFLConfig(_Section):
     alpha: float | None = Field(1.0, gt=0, description="clipping factor of eq. 6-8; null: constant clipping at "
                                                         "privacy.clipping.norm")
     beta: float | None = Field(0.9999, gt=0, lt=1, description="noise decay of eq. 9; null: constant sigma")
-    min_clip_norm: float = Field(1e-6, gt=0, description="the floor of eq. 6's threshold, which the paper leaves "
+    min_clip_norm: float = Field(MIN_CLIP_NORM, gt=0, description="the floor of eq. 6's threshold, which the paper leaves "
                                                          "unbounded below (at alpha < 1 it shrinks towards 0)")
     stop_on: Literal["accounted", "claimed"] = Field(
         "accounted", description="which epsilon ends a client's uploads: 'accounted' (the norm query booked "

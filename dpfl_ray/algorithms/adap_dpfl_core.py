@@ -34,6 +34,7 @@ import numpy as np
 from dp_accounting import dp_event as dpe
 
 from .. import rng as rngmod
+from ..defaults import MIN_CLIP_NORM
 from ..data import partition as P
 from ..errors import DPFLError
 from ..training.dpsgd_config import DPSGDConfig, DPSGDResult
@@ -45,11 +46,10 @@ if TYPE_CHECKING:  # torch is loaded where a client trains (training.local_dp), 
 __all__ = ["initial_clip_threshold", "next_clip_threshold", "decayed_noise_multiplier", "client_config",
            "round_events", "claimed_ledgers", "label_sorted_fragments", "MIN_CLIP_NORM"]
 
-# The default floor of eq. 6's threshold (privacy.adap_dpfl.min_clip_norm). Eq. 6 as printed, at alpha < 1,
-# shrinks the threshold about alpha-fold every round towards 0, where the clip divides by zero; the paper
-# names no floor. At 1e-6 a noisy mean gradient's coordinates (~sigma C / L) come near Adam's epsilon
-# (1e-8), which then shrinks Adam's steps (docs/reproductions.md, Fu et al., experiment 11).
-MIN_CLIP_NORM = 1e-6
+# MIN_CLIP_NORM, the default floor of eq. 6's threshold (privacy.adap_dpfl.min_clip_norm): eq. 6 as printed,
+# at alpha < 1, shrinks the threshold about alpha-fold every round towards 0, where the clip divides by
+# zero; the paper names no floor. At 1e-6 a noisy mean gradient's coordinates (~sigma C / L) come near
+# Adam's epsilon (1e-8), which then shrinks Adam's steps (docs/reproductions.md, Fu et al., experiment 11).
 
 
 def _positive(v, name: str) -> float:

@@ -27,7 +27,8 @@ def _one_error_line(result, *needles):
 
 def test_a_dead_address_fails_before_ray_s_own_minute_of_retries_with_one_line(tmp_path):
     """A refused connection is answered at once; what the bound measures is the process's start
-    and imports (16 s once on a 2-core host running five CPU-bound jobs beside the suite). Without
+    and imports, which a 2-core host running several CPU-bound jobs beside the suite stretches past
+    15 s. Without
     the probe, ray.init waits on an address like this for minutes (runtime/connect.py), so 30 s
     still tells the two apart."""
     t0 = time.monotonic()
