@@ -31,7 +31,7 @@ def write_idx(folder, train_per_class=60, test_per_class=20, seed=0):
 
 def test_quick_reproduction_of_fu2022_writes_its_table_and_resumes(ray_address, tmp_path):
     data, out = write_idx(tmp_path / "idx"), tmp_path / "fu2022-quick"
-    args = ("reproduce", "fu2022", "--quick", "--data", data, "--only", "adap_as_published_standardized",
+    args = ("reproduce", "fu2022", "--quick", "--data", data, "--only", "adap_as_published_standardized_floor",
             "--out", out, "--address", ray_address, "--set", "resources.workers=1",
             "--set", "resources.num_cpus_per_worker=0.5", "--timeout", "240")
     res = dpfl(*args)
@@ -39,19 +39,20 @@ def test_quick_reproduction_of_fu2022_writes_its_table_and_resumes(ray_address, 
     with open(out / "reproduction.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["run"], r["paper_final_accuracy"], r["rounds"], r["status"]) for r in rows] == \
-        [("adap_as_published_standardized", "0.7956", "3", "ok")]
+        [("adap_as_published_standardized_floor", "0.7956", "3", "ok")]
     for r in rows:
         assert 0 <= float(r["final_accuracy"]) <= 1
         diff = float(r["final_accuracy"]) - float(r["paper_final_accuracy"])
         assert float(r["diff_final_accuracy"]) == pytest.approx(diff, abs=1e-9)
         assert float(r["epsilon_accounted"]) > 0 and float(r["epsilon_claimed"]) > 0 and r["epsilon_empirical"] == ""
     md = (out / "reproduction.md").read_text()
-    assert md.startswith("## Fu et al. 2022, Adap DP-FL (`fu2022`)") and "| adap_as_published_standardized | adap.yaml |" in md
+    assert md.startswith("## Fu et al. 2022, Adap DP-FL (`fu2022`)") and "| adap_as_published_standardized_floor | adap.yaml |" in md
     assert "`adap_within_3_points`" in md and "**SKIP** | adap_as_published was not run, adaptive_noise was not run" in md
     assert f"dpfl reproduce fu2022 --quick --data {data}" in md
     assert (out / "reproduction.png").read_bytes()[:4] == b"\x89PNG"
-    ran = yaml.safe_load((out / "adap_as_published_standardized" / "scenario.yaml").read_text())
+    ran = yaml.safe_load((out / "adap_as_published_standardized_floor" / "scenario.yaml").read_text())
     assert ran["data"]["normalize"] == [0.286, 0.353]  # the run's inputs were standardized as paper.yaml says
+    assert ran["privacy"]["adap_dpfl"]["min_clip_norm"] == 0.01  # and eq. 6's threshold floored where it says
     assert "adap_within_3_points" in res.stdout and "wrote " in res.stdout
 
     again = dpfl(*args)  # every run finished: nothing runs again, the table is the same
