@@ -27,10 +27,9 @@ def _one_error_line(result, *needles):
 
 def test_a_dead_address_fails_before_ray_s_own_minute_of_retries_with_one_line(tmp_path):
     """A refused connection is answered at once; what the bound measures is the process's start
-    and imports, which a 2-core host running several CPU-bound jobs beside the suite stretches past
-    15 s. Without
-    the probe, ray.init waits on an address like this for minutes (runtime/connect.py), so 30 s
-    still tells the two apart."""
+    and imports, which a loaded 2-core host stretches to tens of seconds. Without the probe,
+    ray.init waits on an address like this for minutes (runtime/connect.py), so 30 s still tells
+    the two apart."""
     t0 = time.monotonic()
     r = dpfl("run", SCENARIO, "--address", "127.0.0.1:1", "--out", tmp_path / "run", env=client_env(), timeout=60)
     took = time.monotonic() - t0
