@@ -257,6 +257,32 @@ def test_a_server_adam_steps_on_the_weighted_mean_noisy_gradient_and_is_checkpoi
     assert np.array_equal(a.delta, b.delta)
 
 
+def test_a_stated_initial_threshold_replaces_the_one_measured_on_noise_in_the_first_round_only():
+    from dpfl_ray.algorithms.adap_dpfl import AdapDPFL
+    from dpfl_ray.algorithms.base import RoundOutcome
+    from dpfl_ray.scenario import load_scenario
+
+    model, x, y = problem()
+    theta = get_flat(model).copy()
+    used, released = {}, {}
+    for c0 in (None, 0.03):
+        sc = load_scenario("scenarios/papers/fu2022/adap.yaml",
+                           ["data.source=mnist5k", f"privacy.adap_dpfl.initial_clip_norm={'null' if c0 is None else c0}"])
+        alg = AdapDPFL(sc, weights=[1.0], sizes=[len(y)])
+        for r in range(2):
+            alg.begin_round(r, [0])
+            update, rep = alg.client_spec().local.run(model, theta, x, y, seed=0, round_idx=r, client_id=0)
+            alg.finish(RoundOutcome(round=r, survivors=(0,), total=update, reports={0: rep}), theta.size)
+            used[c0, r], released[c0, r] = rep.values["clip_used"], rep.values["clip_norm"]
+    measured = initial_clip_threshold(model, theta, (6,), 3, 78, seed=0, client_id=0)
+    assert used[None, 0] == pytest.approx(measured) and used[0.03, 0] == 0.03 != pytest.approx(measured)
+    # the second round's threshold is eq. 6 on the first round's release, whichever C_0 it clipped at
+    assert used[None, 1] == released[None, 0] and used[0.03, 1] == released[0.03, 0]
+    assert used[0.03, 1] != 0.03
+    with pytest.raises(DPFLError, match="initial_clip_norm"):
+        load_scenario("scenarios/papers/fu2022/adap.yaml", ["privacy.adap_dpfl.initial_clip_norm=0"])
+
+
 def test_a_server_adam_wants_one_lot_per_client_round():
     from dpfl_ray.scenario import load_scenario
 
