@@ -208,9 +208,10 @@ class AdapDPFLConfig(_Section):
     beta: float | None = Field(0.9999, gt=0, lt=1, description="noise decay of eq. 9; null: constant sigma")
     min_clip_norm: float = Field(MIN_CLIP_NORM, gt=0, description="the floor of eq. 6's threshold, which the paper leaves "
                                                          "unbounded below (at alpha < 1 it shrinks towards 0)")
-    initial_clip_norm: float | None = Field(
-        None, gt=0, description="C_0, each client's first threshold: null measures it on random noise as the paper "
-                                "does (Sec. IV-A); a number sets it (an experiment the paper does not run)")
+    initial_clip: Literal["noise", "eq6"] = Field(
+        "noise", description="C_0, each client's first threshold (Sec. IV-A, 'training on random noise for one "
+                             "round and extracting the mean l2-norm'): 'noise' is that mean norm; 'eq6' reads the "
+                             "noise round as eq. 6's previous round: alpha times that mean")
     stop_on: Literal["accounted", "claimed"] = Field(
         "accounted", description="which epsilon ends a client's uploads: 'accounted' (the norm query booked "
                                  "beside the gradient) or 'claimed' (the paper's eq. 10, gradient only: the run "

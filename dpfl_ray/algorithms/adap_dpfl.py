@@ -50,8 +50,8 @@ def _claimed_event(sampling_rate: float, sigma: float, steps: int):
 @dataclass(frozen=True)
 class AdapDPSGD(LocalProcedure):
     """One round of Alg. 1 lines 6-15 on each sampled client. ``clips``: client id -> C_t^k
-    (missing: the client's first round, C_0 from random noise, or ``initial_clip_norm`` where set);
-    ``alpha`` None: constant clip.
+    (missing: the client's first round, C_0 from random noise; ``initial_clip``: ``eq6`` scales it
+    by alpha); ``alpha`` None: constant clip.
     ``randomness`` travels to the workers: it draws every client's lots and noise (C_0's random
     inputs touch no data and stay on the scenario seed). ``adam_states``: client id -> its Adam
     moments from its last round, with ``keep_adam_state`` (``optimizer_state: client``).
@@ -70,7 +70,7 @@ class AdapDPSGD(LocalProcedure):
     keep_adam_state: bool = False
     optimizer: str = "adam"
     min_clip_norm: float = MIN_CLIP_NORM
-    initial_clip_norm: float | None = None
+    initial_clip: str = "noise"
 
     def _threshold(self, model, theta, x, client_id, seed) -> float:
         if self.alpha is None:
@@ -78,15 +78,14 @@ class AdapDPSGD(LocalProcedure):
         known = dict(self.clips)
         if client_id in known:
             return known[client_id]
-        if self.initial_clip_norm is not None:
-            return self.initial_clip_norm
         import torch  # on the worker, which has it loaded: this module is also read where nothing trains
 
         with torch.no_grad():  # the model's number of classes, from one forward pass
             probe = torch.zeros((1, *x.shape[1:]), dtype=torch.float32, device=next(model.parameters()).device)
             num_classes = int(model(probe).shape[-1])
         return initial_clip_threshold(model, theta, x.shape[1:], num_classes, self.lot_size, seed=seed,
-                                      client_id=client_id, floor=self.min_clip_norm)
+                                      client_id=client_id, floor=self.min_clip_norm,
+                                      alpha=self.alpha if self.initial_clip == "eq6" else 1.0)
 
     def run(self, model, theta, x, y, *, seed, round_idx, client_id):
         from ..training.local_dp import dpsgd_update
@@ -180,7 +179,7 @@ class AdapDPFL(Algorithm):
         return ClientSpec(local=AdapDPSGD(self.sigma, a.lot_size, a.lr, a.steps, a.alpha, self.clip_norm, clips,
                                           self.randomness, states, keep_adam_state=a.optimizer_state == "client",
                                           optimizer="none" if a.optimizer_state == "server" else "adam",
-                                          min_clip_norm=a.min_clip_norm, initial_clip_norm=a.initial_clip_norm))
+                                          min_clip_norm=a.min_clip_norm, initial_clip=a.initial_clip))
 
     def finish(self, outcome: RoundOutcome, dim: int) -> Aggregate:
         for c, report in outcome.reports.items():

@@ -59,16 +59,19 @@ def _positive(v, name: str) -> float:
 
 
 def initial_clip_threshold(model: nn.Module, theta: np.ndarray, input_shape: Sequence[int], num_classes: int,
-                           lot_size: int, *, seed: int, client_id: int, floor: float = MIN_CLIP_NORM) -> float:
-    """C_0^k: the mean per-example gradient norm at ``theta`` on a lot of random noise (uniform
-    inputs, uniform labels; Fu et al. 2022, Sec. IV-A). No record of the client is read, so it
-    costs no privacy."""
+                           lot_size: int, *, seed: int, client_id: int, floor: float = MIN_CLIP_NORM,
+                           alpha: float = 1.0) -> float:
+    """C_0^k: ``alpha`` times the mean per-example gradient norm at ``theta`` on a lot of random noise
+    (uniform inputs, uniform labels; Fu et al. 2022, Sec. IV-A), never under ``floor``. The paper says
+    'extracting the mean l2-norm' (``alpha`` 1) after 'a similar adaptive procedure' to eq. 6's,
+    which multiplies by alpha (``privacy.adap_dpfl.initial_clip: eq6``); at alpha = 1 the two agree.
+    No record of the client is read, so it costs no privacy."""
     from ..training.local_dp import per_example_grad_norms
 
     g = rngmod.generator(seed, "fu_initial_clip", -1, client_id)
     x = g.random((int(lot_size), *input_shape), dtype=np.float32)
     y = g.integers(0, num_classes, int(lot_size)).astype(np.int64)
-    return max(float(per_example_grad_norms(model, theta, x, y).mean()), floor)
+    return max(_positive(alpha, "alpha") * float(per_example_grad_norms(model, theta, x, y).mean()), floor)
 
 
 def next_clip_threshold(result: DPSGDResult, alpha: float, floor: float = MIN_CLIP_NORM) -> float:

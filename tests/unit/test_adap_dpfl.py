@@ -257,7 +257,7 @@ def test_a_server_adam_steps_on_the_weighted_mean_noisy_gradient_and_is_checkpoi
     assert np.array_equal(a.delta, b.delta)
 
 
-def test_a_stated_initial_threshold_replaces_the_one_measured_on_noise_in_the_first_round_only():
+def test_eq6_s_reading_of_the_noise_round_scales_the_first_threshold_by_alpha_and_only_the_first():
     from dpfl_ray.algorithms.adap_dpfl import AdapDPFL
     from dpfl_ray.algorithms.base import RoundOutcome
     from dpfl_ray.scenario import load_scenario
@@ -265,22 +265,23 @@ def test_a_stated_initial_threshold_replaces_the_one_measured_on_noise_in_the_fi
     model, x, y = problem()
     theta = get_flat(model).copy()
     used, released = {}, {}
-    for c0 in (None, 0.03):
+    for reading in ("noise", "eq6"):
         sc = load_scenario("scenarios/papers/fu2022/adap.yaml",
-                           ["data.source=mnist5k", f"privacy.adap_dpfl.initial_clip_norm={'null' if c0 is None else c0}"])
+                           ["data.source=mnist5k", f"privacy.adap_dpfl.initial_clip={reading}"])
         alg = AdapDPFL(sc, weights=[1.0], sizes=[len(y)])
         for r in range(2):
             alg.begin_round(r, [0])
             update, rep = alg.client_spec().local.run(model, theta, x, y, seed=0, round_idx=r, client_id=0)
             alg.finish(RoundOutcome(round=r, survivors=(0,), total=update, reports={0: rep}), theta.size)
-            used[c0, r], released[c0, r] = rep.values["clip_used"], rep.values["clip_norm"]
+            used[reading, r], released[reading, r] = rep.values["clip_used"], rep.values["clip_norm"]
     measured = initial_clip_threshold(model, theta, (6,), 3, 78, seed=0, client_id=0)
-    assert used[None, 0] == pytest.approx(measured) and used[0.03, 0] == 0.03 != pytest.approx(measured)
-    # the second round's threshold is eq. 6 on the first round's release, whichever C_0 it clipped at
-    assert used[None, 1] == released[None, 0] and used[0.03, 1] == released[0.03, 0]
-    assert used[0.03, 1] != 0.03
-    with pytest.raises(DPFLError, match="initial_clip_norm"):
-        load_scenario("scenarios/papers/fu2022/adap.yaml", ["privacy.adap_dpfl.initial_clip_norm=0"])
+    assert measured > 0.1  # the mean norm on noise, far above the floor
+    assert used["noise", 0] == pytest.approx(measured) and used["eq6", 0] == pytest.approx(0.01 * measured)
+    # from the second round on, eq. 6 on the first round's release, whichever C_0 it clipped at
+    assert used["noise", 1] == released["noise", 0] and used["eq6", 1] == released["eq6", 0]
+    assert initial_clip_threshold(model, theta, (6,), 3, 78, seed=0, client_id=0, alpha=1e-9, floor=0.02) == 0.02
+    with pytest.raises(DPFLError, match="initial_clip"):
+        load_scenario("scenarios/papers/fu2022/adap.yaml", ["privacy.adap_dpfl.initial_clip=0.01"])
 
 
 def test_a_server_adam_wants_one_lot_per_client_round():
