@@ -467,3 +467,29 @@ def test_choosing_among_private_runs_is_booked_as_all_of_them_composed(tmp_path)
     (tmp_path / "b" / "ledger.json").write_text(json.dumps(foreign))
     sel = sw.selection_privacy(tmp_path, rows)
     assert sel["epsilon_all_runs"] is None and "cannot be composed here" in sel["why"]
+
+
+def test_the_sweep_s_tensorboard_logger_is_made_without_torch_and_torch_stays_importable(tmp_path):
+    """A sweep's process logs numbers and never trains: Tune's TensorBoard logger must not cost it
+    torch's import, and the events it writes must still be TensorBoard's."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        from dpfl_ray.runtime.trials import import_tensorboardx_without_torch
+        import_tensorboardx_without_torch()
+        from ray.tune.logger import TBXLoggerCallback
+        from tensorboardX import SummaryWriter
+        with SummaryWriter(sys.argv[1]) as writer:
+            writer.add_scalar("test_accuracy", 0.5, 1)
+        print("torch" in sys.modules)
+        import torch
+        print(torch.ones(2).sum().item())
+    """
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["False", "2.0"]
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    assert events.stat().st_size > 0
