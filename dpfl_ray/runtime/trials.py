@@ -11,6 +11,9 @@ them byte for byte, timings aside), and reports every round to Tune (``tune.repo
 logger callbacks (TensorBoard event files under ``SWEEP/tune/``, or MLflow / W&B callbacks) see the
 curves.
 
+A trial on another node than the sweep's sends its run directory back through the sweep's
+collector (:func:`bring_back`), which the sweep starts only once its cluster has another node.
+
 A trial's actor is reused by the next trial of the same shape (Tune's ``reuse_actors``), and with
 it the placement group and the workers and coordinator the last run parked there (runtime/warm.py:
 a rebound actor serves its run exactly as a fresh one), so only a sweep's first trials pay for the
@@ -58,6 +61,10 @@ MAX_TRIAL_FAILURES = 2
 RETRY_LOCK_WAIT_SECONDS = 60.0
 COLLECTOR_NAMESPACE = "dpfl-sweeps"
 BRING_BACK_TIMEOUT_S = 300.0
+# A sweep starts its collector once its cluster has a node besides the sweep's (at once, or when one
+# joins: it looks every COLLECTOR_CHECK_S); a trial on that node waits up to COLLECTOR_WAIT_S for it.
+COLLECTOR_CHECK_S = 2.0
+COLLECTOR_WAIT_S = 60.0
 ASK_TIMEOUT_S = 5.0
 # How long the sweep waits, after a stop was asked, for its trials to write their files and return.
 STOP_GRACE_SECONDS = 30.0
@@ -168,11 +175,26 @@ def bring_back(config: dict, run_dir: Path, status: str) -> str:
     from ..runs.sweep import pack_run
 
     try:
-        collector = ray.get_actor(config["collector"], namespace=COLLECTOR_NAMESPACE)
+        collector = _find_collector(config["collector"])
         ray.get(collector.write.remote(config["name"], pack_run(run_dir)), timeout=BRING_BACK_TIMEOUT_S)
     except Exception as err:  # noqa: BLE001 - the run's files are still on this node: say where
         return f"failed: its files stayed on node {here} at {run_dir} ({type(err).__name__}: {err})"
     return status
+
+
+def _find_collector(name: str):
+    """The sweep's collector, waiting up to COLLECTOR_WAIT_S for the sweep to start it (it does so
+    within COLLECTOR_CHECK_S of a second node joining); ValueError if it never appears."""
+    import ray
+
+    end = time.monotonic() + COLLECTOR_WAIT_S
+    while True:
+        try:
+            return ray.get_actor(name, namespace=COLLECTOR_NAMESPACE)
+        except ValueError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
 
 
 class _Collector:
@@ -193,18 +215,55 @@ class _Collector:
         return unpack_run(self.sweep_dir, name, blob)
 
 
-def start_collector(sweep_dir: Path):
+def start_collector(sweep_dir: Path, name: str | None = None):
     """The sweep's ``_Collector``, pinned to this node: (its actor, its name, this node's id)."""
     import uuid
 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node, name = ray.get_runtime_context().get_node_id(), f"dpfl-sweep-{uuid.uuid4().hex}"
+    node, name = ray.get_runtime_context().get_node_id(), name or f"dpfl-sweep-{uuid.uuid4().hex}"
     actor = ray.remote(_Collector).options(
         name=name, namespace=COLLECTOR_NAMESPACE, num_cpus=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(str(sweep_dir))
     return actor, name, node
+
+
+class _LazyCollector:
+    """The sweep's collector, started only once the cluster has a node besides this one: on one
+    machine no trial runs elsewhere, and the collector's process (about 1.2 s of CPU) is saved.
+    ``check()`` is called from Tune's controller loop; it looks at the nodes every COLLECTOR_CHECK_S."""
+
+    def __init__(self, sweep_dir: Path):
+        import uuid
+
+        import ray
+
+        self.sweep_dir, self.actor, self._checked = sweep_dir, None, 0.0
+        self.name, self.node = f"dpfl-sweep-{uuid.uuid4().hex}", ray.get_runtime_context().get_node_id()
+        self.check()
+
+    def check(self) -> None:
+        import ray
+
+        if self.actor is not None or time.monotonic() - self._checked < COLLECTOR_CHECK_S:
+            return
+        self._checked = time.monotonic()
+        try:
+            others = any(n.get("Alive") and n.get("NodeID") != self.node for n in ray.nodes())
+        except Exception:  # noqa: BLE001 - no answer now (the head busy or lost): asked again later
+            return
+        if others:
+            self.actor = start_collector(self.sweep_dir, self.name)[0]
+
+    def stop(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor)
+            except Exception:  # noqa: BLE001 - Ray is gone (its head was lost): so is the collector
+                pass
 
 
 def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None]
@@ -352,10 +411,10 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     shutil.rmtree(sweep_dir / EARLY, ignore_errors=True)  # an earlier command's decisions: its runs are finished
     n = max_concurrent or default_concurrency(configs, ray.cluster_resources())
     import_tensorboardx_without_torch()
-    collector, collector_name, node = start_collector(sweep_dir)
+    collector = _LazyCollector(sweep_dir)
 
     def located(runs: Sequence[dict]) -> list[dict]:  # each trial finds the sweep's collector by these
-        return [{**c, "collector": collector_name, "driver_node": node} for c in runs]
+        return [{**c, "collector": collector.name, "driver_node": collector.node} for c in runs]
 
     configs = located(configs)
     statuses: dict[str, str] = {}
@@ -368,7 +427,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
 
     queue = _Queue(configs, shutdown, statuses, extend if more is not None else None)
     grace = _Grace()
-    watch = _Watch(shutdown, flag, by_name, statuses, on_result, on_done, grace, on_retry)
+    watch = _Watch(shutdown, flag, by_name, statuses, on_result, on_done, grace, on_retry, collector.check)
     tuner = tune.Tuner(
         tune.with_resources(trial, lambda config: tune.PlacementGroupFactory(config["bundles"])),
         tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(queue, max_concurrent=n),
@@ -383,10 +442,7 @@ def run_trials(sweep_dir: Path, configs: Sequence[dict], max_concurrent: int | N
     try:
         tuner.fit()
     finally:
-        try:
-            ray.kill(collector)
-        except Exception:  # noqa: BLE001 - Ray is gone (its head was lost): so is the collector
-            pass
+        collector.stop()
     flag.unlink(missing_ok=True)
     shutil.rmtree(sweep_dir / EARLY, ignore_errors=True)
     for name in by_name:
@@ -486,9 +542,11 @@ class _Watch(Callback):
     """Tune's controller loop, seen from the sweep: a signal to the sweep becomes the stop file;
     each trial's rounds and end are handed on."""
 
-    def __init__(self, shutdown, flag, by_name, statuses, on_result, on_done, grace: _Grace, on_retry=None):
+    def __init__(self, shutdown, flag, by_name, statuses, on_result, on_done, grace: _Grace, on_retry=None,
+                 on_step: Callable[[], None] | None = None):
         self.shutdown, self.flag, self.by_name, self.statuses = shutdown, flag, by_name, statuses
         self.on_result, self.on_done, self.grace, self.on_retry = on_result, on_done, grace, on_retry
+        self.on_step = on_step
 
     def __getstate__(self) -> dict:
         """Tune pickles its run config into the experiment's state; the live display stays here.
@@ -501,6 +559,8 @@ class _Watch(Callback):
     waiting_since: float | None = None  # since when a trial waits for resources and none runs
 
     def on_step_begin(self, iteration: int, trials: list, **info) -> None:
+        if self.on_step is not None:
+            self.on_step()
         if self.shutdown.requested and self.grace.stop_since is None:
             self.flag.touch()
             self.grace.stop_since = time.monotonic()

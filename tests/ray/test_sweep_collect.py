@@ -4,6 +4,7 @@ to stop, over the test session's real Ray. The two nodes' disks are two folders 
 writes under one, the sweep's node reads the other."""
 import io
 import tarfile
+import threading
 import time
 
 import numpy as np
@@ -12,6 +13,7 @@ import ray
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.runs.sweep import pack_run, unpack_run
+from dpfl_ray.runtime import trials
 from dpfl_ray.runtime.trials import TrialStop, _ask_collector, bring_back, start_collector
 
 
@@ -29,7 +31,7 @@ def _files(run):
     return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-def test_a_run_written_on_another_node_comes_back_whole(ray_session, tmp_path):
+def test_a_run_written_on_another_node_comes_back_whole(ray_session, tmp_path, monkeypatch):
     there, here = tmp_path / "node_b" / "sweep", tmp_path / "node_a" / "sweep"
     run = _run_dir(there)
     _run_dir(here, stop="interrupted")  # an unfinished try of the same run on the sweep's node
@@ -54,8 +56,33 @@ def test_a_run_written_on_another_node_comes_back_whole(ray_session, tmp_path):
         assert stop.requested and not stop.timed_out
     finally:
         ray.kill(collector)
+    monkeypatch.setattr(trials, "COLLECTOR_WAIT_S", 1.0)  # how long a trial waits for a collector to appear
     status = bring_back(config, run, "ok")  # the collector is gone: the files stay where they are, and it says so
     assert status.startswith("failed: its files stayed on node ") and str(run) in status
+
+
+def test_a_sweep_on_one_node_starts_no_collector_and_a_trial_elsewhere_waits_for_it(ray_session, tmp_path,
+                                                                                     monkeypatch):
+    """The session Ray has one node: the sweep's collector is not started (no trial can run
+    elsewhere). A trial on a node that joined later waits for the collector the sweep then starts."""
+    lazy = trials._LazyCollector(tmp_path)
+    monkeypatch.setattr(trials, "COLLECTOR_CHECK_S", 0.0)
+    lazy.check()
+    assert lazy.actor is None and lazy.node == ray.get_runtime_context().get_node_id()
+    with pytest.raises(ValueError):
+        ray.get_actor(lazy.name, namespace=trials.COLLECTOR_NAMESPACE)
+    run = _run_dir(tmp_path / "node_b" / "sweep")
+    config = {"name": "seed=0", "collector": lazy.name, "driver_node": "a node that is not this one"}
+    started = []  # its handle kept: an actor whose handles are all gone is ended
+    late = threading.Timer(1.0, lambda: started.append(start_collector(tmp_path / "sweep", lazy.name)[0]))
+    late.start()
+    try:
+        assert bring_back(config, run, "ok") == "ok"  # it waited for the collector, then sent its run
+        assert _files(tmp_path / "sweep" / "seed=0") == _files(run)
+    finally:
+        late.join()
+        for actor in started:
+            ray.kill(actor)
 
 
 def test_only_the_run_s_own_directory_is_unpacked(tmp_path):
