@@ -97,6 +97,18 @@ def test_run_joins_the_head_by_its_gcs_address(ray_head, tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds_completed"] == 2, r.stdout
 
 
+def _job_api(head, job_id: str, what: str = "") -> dict:
+    """GET /api/jobs/JOB_ID[what] from the head's dashboard, with the head's token ({} if no answer)."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {head.token_path.read_text().strip()}"}
+    try:
+        answer = requests.get(f"{head.dashboard}/api/jobs/{job_id}{what}", headers=headers, timeout=10)
+    except requests.RequestException:
+        return {}
+    return answer.json() if answer.status_code == 200 else {}
+
+
 def _one_line(r, needle):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (r.returncode, r.stderr[-3000:])
@@ -123,16 +135,20 @@ def test_stop_ends_a_running_job_and_its_files_still_come_back(ray_head, tmp_pat
     scenario = tmp_path / "long.yaml"
     scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 5000}}))
     job_id = _ok(dpfl("submit", scenario, "--address", url, env=env, timeout=120)).stdout.splitlines()[0]
+    # waited on through the head's job API (a `dpfl jobs` process per poll would cost a CPU-second
+    # each); what `dpfl jobs logs` and `dpfl jobs status` then say is checked once
     end = time.monotonic() + 240
-    while " clients, 5000 rounds" not in dpfl("jobs", "logs", job_id, "--address", url, env=env, timeout=60).stdout:
+    while " clients, 5000 rounds" not in _job_api(ray_head, job_id, "/logs").get("logs", ""):
         assert time.monotonic() < end, "the job never started its run"
-        time.sleep(2)
+        time.sleep(1)
+    assert " clients, 5000 rounds" in _ok(dpfl("jobs", "logs", job_id, "--address", url, env=env, timeout=60)).stdout
     time.sleep(1.5)  # a few rounds in
     assert "stop requested" in _ok(dpfl("jobs", "stop", job_id, "--address", url, env=env, timeout=60)).stdout
     end = time.monotonic() + 90
-    while f"{job_id} STOPPED" not in dpfl("jobs", "status", job_id, "--address", url, env=env, timeout=60).stdout:
+    while _job_api(ray_head, job_id).get("status") != "STOPPED":
         assert time.monotonic() < end, "the job did not stop"
-        time.sleep(1)
+        time.sleep(0.5)
+    assert f"{job_id} STOPPED" in _ok(dpfl("jobs", "status", job_id, "--address", url, env=env, timeout=60)).stdout
     back = tmp_path / "back"
     _ok(dpfl("jobs", "fetch", job_id, "--to", back, "--address", url, env=env, timeout=120))
     summary = json.loads((back / "summary.json").read_text())
