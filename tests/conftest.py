@@ -25,30 +25,6 @@ def pytest_collection_modifyitems(session, config, items):
         return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
 
     items.sort(key=rank)  # stable: each group keeps its own order
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    if workers > 1:
-        items[:] = _dealt(items, workers, sum(rank(item) < len(_FIRST) for item in items))
-
-
-def _dealt(items: list, workers: int, long: int) -> list:
-    """The order in which pytest-xdist's work stealing hands each process an equal contiguous block
-    at the start (the first process the first len/n items, the next (len - that)/(n - 1), ...): the
-    ``long`` tests (Ray, clusters, the CLI) dealt in turn into the blocks, each block's ahead of its
-    unit tests. Without it the first process's block holds every long test and the others only unit
-    tests; they steal the long ones later, one half-queue at a time, and a long test that mostly
-    waits (a sweep's stragglers) can end up running alone at the end. The same order in every
-    process, as pytest-xdist requires."""
-    sizes, left = [], len(items)
-    for i in range(workers):
-        sizes.append(left // (workers - i))
-        left -= sizes[-1]
-    blocks = [items[i:long:workers] for i in range(workers)]
-    rest = iter(items[long:])
-    for block, size in zip(blocks, sizes):
-        if len(block) > size:
-            return items
-        block.extend(next(rest) for _ in range(size - len(block)))
-    return [item for block in blocks for item in block]
 
 
 @pytest.fixture(scope="session")
