@@ -104,9 +104,9 @@ def _job_api(head, job_id: str, what: str = "") -> dict:
     headers = {"Authorization": f"Bearer {head.token_path.read_text().strip()}"}
     try:
         answer = requests.get(f"{head.dashboard}/api/jobs/{job_id}{what}", headers=headers, timeout=10)
-    except requests.RequestException:
+        return answer.json() if answer.status_code == 200 else {}
+    except (requests.RequestException, ValueError):  # no answer yet, or not JSON
         return {}
-    return answer.json() if answer.status_code == 200 else {}
 
 
 def _one_line(r, needle):
