@@ -479,7 +479,6 @@ def test_the_sweep_s_tensorboard_logger_is_made_without_torch_and_torch_stays_im
         import sys
         from dpfl_ray.runtime.trials import import_tensorboardx_without_torch
         import_tensorboardx_without_torch()
-        from ray.tune.logger import TBXLoggerCallback
         from tensorboardX import SummaryWriter
         with SummaryWriter(sys.argv[1]) as writer:
             writer.add_scalar("test_accuracy", 0.5, 1)
