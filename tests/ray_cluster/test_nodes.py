@@ -92,7 +92,10 @@ SCRIPT = textwrap.dedent('''
             seen["gpu_free"].append({n: r.get("GPU", 0.0) for n, r in available_resources_per_node().items()})
 
         sc = tiny("spread", resources={"workers": 3, "num_cpus_per_worker": 0.5, "num_gpus_per_worker": 0.5})
-        summary = run_scenario(sc, build_federation(sc), RunRecord(out / "spread"), on_event=on_event)
+        # keep_workers=False: parked workers would hold half a CPU on every node, and the sweep's
+        # whole-node trials would wait for warm.IDLE_SECONDS before any of them could start.
+        summary = run_scenario(sc, build_federation(sc), RunRecord(out / "spread"), on_event=on_event,
+                               keep_workers=False)
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         print("SPREAD " + json.dumps({"summary": summary, "nodes": nodes, "pool": seen["pool"],
                                       "gpu_free": seen["gpu_free"],
@@ -138,7 +141,8 @@ SCRIPT = textwrap.dedent('''
         sc = tiny("node_loss", faults={"node_failure": {"at_round": 2, "phase": "training"}},
                   resources={"workers": 3, "num_cpus_per_worker": 0.5})
         before = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        summary = run_scenario(sc, build_federation(sc), RunRecord(out / "node_loss"), on_event=on_event)
+        summary = run_scenario(sc, build_federation(sc), RunRecord(out / "node_loss"), on_event=on_event,
+                               keep_workers=False)
         after = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         print("LOSS " + json.dumps({"summary": summary, "before": before, "after": after, "pool": seen["pool"],
                                     "s": time.monotonic() - t0}), flush=True)
