@@ -93,7 +93,8 @@ def put_federation(fed: Federation, canaries: int = 0) -> dict:
 STOP_GRACE_SECONDS = 2.0
 # Bound on every call to the coordinator while it is healthy.
 CALL_TIMEOUT_SECONDS = 60.0
-# A stopped run's first worker may still be in the round it was training: model.pt is made here after this.
+# A stopped run's first worker answers for model.pt from its own thread, mid-round too (ClientWorker.model_file);
+# one still starting, or hung, gets this long, then the file is made here.
 MODEL_FILE_GRACE_SECONDS = 3.0
 
 
@@ -194,7 +195,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         stop_reason = "completed"  # the scheduler's stop came after the last round
     wall = time.time() - (t0 if started_at is None else started_at)
     clean = error is None and stop_reason != "interrupted" and not shutdown.requested
-    # a stopped run's workers may still train the round in flight: they get a moment, then torch loads here
+    # a stopped run's first worker may still be starting or be hung: it gets a moment, then torch loads here
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings, () if lost else pool,
                      CALL_TIMEOUT_SECONDS if clean else MODEL_FILE_GRACE_SECONDS)
     if keep_workers and clean:

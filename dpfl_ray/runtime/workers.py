@@ -119,8 +119,12 @@ class ClientWorker:
         torch loaded, instead of loading torch itself (about 2 s of CPU a run)."""
         return initial_theta(self.sc.model, self._input_shape, self._num_classes, self.sc.seed)
 
+    @ray.method(concurrency_group="files")
     def model_file(self, theta: np.ndarray) -> bytes:
-        """model.pt's bytes for the flat model ``theta``, for the driver."""
+        """model.pt's bytes for the flat model ``theta``, for the driver. Its own thread: a stopped
+        run asks for the committed model while this worker may still train the round in flight, and
+        the answer must not wait for that round (model_file_bytes draws nothing from torch's
+        generator, and touches neither this worker's model nor its data)."""
         return model_file_bytes(self.sc.model, self._input_shape, self._num_classes, self.sc.seed, theta)
 
     def info(self) -> dict:
@@ -360,5 +364,5 @@ def make_worker_class(num_cpus: float, num_gpus: float):
     from ray.util import get_current_placement_group
 
     strategy = None if get_current_placement_group() is not None else "SPREAD"
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
-                      scheduling_strategy=strategy)(ClientWorker)
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, scheduling_strategy=strategy,
+                      concurrency_groups={"files": 1})(ClientWorker)

@@ -53,17 +53,22 @@ MODEL_NAMES = ("cnn", "mlp", "logistic")
 
 def build_model(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
     """Build the model named in the scenario; the same seed gives the same initial weights."""
-    name = model_cfg.name
     check_model_input(model_cfg, input_shape)  # the check `dpfl run` makes before Ray starts
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if name == "cnn":
-            return TFPrivacyCNN(*input_shape, num_classes)
-        flat = int(math.prod(input_shape))
-        if name == "mlp":
-            return _mlp(flat, list(model_cfg.hidden), num_classes)
-        if name == "logistic":
-            return _mlp(flat, [], num_classes)
+        return _layers(model_cfg, input_shape, num_classes)
+
+
+def _layers(model_cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """The model's layers, initialised from torch's global generator (or on the meta device, without it)."""
+    name = model_cfg.name
+    if name == "cnn":
+        return TFPrivacyCNN(*input_shape, num_classes)
+    flat = int(math.prod(input_shape))
+    if name == "mlp":
+        return _mlp(flat, list(model_cfg.hidden), num_classes)
+    if name == "logistic":
+        return _mlp(flat, [], num_classes)
     raise DPFLError(f"unknown model {name!r} (choose from {', '.join(MODEL_NAMES)})", field="model.name")
 
 
@@ -87,8 +92,19 @@ def model_file(state_dict) -> bytes:
 
 
 def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int, theta: np.ndarray) -> bytes:
-    """model.pt's bytes (model_file) for the flat model ``theta``."""
-    model = build_model(model_cfg, tuple(input_shape), num_classes, seed)
+    """model.pt's bytes (model_file) for the flat model ``theta``.
+
+    Every parameter comes from ``theta``, so the layers are made on the meta device and given empty
+    storage: nothing is drawn from (or seeds) torch's global generator, and a worker can answer this
+    from a second thread while its training thread uses that generator (workers.ClientWorker.model_file).
+    A model with buffers, which ``theta`` does not hold, is built from ``seed`` instead."""
+    check_model_input(model_cfg, tuple(input_shape))
+    with torch.device("meta"):
+        model = _layers(model_cfg, tuple(input_shape), num_classes)
+    if any(True for _ in model.buffers()):
+        model = build_model(model_cfg, tuple(input_shape), num_classes, seed)
+    else:
+        model = model.to_empty(device="cpu")
     set_flat(model, theta)
     return model_file(model.state_dict())
 

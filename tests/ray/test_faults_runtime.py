@@ -13,6 +13,7 @@ from dpfl_ray.errors import DPFLError
 from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.coordinator import make_coordinator
 from dpfl_ray.runtime.driver import put_federation, run_scenario
+from dpfl_ray.training.models import model_file_bytes
 from tests.helpers import TWO_WORKERS, tiny_scenario
 
 DP_FEDAVG = {"algorithm": "dp_fedavg", "rounds": 3}
@@ -94,6 +95,31 @@ def test_a_node_loss_planned_on_one_node_is_reported_as_not_carried_out(ray_sess
 def _hang_run_clients(worker):
     # the worker's local training never returns: its run_clients hangs, while info() still answers
     return worker.__ray_call__.remote(lambda self: setattr(self, "_train", lambda *a, **k: time.sleep(600)))
+
+
+def test_a_worker_in_a_round_that_never_ends_still_answers_for_the_model_file(ray_session, tmp_path):
+    """A stopped run asks its first worker for model.pt while that worker may still train the round
+    in flight (driver.finish): the answer comes from the worker's own thread, not after the round.
+    Here the round never ends, so any answer at all is one given beside it."""
+    sc = tiny_scenario()
+    fed = build_federation(sc)
+    coord = make_coordinator(sc, put_federation(fed))
+    ray_session.get(coord.start_pool.remote())
+    worker = ray_session.get(coord.worker_handle.remote(0))
+    inside = tmp_path / "training"
+    ray_session.get(worker.__ray_call__.remote(
+        lambda self: setattr(self, "_train", lambda *a, **k: (inside.touch(), time.sleep(600)))))
+    run = coord.run.remote()
+    end = time.monotonic() + 120
+    while not inside.exists():
+        assert time.monotonic() < end, "the round never reached the worker"
+        time.sleep(0.05)
+    theta = np.linspace(-1, 1, 3 * 9, dtype=np.float32)  # logistic: 8 features and a bias, 3 classes
+    blob = ray_session.get(worker.model_file.remote(theta), timeout=60)
+    assert ray_session.wait([run], timeout=0)[0] == []  # the round is still in the worker
+    assert blob == model_file_bytes(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed, theta)
+    ray_session.kill(worker)
+    ray_session.kill(coord)
 
 
 def test_a_hung_worker_is_cut_off_by_the_deadline_in_plain_fedavg(ray_session):

@@ -9,8 +9,8 @@ from dpfl_ray.errors import DPFLError
 from dpfl_ray.faults.plan import num_tail_drops, plan_round
 from dpfl_ray.training.local import local_update
 from dpfl_ray.training.model_inputs import check_model_input
-from dpfl_ray.training.models import (build_model, combine_shards, eval_shards, evaluate, get_flat, initial_theta, set_flat,
-                             shard_sums)
+from dpfl_ray.training.models import (build_model, combine_shards, eval_shards, evaluate, get_flat, initial_theta,
+                                      model_file, model_file_bytes, set_flat, shard_sums)
 from dpfl_ray.runtime.resources import (TRIAL_HEAD_CPU, assign_clients, deal, plan_pool, trial_bundles, trial_workers,
                                         trials_that_fit, undeal)
 from dpfl_ray.privacy.client_sampling import sample_clients
@@ -110,6 +110,22 @@ def test_models_init_from_seed():
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     with pytest.raises(DPFLError, match="model.name"):
         build_model(ModelConfig(name="cnn"), (1, 8, 8), 10, 0)
+
+
+@pytest.mark.parametrize("name, shape", [("cnn", (1, 28, 28)), ("mlp", (1, 8, 8)), ("logistic", (6,))])
+def test_a_model_file_is_the_seeded_model_s_with_theta_and_draws_nothing_from_torch(name, shape):
+    """model_file_bytes makes its layers on the meta device: the same bytes as the seeded model given
+    theta, and torch's global generator left where it was (a worker answers it beside training)."""
+    cfg = ModelConfig(name=name)
+    model = build_model(cfg, shape, 10, 4)
+    theta = get_flat(model) * np.float32(-2.0)
+    set_flat(model, theta)
+    torch.manual_seed(11)
+    blob = model_file_bytes(cfg, shape, 10, 4, theta)
+    drawn = torch.rand(4)
+    torch.manual_seed(11)
+    assert torch.equal(drawn, torch.rand(4))
+    assert blob == model_file(model.state_dict())
 
 
 def test_set_flat_copies_instead_of_aliasing():
