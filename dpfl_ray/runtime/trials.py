@@ -215,14 +215,19 @@ class _Collector:
         return unpack_run(self.sweep_dir, name, blob)
 
 
-def start_collector(sweep_dir: Path, name: str | None = None):
-    """The sweep's ``_Collector``, pinned to this node: (its actor, its name, this node's id)."""
+def collector_name() -> str:
+    """A new sweep's collector name, unique in COLLECTOR_NAMESPACE."""
     import uuid
 
+    return f"dpfl-sweep-{uuid.uuid4().hex}"
+
+
+def start_collector(sweep_dir: Path, name: str | None = None):
+    """The sweep's ``_Collector``, pinned to this node: (its actor, its name, this node's id)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node, name = ray.get_runtime_context().get_node_id(), name or f"dpfl-sweep-{uuid.uuid4().hex}"
+    node, name = ray.get_runtime_context().get_node_id(), name or collector_name()
     actor = ray.remote(_Collector).options(
         name=name, namespace=COLLECTOR_NAMESPACE, num_cpus=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(str(sweep_dir))
@@ -235,12 +240,10 @@ class _LazyCollector:
     ``check()`` is called from Tune's controller loop; it looks at the nodes every COLLECTOR_CHECK_S."""
 
     def __init__(self, sweep_dir: Path):
-        import uuid
-
         import ray
 
         self.sweep_dir, self.actor, self._checked = sweep_dir, None, 0.0
-        self.name, self.node = f"dpfl-sweep-{uuid.uuid4().hex}", ray.get_runtime_context().get_node_id()
+        self.name, self.node = collector_name(), ray.get_runtime_context().get_node_id()
         self.check()
 
     def check(self) -> None:
