@@ -9,6 +9,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # for the three session Rays and every Ray a test starts (the variables reach its processes).
 os.environ.setdefault("RAY_enable_metrics_collection", "0")
 os.environ.setdefault("RAY_event_stats", "0")
+# Ray's log monitor looks for new worker log files every 0.1 s; the suite's Rays gather hundreds of
+# them, and nothing here reads worker output (log_to_driver=False): every 5 s is enough.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 # pytest-xdist's workers start with COLUMNS=80, which rich would fix as the width of the CLI's console
 # when cli.common is imported; without it the console reads COLUMNS per call, as the tests set it.
 os.environ.pop("COLUMNS", None)

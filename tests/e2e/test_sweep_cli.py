@@ -16,6 +16,9 @@ from dpfl_ray.runs import sweep as sw
 from .test_cli import ROOT, TINY, dpfl
 
 RUN_FILES = ("model.pt", "checkpoint.npz", "scenario.yaml", "accuracy.png", "ledger.json")
+# The runs that are stopped or killed from outside: every client straggles 0.2 s a round, so that a
+# run waiting for its signal sleeps instead of training flat out (a core each) the whole while.
+SLOW = {"faults": {"stragglers": {"fraction": 1.0, "latency": {"distribution": "fixed", "seconds": 0.2}}}}
 
 
 def _timings_aside(run_dir):
@@ -181,7 +184,7 @@ def _wait_for(paths, proc, seconds=180):
 
 def test_ctrl_c_stops_every_trial_with_its_files_and_the_same_command_resumes(ray_session, ray_address, tmp_path):
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 100000}}))
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 100000}, **SLOW}))
     out = tmp_path / "sweep"
     args = ["sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "600",
             "--address", ray_address]
@@ -222,7 +225,7 @@ def test_ctrl_c_stops_every_trial_with_its_files_and_the_same_command_resumes(ra
 
 def test_a_live_sweep_directory_is_refused_and_a_killed_sweeps_runs_are_set_aside(ray_address, tmp_path):
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 100000}}))
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 100000}, **SLOW}))
     out = tmp_path / "sweep"
     args = ["sweep", scenario, "--grid", "training.lr=0.1,0.2", "--out", out, "--timeout", "600",
             "--address", ray_address]

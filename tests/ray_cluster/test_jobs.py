@@ -133,7 +133,10 @@ def test_a_missing_or_wrong_token_is_one_line_that_says_what_to_do(ray_head, tmp
 def test_stop_ends_a_running_job_and_its_files_still_come_back(ray_head, tmp_path):
     env, url = ray_head.env(), ray_head.dashboard
     scenario = tmp_path / "long.yaml"
-    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 5000}}))
+    # every client straggles 0.2 s a round: the run sleeps, not trains flat out, while it waits for its stop
+    scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 5000},
+                                        "faults": {"stragglers": {"fraction": 1.0,
+                                                                  "latency": {"distribution": "fixed", "seconds": 0.2}}}}))
     job_id = _ok(dpfl("submit", scenario, "--address", url, env=env, timeout=120)).stdout.splitlines()[0]
     # waited on through the head's job API (a `dpfl jobs` process per poll would cost a CPU-second
     # each); what `dpfl jobs logs` and `dpfl jobs status` then say is checked once
