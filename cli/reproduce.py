@@ -77,6 +77,9 @@ def reproduce(
     max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
                                                  help="runs at once (default: as many as the cluster's resources fit)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate every run's scenario, full and quick; run nothing"),
+    adopt: bool = typer.Option(False, "--adopt", help="take the run directories already in --out (made by `dpfl "
+                               "run` or `dpfl sweep`) as this reproduction's, each checked against its run's "
+                               "scenario and overrides; finished ones are not run again"),
 ) -> None:
     """Run a paper's runs as Ray Tune trials (as `dpfl sweep` does), and write reproduction.csv, .md and
     .png: each run here beside the paper's value, its claimed, accounted and empirical epsilon, and
@@ -105,8 +108,12 @@ def reproduce(
     out_dir = out or Path("runs") / "reproduce" / (spec.paper + ("-quick" if quick else ""))
     command = shlex.join(["dpfl", *sys.argv[1:]])
     shutdown = Shutdown().install()
-    with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction"):
+    with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction",
+                      foreign="" if adopt else ", or add --adopt if it holds this paper's run directories"):
+        adopted = rp.adopt(out_dir, runs) if adopt else []
         rp.prepare(out_dir, spec, quick, runs)
+        if adopted:
+            _say(f"adopted {len(adopted)} run director{'y' if len(adopted) == 1 else 'ies'}: {', '.join(adopted)}")
         todo, statuses = sw.set_aside(out_dir, runs, resumable)
         plural = "" if len(runs) == 1 else "s"
         _say(f"reproduce {spec.paper}{' (quick)' if quick else ''}: {len(runs)} run{plural}, "

@@ -29,6 +29,9 @@ MANIFEST = "reproduction.json"
 EPSILONS = (("epsilon_accounted", "epsilon"), ("epsilon_claimed", "epsilon_claimed"),
             ("epsilon_empirical", "epsilon_empirical"))
 """(column, metric): the privacy every row shows, beside the paper's metrics."""
+OWN_FILES = ("reproduction.csv", "reproduction.md", "reproduction.png", "tune", ".running", ".incomplete",
+             ".incoming", ".stop")
+"""What a reproduction writes in its directory beside the manifest and the run directories."""
 TAIL = ("rounds", "stop_reason", "wall_seconds", "status")
 TEXT_COLUMNS = ("run", "scenario", "stop_reason", "status")
 
@@ -120,6 +123,48 @@ def prepare(out: Path, spec: PaperSpec, quick: bool, runs: Sequence[SweepRun]) -
     tmp = Path(out) / f"{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def _first_difference(a, b, path: str = ""):
+    """The first dotted field where two scenario dumps differ, with both values; None if equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (path, a, b)
+
+
+def adopt(out: Path, runs: Sequence[SweepRun]) -> list[str]:
+    """Check the run directories already in ``out`` before a reproduction takes them as its own
+    (``dpfl reproduce --adopt``: runs made by hand with ``dpfl run`` or ``dpfl sweep``): every entry
+    but the reproduction's own files must be the directory of one of ``runs``, and its
+    ``scenario.yaml`` what that run's scenario file and overrides resolve to, or the first field that
+    differs is named. Returns the adopted runs' names; nothing is written."""
+    from ..scenario import load_scenario
+
+    by_name = {run.name: run for run in runs}
+    adopted = []
+    for entry in sorted(Path(out).iterdir()) if Path(out).is_dir() else []:
+        if entry.name.startswith(MANIFEST) or entry.name in OWN_FILES:
+            continue
+        run = by_name.get(entry.name)
+        if run is None or not entry.is_dir():
+            raise DPFLError(f"{entry} is not the directory of a run of this reproduction "
+                            f"({', '.join(by_name)}); move it away or choose another --out", field="--adopt")
+        try:
+            have = load_scenario(entry / "scenario.yaml").model_dump(mode="json")
+        except DPFLError as err:
+            raise DPFLError(f"{entry} cannot be adopted: {err}", field="--adopt") from None
+        want = load_scenario(run.scenario, list(run.overrides)).model_dump(mode="json")
+        found = _first_difference(have, want)
+        if found is not None:
+            field, here, there = found
+            raise DPFLError(f"{entry} was not made by run {run.name}: its {field} is {here!r}, the run's is "
+                            f"{there!r}; move it away or choose another --out", field="--adopt")
+        adopted.append(run.name)
+    return adopted
 
 
 # --- rows -------------------------------------------------------------------------------------------

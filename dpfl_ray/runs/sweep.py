@@ -192,17 +192,21 @@ class SweepLock:
 
     ``manifest``, ``command`` and ``what``: the file that marks the directory as this command's, the
     command's name on its command line, and what the messages call its work (``dpfl reproduce``
-    locks its directory the same way, under its own manifest)."""
+    locks its directory the same way, under its own manifest). ``foreign``: None refuses a
+    directory that holds files but no manifest; else what to add to that refusal, and "" lets the
+    caller check such files itself (``dpfl reproduce --adopt``)."""
 
-    def __init__(self, sweep_dir: Path, manifest: str = MANIFEST, command: str = "sweep", what: str = "sweep"):
+    def __init__(self, sweep_dir: Path, manifest: str = MANIFEST, command: str = "sweep", what: str = "sweep",
+                 foreign: str | None = None):
         self.dir, self.fd, self.manifest, self.command, self.what = Path(sweep_dir), None, manifest, command, what
         self.path = self.dir / (manifest + ".lock")
+        self.foreign = foreign
 
     def acquire(self) -> "SweepLock":
         check_writable(self.dir)  # a file, or a folder this process cannot write in: one line naming --out
-        if _foreign_files(self.dir, self.manifest):
-            raise DPFLError(f"{self.dir} already holds files that are not a {self.what}; choose another --out",
-                            field="--out")
+        if self.foreign != "" and _foreign_files(self.dir, self.manifest):
+            raise DPFLError(f"{self.dir} already holds files that are not a {self.what}; choose another --out"
+                            f"{self.foreign or ''}", field="--out")
         self.dir.mkdir(parents=True, exist_ok=True)
         fd, mine = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), False
         try:

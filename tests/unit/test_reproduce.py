@@ -279,6 +279,47 @@ def test_the_manifest_resumes_the_same_reproduction_and_refuses_another(folder, 
         sw.SweepLock(folder, manifest=rp.MANIFEST, command="reproduce", what="reproduction").acquire()
 
 
+def test_run_directories_made_by_hand_are_adopted_only_where_they_are_the_runs(folder, tmp_path):
+    """`dpfl reproduce --adopt`: runs made with `dpfl run` (here by hand: the scenario.yaml a run
+    writes, its summary) become the reproduction's; a folder of them is refused without the flag, and
+    with it wherever a directory is not what its run resolves to, or is no run at all."""
+    from dpfl_ray.scenario import load_scenario
+
+    out = tmp_path / "mine"
+    for name, lr, acc in (("a", None, 0.78), ("b", 0.1, 0.66)):  # b's set: training.lr=0.1
+        sc = load_scenario(folder / "s.yaml", [f"training.lr={lr}"] if lr else [])
+        write_run(out / name, {"final_accuracy": acc, "stop_reason": "completed", "rounds_completed": 2}, [])
+        (out / name / "scenario.yaml").write_text(sc.to_yaml())
+    args = ("reproduce", folder, "--only", "a", "--only", "b", "--out", out)
+
+    res = dpfl_in_process(*args)
+    assert res.exit_code == 2 and "holds files that are not a reproduction" in res.stderr, res.output
+    assert "add --adopt if it holds this paper's run directories" in res.stderr
+    assert not (out / rp.MANIFEST).exists()
+
+    right = (out / "b" / "scenario.yaml").read_text()
+    (out / "b" / "scenario.yaml").write_text(right.replace("lr: 0.1", "lr: 0.2"))
+    res = dpfl_in_process(*args, "--adopt")
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
+    assert "b was not made by run b: its training.lr is 0.2, the run's is 0.1" in res.stderr
+    (out / "b" / "scenario.yaml").write_text(right)
+    (out / "notes.txt").write_text("mine\n")
+    res = dpfl_in_process(*args, "--adopt")
+    assert res.exit_code == 2 and "notes.txt is not the directory of a run of this reproduction (a, b)" in res.stderr
+    (out / "notes.txt").unlink()
+    assert not (out / rp.MANIFEST).exists()  # nothing written by a refusal
+
+    res = dpfl_in_process(*args, "--adopt")  # both finished: adopted, nothing runs, the table is theirs
+    assert res.exit_code == 0, res.output
+    assert "adopted 2 run directories: a, b" in res.stdout and "2 runs, 2 finished before" in res.stdout
+    with open(out / "reproduction.csv") as fh:
+        assert [(r["run"], r["final_accuracy"], r["status"]) for r in csv.DictReader(fh)] == \
+            [("a", "0.78", "ok"), ("b", "0.66", "ok")]
+    assert set(json.loads((out / rp.MANIFEST).read_text())["runs"]) == {"a", "b"}
+    again = dpfl_in_process(*args)  # a reproduction now: the same command needs no flag
+    assert again.exit_code == 0 and "2 runs, 2 finished before" in again.stdout, again.output
+
+
 # --- every shipped paper folder -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("paper", [p.name for p in rp.paper_folders()] or ["(none)"])
