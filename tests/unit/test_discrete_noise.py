@@ -481,3 +481,40 @@ def test_bench_secagg_times_a_round_of_integer_noise_beside_the_gaussian():
                          (["--noise", "gauss"], "--noise: 'gauss' is not none"), (["--bits", "7"], "--bits: 7")):
         res = CliRunner().invoke(root, ["bench", "secagg", "--clients", "4", "--dim", "10", *args])
         assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_the_noise_floor_script_groups_os_runs_by_their_noise_and_bounds_the_difference_as_welch_does(tmp_path):
+    """docs/experiments/distributed_dp_noise_floor.py, on hand-made run directories: grouped by each
+    scenario.yaml's noise, the pairs within 0.02 counted, the difference from the Gaussian's mean and
+    its 95% interval those of scipy's Welch t-test; a run without OS randomness is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "floor", root / "docs" / "experiments" / "distributed_dp_noise_floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(name, noise, bits, acc, randomness="os"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "scenario.yaml").write_text(yaml.safe_dump({"privacy": {"distributed_noise": noise, "randomness": randomness},
+                                                         "secagg": {"bits": bits}}))
+        (d / "summary.json").write_text(json.dumps({"final_accuracy": acc, "stop_reason": "completed"}))
+        return d
+
+    gauss, skellam = [0.5, 0.6, 0.7, 0.61], [0.55, 0.65, 0.64]
+    runs = [run(f"g{i}", "gaussian", 32, a) for i, a in enumerate(gauss)]
+    runs += [run(f"s{i}", "skellam", 16, a) for i, a in enumerate(skellam)]
+    lines = module.table(runs)
+    assert lines[2].startswith("| gaussian | 4 | 0.603 | 0.082 | 0.500 - 0.700 | 1 of 6 | - |")  # 0.60 and 0.61
+    low, high = stats.ttest_ind(skellam, gauss, equal_var=False).confidence_interval(0.95)
+    diff = sum(skellam) / 3 - sum(gauss) / 4
+    assert lines[3] == (f"| skellam, 16 bits | 3 | 0.613 | 0.055 | 0.550 - 0.650 | 1 of 3 "
+                        f"| {diff:+.3f} ({low:+.3f} to {high:+.3f}) |")
+    with pytest.raises(SystemExit, match="not a run with privacy.randomness: os"):
+        module.table(runs + [run("fixed", "gaussian", 32, 0.6, randomness="reproducible")])
