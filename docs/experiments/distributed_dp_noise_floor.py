@@ -7,7 +7,9 @@ noise shares) from the operating system, so two runs of one configuration differ
 randomness alone. They are grouped by their noise (``privacy.distributed_noise``, and
 ``secagg.bits`` for the integer ones, as each scenario.yaml says); for each group the table gives
 the final accuracies' mean and standard deviation, how many pairs of its runs end within 0.02 of
-each other, and the difference of its mean from the Gaussian's with a 95% interval (Welch).
+each other, and the difference of its mean from the Gaussian's with a 95% interval (Welch); then
+the same difference for each run's mean accuracy over its last five rounds (rounds.jsonl), which
+one evaluation's luck moves less.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import yaml
 from scipy import stats
 
 WITHIN = 0.02
+LAST = 5
 
 
 def group_of(run: Path) -> str:
@@ -39,6 +42,14 @@ def final_accuracy(run: Path) -> float:
     return float(summary["final_accuracy"])
 
 
+def last_rounds_accuracy(run: Path, rounds: int = LAST) -> float:
+    rows = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines() if line.strip()]
+    accuracies = [r["test_accuracy"] for r in rows[-rounds:] if r.get("test_accuracy") is not None]
+    if len(accuracies) < rounds:
+        raise SystemExit(f"{run}: fewer than {rounds} evaluated rounds")
+    return statistics.fmean(accuracies)
+
+
 def welch(a: list[float], b: list[float]) -> tuple[float, float]:
     """mean(a) - mean(b) and the half-width of its 95% interval (Welch-Satterthwaite degrees of freedom)."""
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
@@ -46,27 +57,34 @@ def welch(a: list[float], b: list[float]) -> tuple[float, float]:
     return statistics.fmean(a) - statistics.fmean(b), float(stats.t.ppf(0.975, df)) * (va + vb) ** 0.5
 
 
+def _versus(acc: list[float], base: list[float] | None) -> str:
+    if base is None or acc is base:
+        return "-"
+    diff, half = welch(acc, base)
+    return f"{diff:+.3f} ({diff - half:+.3f} to {diff + half:+.3f})"
+
+
 def table(runs: list[Path]) -> list[str]:
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[tuple[float, float]]] = {}
     for run in runs:
-        groups.setdefault(group_of(run), []).append(final_accuracy(run))
-    base = groups.get("gaussian")
+        groups.setdefault(group_of(run), []).append((final_accuracy(run), last_rounds_accuracy(run)))
+    finals = {name: [f for f, _ in v] for name, v in groups.items()}
+    lasts = {name: [m for _, m in v] for name, v in groups.items()}
     lines = ["| noise | runs | final accuracy, mean | standard deviation | lowest - highest "
-             f"| pairs of runs within {WITHIN} | minus the Gaussian's mean (95% interval) |",
-             "|---|--:|--:|--:|---|--:|--:|"]
+             f"| pairs of runs within {WITHIN} | minus the Gaussian's mean (95% interval) "
+             f"| last {LAST} rounds' accuracy, mean (sd) | minus the Gaussian's (95% interval) |",
+             "|---|--:|--:|--:|---|--:|--:|--:|--:|"]
     for name in sorted(groups, key=lambda g: (g != "gaussian", g)):
-        acc = groups[name]
+        acc, last = finals[name], lasts[name]
         if len(acc) < 2:
             raise SystemExit(f"{name}: {len(acc)} run; a standard deviation needs two")
         pairs = list(itertools.combinations(acc, 2))
         close = sum(abs(x - y) <= WITHIN for x, y in pairs)
-        if name == "gaussian" or base is None:
-            versus = "-"
-        else:
-            diff, half = welch(acc, base)
-            versus = f"{diff:+.3f} ({diff - half:+.3f} to {diff + half:+.3f})"
         lines.append(f"| {name} | {len(acc)} | {statistics.fmean(acc):.3f} | {statistics.stdev(acc):.3f} "
-                     f"| {min(acc):.3f} - {max(acc):.3f} | {close} of {len(pairs)} | {versus} |")
+                     f"| {min(acc):.3f} - {max(acc):.3f} | {close} of {len(pairs)} "
+                     f"| {_versus(acc, finals.get('gaussian'))} "
+                     f"| {statistics.fmean(last):.3f} ({statistics.stdev(last):.3f}) "
+                     f"| {_versus(last, lasts.get('gaussian'))} |")
     return lines
 
 

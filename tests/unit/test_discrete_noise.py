@@ -505,16 +505,21 @@ def test_the_noise_floor_script_groups_os_runs_by_their_noise_and_bounds_the_dif
         (d / "scenario.yaml").write_text(yaml.safe_dump({"privacy": {"distributed_noise": noise, "randomness": randomness},
                                                          "secagg": {"bits": bits}}))
         (d / "summary.json").write_text(json.dumps({"final_accuracy": acc, "stop_reason": "completed"}))
+        # rounds 1-6: the last five average to acc - 0.05
+        (d / "rounds.jsonl").write_text("".join(json.dumps({"round": t, "test_accuracy": acc - 0.05 + 0.01 * (t - 4)})
+                                                + "\n" for t in range(1, 7)))
         return d
 
-    gauss, skellam = [0.5, 0.6, 0.7, 0.61], [0.55, 0.65, 0.64]
+    def interval(a, b):
+        low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+        return f"{sum(a) / len(a) - sum(b) / len(b):+.3f} ({low:+.3f} to {high:+.3f})"
+
+    gauss, skellam = [0.5, 0.6, 0.7, 0.613], [0.55, 0.65, 0.64]
     runs = [run(f"g{i}", "gaussian", 32, a) for i, a in enumerate(gauss)]
     runs += [run(f"s{i}", "skellam", 16, a) for i, a in enumerate(skellam)]
     lines = module.table(runs)
-    assert lines[2].startswith("| gaussian | 4 | 0.603 | 0.082 | 0.500 - 0.700 | 1 of 6 | - |")  # 0.60 and 0.61
-    low, high = stats.ttest_ind(skellam, gauss, equal_var=False).confidence_interval(0.95)
-    diff = sum(skellam) / 3 - sum(gauss) / 4
-    assert lines[3] == (f"| skellam, 16 bits | 3 | 0.613 | 0.055 | 0.550 - 0.650 | 1 of 3 "
-                        f"| {diff:+.3f} ({low:+.3f} to {high:+.3f}) |")
+    assert lines[2] == "| gaussian | 4 | 0.603 | 0.082 | 0.500 - 0.700 | 1 of 6 | - | 0.553 (0.082) | - |"  # 0.6, 0.613
+    assert lines[3] == (f"| skellam, 16 bits | 3 | 0.613 | 0.055 | 0.550 - 0.650 | 1 of 3 | {interval(skellam, gauss)} "
+                        f"| 0.563 (0.055) | {interval([a - 0.05 for a in skellam], [a - 0.05 for a in gauss])} |")
     with pytest.raises(SystemExit, match="not a run with privacy.randomness: os"):
         module.table(runs + [run("fixed", "gaussian", 32, 0.6, randomness="reproducible")])
