@@ -708,6 +708,21 @@ def scenario_from_dict(raw: Any, overrides: list[str] | None = None) -> Scenario
         raise DPFLError(_format_validation_error(err)) from None
 
 
+def first_difference(recorded, current, path: str = ""):
+    """The dotted path of the first field whose value differs between two resolved scenarios
+    (``model_dump(mode="json")``), in the recorded one's order, with both values; None if none does.
+    A key only one side has is a field added to or dropped from the schema since ``recorded`` was
+    written, not an edit, and is passed over."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        for key in recorded:
+            if key in current:
+                found = first_difference(recorded[key], current[key], f"{path}.{key}" if path else str(key))
+                if found is not None:
+                    return found
+        return None
+    return None if recorded == current else (path or "(the scenario)", recorded, current)
+
+
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
     path = Path(path)
     if not path.is_file():

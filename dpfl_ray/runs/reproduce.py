@@ -125,24 +125,13 @@ def prepare(out: Path, spec: PaperSpec, quick: bool, runs: Sequence[SweepRun]) -
     os.replace(tmp, path)
 
 
-def _first_difference(a, b, path: str = ""):
-    """The first dotted field where two scenario dumps differ, with both values; None if equal."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
-            found = _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else key)
-            if found is not None:
-                return found
-        return None
-    return None if a == b else (path, a, b)
-
-
 def adopt(out: Path, runs: Sequence[SweepRun]) -> list[str]:
     """Check the run directories already in ``out`` before a reproduction takes them as its own
     (``dpfl reproduce --adopt``: runs made by hand with ``dpfl run`` or ``dpfl sweep``): every entry
     but the reproduction's own files must be the directory of one of ``runs``, and its
     ``scenario.yaml`` what that run's scenario file and overrides resolve to, or the first field that
     differs is named. Returns the adopted runs' names; nothing is written."""
-    from ..scenario import load_scenario
+    from ..scenario import first_difference, load_scenario
 
     by_name = {run.name: run for run in runs}
     adopted = []
@@ -158,7 +147,7 @@ def adopt(out: Path, runs: Sequence[SweepRun]) -> list[str]:
         except DPFLError as err:
             raise DPFLError(f"{entry} cannot be adopted: {err}", field="--adopt") from None
         want = load_scenario(run.scenario, list(run.overrides)).model_dump(mode="json")
-        found = _first_difference(have, want)
+        found = first_difference(have, want)
         if found is not None:
             field, here, there = found
             raise DPFLError(f"{entry} was not made by run {run.name}: its {field} is {here!r}, the run's is "

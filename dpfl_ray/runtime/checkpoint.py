@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DPFLError
+from ..scenario import first_difference
 
 CHECKPOINT = "checkpoint.npz"
 
@@ -73,20 +74,6 @@ def scenario_fingerprint(scenario) -> dict:
     resolved = scenario.model_dump(mode="json")
     digest = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()
     return {"scenario": resolved, "scenario_sha256": digest}
-
-
-def first_difference(recorded, current, path: str = ""):
-    """The dotted path of the first field whose value differs, in the recorded scenario's order,
-    with both values; None if none does. A key only one side has is a field added to or dropped
-    from the schema since the checkpoint was written, not an edit, and is passed over."""
-    if isinstance(recorded, dict) and isinstance(current, dict):
-        for key in recorded:
-            if key in current:
-                found = first_difference(recorded[key], current[key], f"{path}.{key}" if path else str(key))
-                if found is not None:
-                    return found
-        return None
-    return None if recorded == current else (path or "(the scenario)", recorded, current)
 
 
 def check_same_scenario(checkpoint: dict, scenario, scenario_path: Path) -> None:
