@@ -50,18 +50,12 @@ def last_rounds_accuracy(run: Path, rounds: int = LAST) -> float:
     return statistics.fmean(accuracies)
 
 
-def welch(a: list[float], b: list[float]) -> tuple[float, float]:
-    """mean(a) - mean(b) and the half-width of its 95% interval (Welch-Satterthwaite degrees of freedom)."""
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return statistics.fmean(a) - statistics.fmean(b), float(stats.t.ppf(0.975, df)) * (va + vb) ** 0.5
-
-
 def _versus(acc: list[float], base: list[float] | None) -> str:
+    """mean(acc) - mean(base) and its 95% interval, Welch's (scipy's t-test without equal variances)."""
     if base is None or acc is base:
         return "-"
-    diff, half = welch(acc, base)
-    return f"{diff:+.3f} ({diff - half:+.3f} to {diff + half:+.3f})"
+    low, high = stats.ttest_ind(acc, base, equal_var=False).confidence_interval(0.95)
+    return f"{statistics.fmean(acc) - statistics.fmean(base):+.3f} ({low:+.3f} to {high:+.3f})"
 
 
 def table(runs: list[Path]) -> list[str]:
