@@ -535,9 +535,10 @@ class Coordinator:
         except (RayActorError, GetTimeoutError, IndexError):
             if split != "test":
                 raise
-            from ..training.models import build_model, set_flat, shard_sums
+            from ..training.models import allow_read_only_arrays, build_model, set_flat, shard_sums
 
             if self.model is None:
+                allow_read_only_arrays()  # x_test is the object store's
                 self.model = build_model(self.sc.model, tuple(self._data["input_shape"]), self._data["num_classes"],
                                          self.sc.seed)
                 _one_torch_thread()

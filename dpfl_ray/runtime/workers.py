@@ -53,7 +53,11 @@ def _load_training() -> None:
     from ..training.local_batched import (
         batched_local_updates, batching_pays, clients_per_batch, reset_stack_usage, stack_padding, warm_up,
     )
-    from ..training.models import build_model, initial_theta, model_file_bytes, one_thread, set_flat, shard_sums
+    from ..training.models import (
+        allow_read_only_arrays, build_model, initial_theta, model_file_bytes, one_thread, set_flat, shard_sums,
+    )
+
+    allow_read_only_arrays()
 
 
 # The worker's phases: the protocol's, then a calibration phase after unmasking (Baek et al.

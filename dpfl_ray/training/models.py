@@ -10,6 +10,7 @@ import contextlib
 import copy
 import math
 import tempfile
+import warnings
 import weakref
 from pathlib import Path
 
@@ -203,6 +204,14 @@ def shard_sums(model: nn.Module, x: np.ndarray, y: np.ndarray,
             out.append((int((logits.argmax(1) == yb).sum().item()),
                         float(nn.functional.cross_entropy(logits, yb, reduction="sum").item())))
     return out
+
+
+def allow_read_only_arrays() -> None:
+    """Silence torch's warning that a tensor made from a read-only NumPy array must not be written,
+    in the process that calls this (the actors). Ray's object store hands them the data as
+    read-only views, and nothing here writes into a tensor made from one (training and evaluation
+    index, copy and read them); torch would print the warning once into every worker's log."""
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 @contextlib.contextmanager
