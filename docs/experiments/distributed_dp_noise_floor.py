@@ -8,8 +8,9 @@ randomness alone. They are grouped by their noise (``privacy.distributed_noise``
 ``secagg.bits`` for the integer ones, as each scenario.yaml says); for each group the table gives
 the final accuracies' mean and standard deviation, how many pairs of its runs end within 0.02 of
 each other, and the difference of its mean from the Gaussian's with a 95% interval (Welch); then
-the same difference for each run's mean accuracy over its last five rounds (rounds.jsonl), which
-one evaluation's luck moves less.
+the same difference for each run's mean accuracy over its last five rounds and over every round
+(rounds.jsonl), which one evaluation's luck moves less. A difference is marked "within 0.02" where
+its whole interval lies inside +-0.02.
 """
 from __future__ import annotations
 
@@ -42,11 +43,13 @@ def final_accuracy(run: Path) -> float:
     return float(summary["final_accuracy"])
 
 
-def last_rounds_accuracy(run: Path, rounds: int = LAST) -> float:
+def last_rounds_accuracy(run: Path, rounds: int | None = LAST) -> float:
+    """The run's mean test accuracy over its last ``rounds`` rounds (None: every round), each evaluated."""
     rows = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines() if line.strip()]
-    accuracies = [r["test_accuracy"] for r in rows[-rounds:] if r.get("test_accuracy") is not None]
-    if len(accuracies) < rounds:
-        raise SystemExit(f"{run}: fewer than {rounds} evaluated rounds")
+    kept = rows if rounds is None else rows[-rounds:]
+    accuracies = [r["test_accuracy"] for r in kept if r.get("test_accuracy") is not None]
+    if not accuracies or len(accuracies) < len(kept) or len(kept) < (rounds or 1):
+        raise SystemExit(f"{run}: fewer than {rounds or len(kept)} evaluated rounds")
     return statistics.fmean(accuracies)
 
 
@@ -55,21 +58,25 @@ def _versus(acc: list[float], base: list[float] | None) -> str:
     if base is None or acc is base:
         return "-"
     low, high = stats.ttest_ind(acc, base, equal_var=False).confidence_interval(0.95)
-    return f"{statistics.fmean(acc) - statistics.fmean(base):+.3f} ({low:+.3f} to {high:+.3f})"
+    inside = ", within 0.02" if -WITHIN < low and high < WITHIN else ""
+    return f"{statistics.fmean(acc) - statistics.fmean(base):+.3f} ({low:+.3f} to {high:+.3f}{inside})"
 
 
 def table(runs: list[Path]) -> list[str]:
-    groups: dict[str, list[tuple[float, float]]] = {}
+    groups: dict[str, list[tuple[float, float, float]]] = {}
     for run in runs:
-        groups.setdefault(group_of(run), []).append((final_accuracy(run), last_rounds_accuracy(run)))
-    finals = {name: [f for f, _ in v] for name, v in groups.items()}
-    lasts = {name: [m for _, m in v] for name, v in groups.items()}
+        groups.setdefault(group_of(run), []).append(
+            (final_accuracy(run), last_rounds_accuracy(run), last_rounds_accuracy(run, None)))
+    finals = {name: [f for f, _, _ in v] for name, v in groups.items()}
+    lasts = {name: [m for _, m, _ in v] for name, v in groups.items()}
+    every = {name: [m for _, _, m in v] for name, v in groups.items()}
     lines = ["| noise | runs | final accuracy, mean | standard deviation | lowest - highest "
              f"| pairs of runs within {WITHIN} | minus the Gaussian's mean (95% interval) "
-             f"| last {LAST} rounds' accuracy, mean (sd) | minus the Gaussian's (95% interval) |",
-             "|---|--:|--:|--:|---|--:|--:|--:|--:|"]
+             f"| last {LAST} rounds' accuracy, mean (sd) | minus the Gaussian's (95% interval) "
+             "| every round's accuracy, mean (sd) | minus the Gaussian's (95% interval) |",
+             "|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
     for name in sorted(groups, key=lambda g: (g != "gaussian", g)):
-        acc, last = finals[name], lasts[name]
+        acc, last, all_rounds = finals[name], lasts[name], every[name]
         if len(acc) < 2:
             raise SystemExit(f"{name}: {len(acc)} run; a standard deviation needs two")
         pairs = list(itertools.combinations(acc, 2))
@@ -78,7 +85,9 @@ def table(runs: list[Path]) -> list[str]:
                      f"| {min(acc):.3f} - {max(acc):.3f} | {close} of {len(pairs)} "
                      f"| {_versus(acc, finals.get('gaussian'))} "
                      f"| {statistics.fmean(last):.3f} ({statistics.stdev(last):.3f}) "
-                     f"| {_versus(last, lasts.get('gaussian'))} |")
+                     f"| {_versus(last, lasts.get('gaussian'))} "
+                     f"| {statistics.fmean(all_rounds):.3f} ({statistics.stdev(all_rounds):.3f}) "
+                     f"| {_versus(all_rounds, every.get('gaussian'))} |")
     return lines
 
 
