@@ -50,7 +50,8 @@ def _bernoulli_exp_at_most_one(gen, num: np.ndarray, den: np.ndarray) -> np.ndar
     """Bernoulli(exp(-num/den)) for 0 <= num <= den (CKS20 Alg. 1): K = 1; while Bernoulli(gamma / K),
     K += 1; the answer is whether K is odd. Bernoulli(gamma / K) is Bernoulli(num / den) and
     Bernoulli(1 / K), independent: no product of bounds is ever formed. Where num = den (gamma = 1,
-    the discrete Laplace's geometric part) Bernoulli(num / den) is certain and is not drawn."""
+    the discrete Laplace's geometric part) Bernoulli(num / den) is certain and is not drawn; nor is
+    Bernoulli(1 / 1)."""
     shape = num.shape
     if bool(np.all(num == den)):
         return _bernoulli_exp_minus_one(gen, num.size).reshape(shape)
@@ -64,7 +65,7 @@ def _bernoulli_exp_at_most_one(gen, num: np.ndarray, den: np.ndarray) -> np.ndar
             first = _below(gen, bound, active.size) < num[active]
         else:
             first = _below(gen, den[active]) < num[active]
-        go_on = first & (_below(gen, k, active.size) == 0)
+        go_on = first if k == 1 else first & (_below(gen, k, active.size) == 0)
         if k % 2 == 1:
             odd[active[~go_on]] = True
         k += 1
@@ -74,10 +75,10 @@ def _bernoulli_exp_at_most_one(gen, num: np.ndarray, den: np.ndarray) -> np.ndar
 
 def _bernoulli_exp_minus_one(gen, n: int) -> np.ndarray:
     """``n`` draws of Bernoulli(exp(-1)): CKS20 Alg. 1 at gamma = 1, where each Bernoulli(gamma / K)
-    is Bernoulli(1 / K) alone."""
+    is Bernoulli(1 / K) alone, certain at K = 1: the loop starts at K = 2 (e - 1 draws each on average)."""
     odd = np.zeros(n, dtype=bool)
     active = np.arange(n)
-    k = 1
+    k = 2
     while active.size:
         go_on = _below(gen, k, active.size) == 0
         if k % 2 == 1:

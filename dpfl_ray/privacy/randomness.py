@@ -68,17 +68,18 @@ class ChaChaNormal:
         span = np.asarray(high, dtype=np.int64) - np.asarray(low, dtype=np.int64)
         if np.any(span <= 0):
             raise ValueError("integers needs high > low")
-        shape = np.broadcast(span, np.empty(() if size is None else size)).shape
-        span = np.broadcast_to(span, shape).astype(np.uint64).ravel()
+        shape = np.broadcast_shapes(span.shape, () if size is None else tuple(np.atleast_1d(size).tolist()))
+        span = span.astype(np.uint64)
+        if span.ndim:  # a bound per draw; one bound stays a scalar
+            span = np.broadcast_to(span, shape).ravel()
         limit = (np.uint64(2 ** 64 - 1) // span) * span  # words below it map uniformly onto [0, span)
-        out = np.empty(span.size, dtype=np.uint64)
-        todo = np.arange(span.size)
+        words = self._words(math.prod(shape)).copy()
+        # the rejected words are drawn again, in order, until each is below its limit
+        todo = np.flatnonzero(words >= limit)
         while todo.size:
-            words = self._words(todo.size)
-            ok = words < limit[todo]
-            out[todo[ok]] = words[ok] % span[todo[ok]]
-            todo = todo[~ok]
-        draws = out.astype(np.int64).reshape(shape) + np.asarray(low, dtype=np.int64)
+            words[todo] = self._words(todo.size)
+            todo = todo[words[todo] >= (limit[todo] if limit.ndim else limit)]
+        draws = (words % span).astype(np.int64).reshape(shape) + np.asarray(low, dtype=np.int64)
         return int(draws) if size is None and draws.ndim == 0 else draws
 
     def laplace(self, loc=0.0, scale=1.0, size=None):
