@@ -73,9 +73,11 @@ def tiny(tmp_path):
     ("data.repeat=1", "data.repeat: Input should be a valid boolean"),
 ])
 def test_run_overrides(tiny, tmp_path, override, needle):
+    from tests.helpers import dpfl_in_process
+
     before = files_under(tmp_path)
-    res = dpfl("run", tiny, "--set", override)  # no --out: name=../escaped would pick the folder
-    assert_one_error_line(res, needle)
+    res = dpfl_in_process("run", tiny, "--set", override)  # no --out: name=../escaped would pick the folder
+    _one_line_in_process(res, needle)
     assert files_under(tmp_path) == before and not (tmp_path / "escaped").exists()
 
 
@@ -88,23 +90,27 @@ def test_run_overrides(tiny, tmp_path, override, needle):
 def test_run_scenario_files(tmp_path, content, needle):
     path = tmp_path / "s.yaml"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    res = dpfl("run", path, "--out", tmp_path / "never")
-    assert_one_error_line(res, needle)
+    from tests.helpers import dpfl_in_process
+
+    res = dpfl_in_process("run", path, "--out", tmp_path / "never")
+    _one_line_in_process(res, needle)
     assert not (tmp_path / "never").exists()
 
 
 def test_unwritable_out_is_refused_before_ray_starts(tiny, tmp_path):
+    from tests.helpers import dpfl_in_process
+
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    res = dpfl("run", tiny, "--out", blocker / "run")
-    assert_one_error_line(res, "--out: cannot create")
+    res = dpfl_in_process("run", tiny, "--out", blocker / "run")
+    _one_line_in_process(res, "--out: cannot create")
     assert "workers ->" not in res.stdout  # the banner printed once Ray is up
     read_only = Path("/sys/dpfl-hostile-test")  # sysfs is read-only, even for root (chmod is not)
     try:
         check_writable(read_only)
     except DPFLError:
-        res = dpfl("run", tiny, "--out", read_only)
-        assert_one_error_line(res, "--out: cannot write in /sys")
+        res = dpfl_in_process("run", tiny, "--out", read_only)
+        _one_line_in_process(res, "--out: cannot write in /sys")
         assert "workers ->" not in res.stdout and not read_only.exists()
 
 
@@ -112,8 +118,11 @@ def test_a_model_that_cannot_take_the_data_is_refused_before_ray_starts(tiny, tm
     """The model itself is built while Ray starts (cli/run.py); whether it fits the data is
     checked before, without torch. The address is dead: had Ray been started (joined) first, the
     error would be about it."""
-    res = dpfl("run", tiny, "--out", tmp_path / "never", "--set", "model.name=cnn", "--address", "127.0.0.1:9")
-    assert_one_error_line(res, "model.name: the cnn needs images of at least 16x16")
+    from tests.helpers import dpfl_in_process
+
+    res = dpfl_in_process("run", tiny, "--out", tmp_path / "never", "--set", "model.name=cnn", "--address",
+                          "127.0.0.1:9")
+    _one_line_in_process(res, "model.name: the cnn needs images of at least 16x16")
     assert "workers ->" not in res.stdout and not (tmp_path / "never").exists()
 
 
@@ -133,9 +142,11 @@ def _run_dir(path: Path, summary, rounds_text: str) -> Path:
     ({"name": "x"}, '{"round": -5}\n', "rounds.jsonl line 1: round must be in [1, inf]"),
 ])
 def test_report_on_broken_runs(tmp_path, summary, rounds, needle):
+    from tests.helpers import dpfl_in_process
+
     run = _run_dir(tmp_path / "run", summary, rounds)
-    res = dpfl("report", run, "--out", tmp_path / "report")
-    assert_one_error_line(res, needle)
+    res = dpfl_in_process("report", run, "--out", tmp_path / "report")
+    _one_line_in_process(res, needle)
     assert not (tmp_path / "report").exists()
 
 
@@ -180,26 +191,32 @@ def test_any_exception_is_one_line(tmp_path):
      "smaller z"),
 ])
 def test_privacy_commands_that_ran_without_bound_now_answer(args, needle):
-    res = dpfl("privacy", *args, "--json")
-    assert res.returncode == 0, res.stderr
+    from tests.helpers import dpfl_in_process
+
+    res = dpfl_in_process("privacy", *args, "--json")
+    assert res.exit_code == 0, res.stderr
     data = json.loads(res.stdout)
     assert needle in data["accountant_note"] + f" accountant_used={data['accountant_used']}"
     assert data["epsilon"] is None or math.isfinite(data["epsilon"])
 
 
 def test_privacy_table_shows_the_search_cap_as_a_bound():
-    res = dpfl("privacy", "table", "--budgets", "1e9", "--rounds", "1", "--dropout-rates", "0")
-    assert res.returncode == 0, res.stderr
+    from tests.helpers import dpfl_in_process
+
+    res = dpfl_in_process("privacy", "table", "--budgets", "1e9", "--rounds", "1", "--dropout-rates", "0")
+    assert res.exit_code == 0, res.stderr
     assert ">= 1e7" in res.stdout and "10,000,000" not in res.stdout
 
 
 def test_validate_says_when_the_accountant_will_not_be_plain_pld():
-    res = dpfl("scenarios", "validate", ROOT / "scenarios" / "dp_fedavg_quickstart.yaml", "--no-data",
-               "--set", "privacy.noise_multiplier=0.01", "--set", "training.rounds=2")
-    assert res.returncode == 0 and "note: pld accounts z=0.01" in res.stdout
-    res = dpfl("scenarios", "validate", ROOT / "scenarios" / "dp_fedavg_quickstart.yaml", "--no-data",
-               "--set", "privacy.noise_multiplier=0.0001")
-    assert res.returncode == 0 and "accounting with rdp instead" in res.stdout
+    from tests.helpers import dpfl_in_process
+
+    res = dpfl_in_process("scenarios", "validate", ROOT / "scenarios" / "dp_fedavg_quickstart.yaml", "--no-data",
+                          "--set", "privacy.noise_multiplier=0.01", "--set", "training.rounds=2")
+    assert res.exit_code == 0 and "note: pld accounts z=0.01" in res.stdout
+    res = dpfl_in_process("scenarios", "validate", ROOT / "scenarios" / "dp_fedavg_quickstart.yaml", "--no-data",
+                          "--set", "privacy.noise_multiplier=0.0001")
+    assert res.exit_code == 0 and "accounting with rdp instead" in res.stdout
 
 
 def test_report_keeps_the_run_column_readable_at_80_columns(tmp_path):
