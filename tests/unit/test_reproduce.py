@@ -320,6 +320,26 @@ def test_run_directories_made_by_hand_are_adopted_only_where_they_are_the_runs(f
     assert again.exit_code == 0 and "2 runs, 2 finished before" in again.stdout, again.output
 
 
+def test_a_run_that_did_not_finish_is_named_and_the_command_exits_1(folder, tmp_path, monkeypatch):
+    """The command's verdict on what its trials returned (Tune's part stands in: one run finishes,
+    the other's trial reports a failure): the table is written with both rows, the failed run is
+    named with the way to retry it, and the exit status is 1."""
+    import cli.reproduce
+
+    def trials(out_dir, todo, *args):
+        assert [r.name for r in todo] == ["a", "b"]
+        write_run(out_dir / "a", {"final_accuracy": 0.78, "stop_reason": "completed", "rounds_completed": 2}, [])
+        return {"a": "ok", "b": "failed: ValueError: boom"}
+
+    monkeypatch.setattr(cli.reproduce, "run_on_tune", trials)
+    out = tmp_path / "out"
+    res = dpfl_in_process("reproduce", folder, "--only", "a", "--only", "b", "--out", out)
+    assert res.exit_code == 1, res.output
+    assert "1 of 2 runs did not finish (b); run the same command to retry them" in res.stdout
+    with open(out / "reproduction.csv") as fh:
+        assert [(r["run"], r["status"]) for r in csv.DictReader(fh)] == [("a", "ok"), ("b", "failed: ValueError: boom")]
+
+
 # --- every shipped paper folder -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("paper", [p.name for p in rp.paper_folders()] or ["(none)"])
