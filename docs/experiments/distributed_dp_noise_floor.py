@@ -49,7 +49,8 @@ def last_rounds_accuracy(run: Path, rounds: int | None = LAST) -> float:
     kept = rows if rounds is None else rows[-rounds:]
     accuracies = [r["test_accuracy"] for r in kept if r.get("test_accuracy") is not None]
     if not accuracies or len(accuracies) < len(kept) or len(kept) < (rounds or 1):
-        raise SystemExit(f"{run}: fewer than {rounds or len(kept)} evaluated rounds")
+        raise SystemExit(f"{run}: " + ("not every round was evaluated" if rounds is None
+                                       else f"fewer than {rounds} evaluated rounds"))
     return statistics.fmean(accuracies)
 
 
