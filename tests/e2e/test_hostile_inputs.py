@@ -14,6 +14,7 @@ import yaml
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.runs.record import check_writable
+from tests.helpers import dpfl_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,8 +74,6 @@ def tiny(tmp_path):
     ("data.repeat=1", "data.repeat: Input should be a valid boolean"),
 ])
 def test_run_overrides(tiny, tmp_path, override, needle):
-    from tests.helpers import dpfl_in_process
-
     before = files_under(tmp_path)
     res = dpfl_in_process("run", tiny, "--set", override)  # no --out: name=../escaped would pick the folder
     _one_line_in_process(res, needle)
@@ -90,16 +89,12 @@ def test_run_overrides(tiny, tmp_path, override, needle):
 def test_run_scenario_files(tmp_path, content, needle):
     path = tmp_path / "s.yaml"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    from tests.helpers import dpfl_in_process
-
     res = dpfl_in_process("run", path, "--out", tmp_path / "never")
     _one_line_in_process(res, needle)
     assert not (tmp_path / "never").exists()
 
 
 def test_unwritable_out_is_refused_before_ray_starts(tiny, tmp_path):
-    from tests.helpers import dpfl_in_process
-
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     res = dpfl_in_process("run", tiny, "--out", blocker / "run")
@@ -118,8 +113,6 @@ def test_a_model_that_cannot_take_the_data_is_refused_before_ray_starts(tiny, tm
     """The model itself is built while Ray starts (cli/run.py); whether it fits the data is
     checked before, without torch. The address is dead: had Ray been started (joined) first, the
     error would be about it."""
-    from tests.helpers import dpfl_in_process
-
     res = dpfl_in_process("run", tiny, "--out", tmp_path / "never", "--set", "model.name=cnn", "--address",
                           "127.0.0.1:9")
     _one_line_in_process(res, "model.name: the cnn needs images of at least 16x16")
@@ -142,8 +135,6 @@ def _run_dir(path: Path, summary, rounds_text: str) -> Path:
     ({"name": "x"}, '{"round": -5}\n', "rounds.jsonl line 1: round must be in [1, inf]"),
 ])
 def test_report_on_broken_runs(tmp_path, summary, rounds, needle):
-    from tests.helpers import dpfl_in_process
-
     run = _run_dir(tmp_path / "run", summary, rounds)
     res = dpfl_in_process("report", run, "--out", tmp_path / "report")
     _one_line_in_process(res, needle)
@@ -191,8 +182,6 @@ def test_any_exception_is_one_line(tmp_path):
      "smaller z"),
 ])
 def test_privacy_commands_that_ran_without_bound_now_answer(args, needle):
-    from tests.helpers import dpfl_in_process
-
     res = dpfl_in_process("privacy", *args, "--json")
     assert res.exit_code == 0, res.stderr
     data = json.loads(res.stdout)
@@ -201,16 +190,12 @@ def test_privacy_commands_that_ran_without_bound_now_answer(args, needle):
 
 
 def test_privacy_table_shows_the_search_cap_as_a_bound():
-    from tests.helpers import dpfl_in_process
-
     res = dpfl_in_process("privacy", "table", "--budgets", "1e9", "--rounds", "1", "--dropout-rates", "0")
     assert res.exit_code == 0, res.stderr
     assert ">= 1e7" in res.stdout and "10,000,000" not in res.stdout
 
 
 def test_validate_says_when_the_accountant_will_not_be_plain_pld():
-    from tests.helpers import dpfl_in_process
-
     res = dpfl_in_process("scenarios", "validate", ROOT / "scenarios" / "dp_fedavg_quickstart.yaml", "--no-data",
                           "--set", "privacy.noise_multiplier=0.01", "--set", "training.rounds=2")
     assert res.exit_code == 0 and "note: pld accounts z=0.01" in res.stdout
@@ -359,8 +344,6 @@ def _one_line_in_process(res, needle):
     (("audit", "{tmp}/gone"), "{tmp}/gone: no such run directory"),
 ])
 def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
-    from tests.helpers import dpfl_in_process
-
     before = files_under(tmp_path)
     res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
     _one_line_in_process(res, needle.format(tmp=tmp_path))
@@ -390,8 +373,6 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     (("bench", "local", "--data", "random", "--examples", "100000000"), "--examples: 100000000 examples per client"),
 ])
 def test_the_other_commands_findings_are_one_line(tiny, tmp_path, args, needle):
-    from tests.helpers import dpfl_in_process
-
     before = files_under(tmp_path)
     res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
     _one_line_in_process(res, needle)
@@ -411,8 +392,6 @@ def test_an_empty_output_folder_is_refused_not_read_as_the_current_one(tiny, tmp
 
 
 def test_report_refuses_to_write_into_a_run_it_reports(tmp_path):
-    from tests.helpers import dpfl_in_process
-
     run = _run_dir(tmp_path / "run", {"name": "x", "final_accuracy": 0.5}, '{"round": 1, "test_accuracy": 0.5}\n')
     before = {p: p.read_bytes() for p in run.iterdir()}
     res = dpfl_in_process("report", run, "--out", run)
@@ -421,8 +400,6 @@ def test_report_refuses_to_write_into_a_run_it_reports(tmp_path):
 
 
 def test_a_budget_the_first_round_passes_names_the_accountant_that_answered(tiny):
-    from tests.helpers import dpfl_in_process
-
     res = dpfl_in_process("scenarios", "validate", tiny, "--no-data", "--set", "training.algorithm=dp_fedavg",
                           "--set", "privacy.noise_multiplier=0.0001", "--set", "privacy.target_epsilon=1",
                           "--set", "sampling.mode=poisson", "--set", "sampling.rate=0.5")
@@ -433,8 +410,6 @@ def test_a_budget_the_first_round_passes_names_the_accountant_that_answered(tiny
                                      '{"name": "x", "epsilon": null, "delta": 1e-05, "non_finite": {"epsilon": "inf"}}'])
 def test_report_shows_an_infinite_epsilon_as_inf(tmp_path, summary):
     """No guarantee is not the same as not private: "inf", not the "-" of a run without a ledger."""
-    from tests.helpers import dpfl_in_process
-
     run = _run_dir(tmp_path / "run", summary.encode(), '{"round": 1, "test_accuracy": 0.5}\n')
     res = dpfl_in_process("report", run, "--out", tmp_path / "report")
     assert res.exit_code == 0, res.stderr
@@ -452,8 +427,6 @@ def test_audit_bootstrap_is_bounded(tmp_path):
 def test_a_set_that_only_the_grid_completes_is_a_sweep_not_an_error(tiny):
     """Integer noise needs a ring of 8-32 bits, and the grid gives each combination its width: the
     --set alone is not a scenario, every combination is. A grid value that is not is named."""
-    from tests.helpers import dpfl_in_process
-
     sets = [a for kv in ("training.algorithm=baek", "secagg.enabled=true", "privacy.noise_multiplier=1",
                          "sampling.mode=poisson", "sampling.rate=0.25", "sampling.clients_per_round=null",
                          "privacy.accountant=rdp", "privacy.distributed_noise=skellam") for a in ("--set", kv)]
