@@ -21,6 +21,10 @@ The schema (unknown keys are errors; every error names the file and the key)::
         text: "..."
         check: {kind: at_least, run: adap_as_published, metric: final_accuracy, value: 0.7656}
 
+Check kinds: ``at_least``, ``at_most``, ``within`` (``run``, ``value``, ``tol``); ``order`` and
+``monotone`` (``runs``, ``direction``); ``gap_at_most`` (``run``, ``baseline``, ``value``);
+``gap_shrinks`` (``runs``, ``baseline``); ``mean_at_least`` (``runs``, ``value``: their mean).
+
 A metric is a key of a run's ``summary.json``, dotted for a nested one (``client_accuracy.mean``;
 ``[key]`` for a key that is not a plain name: ``client_accuracy.by_group[eps_k=1].mean``),
 plus ``final_loss``, ``epsilon``, ``epsilon_claimed`` and ``epsilon_empirical`` (the audit's
@@ -130,8 +134,17 @@ class GapShrinks(_Check):
     baseline: RunName
 
 
-Check = Annotated[Union[AtLeast, AtMost, Within, Order, Monotone, GapAtMost, GapShrinks], Field(discriminator="kind")]
-CHECK_KINDS = ("at_least", "at_most", "within", "order", "monotone", "gap_at_most", "gap_shrinks")
+class MeanAtLeast(_Check):
+    """The mean over ``runs`` (the same run on several seeds, say) is at least ``value``: for a paper
+    that reports one run and no seed, where one seed passing says little."""
+    kind: Literal["mean_at_least"]
+    runs: list[RunName] = Field(min_length=2)
+    value: Number
+
+
+Check = Annotated[Union[AtLeast, AtMost, Within, Order, Monotone, GapAtMost, GapShrinks, MeanAtLeast],
+                  Field(discriminator="kind")]
+CHECK_KINDS = ("at_least", "at_most", "within", "order", "monotone", "gap_at_most", "gap_shrinks", "mean_at_least")
 
 
 class Claim(_Strict):
@@ -335,6 +348,12 @@ def evaluate_check(check, results: dict[str, dict | None]) -> tuple[str, str]:
         sym = _order_symbol(check)
         return _verdict(ok), f"{m}: " + f" {sym} ".join(f"{n} {_fmt(v)}" for n, v in zip(check.runs, vals)) + \
             ("" if ok else " (not so)")
+    if kind == "mean_at_least":
+        vals = [get[n] for n in check.runs]
+        mean = math.fsum(vals) / len(vals)
+        ok = mean >= check.value
+        return _verdict(ok), f"{m}: mean of " + ", ".join(f"{n} {_fmt(v)}" for n, v in zip(check.runs, vals)) + \
+            f" = {_fmt(mean)} {'>=' if ok else '<'} {_fmt(check.value)}"
     if kind == "gap_at_most":
         gap = get[check.baseline] - get[check.run]
         ok = gap <= check.value

@@ -138,6 +138,9 @@ def check(**fields):
     (dict(kind="gap_shrinks", runs=["b", "a"], baseline="base"), "PASS", "b 0.15, a 0.1 (shrinks)"),
     (dict(kind="gap_shrinks", runs=["a", "b"], baseline="base"), "FAIL", "(does not shrink)"),
     (dict(kind="gap_shrinks", runs=["b", "c"], baseline="base"), "FAIL", "(does not shrink)"),
+    (dict(kind="mean_at_least", runs=["a", "b", "c"], value=0.76), "PASS",
+     "final_accuracy: mean of a 0.8, b 0.75, c 0.75 = 0.7667 >= 0.76"),
+    (dict(kind="mean_at_least", runs=["a", "b", "c"], value=0.77), "FAIL", "= 0.7667 < 0.77"),  # a passes alone
 ])
 def test_every_check_kind_passes_and_fails_with_the_numbers_it_compared(fields, status, compared):
     got, text = pp.evaluate_check(check(**fields), RESULTS)
@@ -154,6 +157,9 @@ def test_a_missing_metric_fails_and_an_absent_run_is_skipped():
     partial = {"a": RESULTS["a"], "b": None}  # b did not finish, c was never run
     assert pp.evaluate_check(check(kind="order", runs=["a", "b", "c"], direction="descending"), partial) == \
         ("SKIP", "b did not finish, c was not run")
+    # a mean is of every run it names: one that did not finish leaves it unknown, however high the rest
+    assert pp.evaluate_check(check(kind="mean_at_least", runs=["a", "b"], value=0.5), partial) == \
+        ("SKIP", "b did not finish")
     # two finished runs already out of order: no missing run can mend it (Fu: sigma 3 above sigma 2)
     assert pp.evaluate_check(check(kind="order", runs=["b", "a", "c"], direction="descending"),
                              {"a": RESULTS["a"], "b": RESULTS["b"], "c": None}) == \
