@@ -15,13 +15,15 @@ its whole interval lies inside +-0.02.
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import yaml
 from scipy import stats
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.runs.load import Run, load_run
 
 WITHIN = 0.02
 LAST = 5
@@ -36,20 +38,28 @@ def group_of(run: Path) -> str:
     return noise if noise == "gaussian" else f"{noise}, {secagg.get('bits')} bits"
 
 
-def final_accuracy(run: Path) -> float:
-    summary = json.loads((run / "summary.json").read_text())
-    if summary.get("stop_reason") != "completed":
-        raise SystemExit(f"{run}: did not complete ({summary.get('stop_reason')})")
+def read(run: Path) -> Run:
+    """The run's summary and rows (runs.load: a damaged file is one line naming it)."""
+    try:
+        return load_run(run)
+    except DPFLError as err:
+        raise SystemExit(str(err)) from None
+
+
+def final_accuracy(run: Run) -> float:
+    summary = run.summary
+    if summary.get("stop_reason") != "completed" or summary.get("final_accuracy") is None:
+        raise SystemExit(f"{run.path}: did not complete ({summary.get('stop_reason')})")
     return float(summary["final_accuracy"])
 
 
-def last_rounds_accuracy(run: Path, rounds: int | None = LAST) -> float:
+def last_rounds_accuracy(run: Run, rounds: int | None = LAST) -> float:
     """The run's mean test accuracy over its last ``rounds`` rounds (None: every round), each evaluated."""
-    rows = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines() if line.strip()]
+    rows = run.rounds
     kept = rows if rounds is None else rows[-rounds:]
     accuracies = [r["test_accuracy"] for r in kept if r.get("test_accuracy") is not None]
     if not accuracies or len(accuracies) < len(kept) or len(kept) < (rounds or 1):
-        raise SystemExit(f"{run}: " + ("not every round was evaluated" if rounds is None
+        raise SystemExit(f"{run.path}: " + ("not every round was evaluated" if rounds is None
                                        else f"fewer than {rounds} evaluated rounds"))
     return statistics.fmean(accuracies)
 
@@ -65,8 +75,9 @@ def _versus(acc: list[float], base: list[float] | None) -> str:
 
 def table(runs: list[Path]) -> list[str]:
     groups: dict[str, list[tuple[float, float, float]]] = {}
-    for run in runs:
-        groups.setdefault(group_of(run), []).append(
+    for path in runs:
+        run = read(path)
+        groups.setdefault(group_of(path), []).append(
             (final_accuracy(run), last_rounds_accuracy(run), last_rounds_accuracy(run, None)))
     finals = {name: [f for f, _, _ in v] for name, v in groups.items()}
     lasts = {name: [m for _, m, _ in v] for name, v in groups.items()}

@@ -529,3 +529,7 @@ def test_the_noise_floor_script_groups_os_runs_by_their_noise_and_bounds_the_dif
     assert close == f"{interval([0.600, 0.604, 0.602, 0.601], [0.600, 0.603, 0.601, 0.602])[:-1]}, within 0.02)"
     with pytest.raises(SystemExit, match="not a run with privacy.randomness: os"):
         module.table(runs + [run("fixed", "gaussian", 32, 0.6, randomness="reproducible")])
+    broken = run("broken", "skellam", 16, 0.6)
+    (broken / "rounds.jsonl").write_text('{"round": 1, "test_accuracy": 1.7}\n')  # runs.load's checks
+    with pytest.raises(SystemExit, match=r"rounds.jsonl line 1: test_accuracy must be in \[0, 1\]"):
+        module.table(runs + [broken])
