@@ -37,7 +37,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Union, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
@@ -142,9 +142,9 @@ class MeanAtLeast(_Check):
     value: Number
 
 
-Check = Annotated[Union[AtLeast, AtMost, Within, Order, Monotone, GapAtMost, GapShrinks, MeanAtLeast],
-                  Field(discriminator="kind")]
-CHECK_KINDS = ("at_least", "at_most", "within", "order", "monotone", "gap_at_most", "gap_shrinks", "mean_at_least")
+_CHECKS = (AtLeast, AtMost, Within, Order, Monotone, GapAtMost, GapShrinks, MeanAtLeast)
+Check = Annotated[Union[_CHECKS], Field(discriminator="kind")]
+CHECK_KINDS = tuple(get_args(c.model_fields["kind"].annotation)[0] for c in _CHECKS)
 
 
 class Claim(_Strict):
