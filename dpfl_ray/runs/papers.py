@@ -23,7 +23,8 @@ The schema (unknown keys are errors; every error names the file and the key)::
 
 Check kinds: ``at_least``, ``at_most``, ``within`` (``run``, ``value``, ``tol``); ``order`` and
 ``monotone`` (``runs``, ``direction``); ``gap_at_most`` (``run``, ``baseline``, ``value``);
-``gap_shrinks`` (``runs``, ``baseline``); ``mean_at_least`` (``runs``, ``value``: their mean).
+``gap_shrinks`` (``runs``, ``baseline``); ``mean_at_least`` (``runs``, ``value``: their mean);
+``mean_gap_at_most`` (``runs``, ``baselines``, ``value``: the baselines' mean minus the runs' mean).
 
 A metric is a key of a run's ``summary.json``, dotted for a nested one (``client_accuracy.mean``;
 ``[key]`` for a key that is not a plain name: ``client_accuracy.by_group[eps_k=1].mean``),
@@ -86,8 +87,8 @@ class _Check(_Strict):
     metric: Metric
 
     def run_names(self) -> tuple[str, ...]:
-        return tuple(getattr(self, "runs", ())) + tuple(getattr(self, n) for n in ("run", "baseline")
-                                                        if getattr(self, n, None) is not None)
+        return tuple(getattr(self, "runs", ())) + tuple(getattr(self, "baselines", ())) + \
+            tuple(getattr(self, n) for n in ("run", "baseline") if getattr(self, n, None) is not None)
 
 
 class AtLeast(_Check):
@@ -142,7 +143,16 @@ class MeanAtLeast(_Check):
     value: Number
 
 
-_CHECKS = (AtLeast, AtMost, Within, Order, Monotone, GapAtMost, GapShrinks, MeanAtLeast)
+class MeanGapAtMost(_Check):
+    """The mean over ``baselines`` minus the mean over ``runs`` is at most ``value``: a gap_at_most
+    for a pair of runs repeated on several seeds."""
+    kind: Literal["mean_gap_at_most"]
+    runs: list[RunName] = Field(min_length=2)
+    baselines: list[RunName] = Field(min_length=2)
+    value: Number
+
+
+_CHECKS = (AtLeast, AtMost, Within, Order, Monotone, GapAtMost, GapShrinks, MeanAtLeast, MeanGapAtMost)
 Check = Annotated[Union[_CHECKS], Field(discriminator="kind")]
 CHECK_KINDS = tuple(get_args(c.model_fields["kind"].annotation)[0] for c in _CHECKS)
 
@@ -349,11 +359,14 @@ def evaluate_check(check, results: dict[str, dict | None]) -> tuple[str, str]:
         return _verdict(ok), f"{m}: " + f" {sym} ".join(f"{n} {_fmt(v)}" for n, v in zip(check.runs, vals)) + \
             ("" if ok else " (not so)")
     if kind == "mean_at_least":
-        vals = [get[n] for n in check.runs]
-        mean = math.fsum(vals) / len(vals)
+        mean, listed = _mean(check.runs, get)
         ok = mean >= check.value
-        return _verdict(ok), f"{m}: mean of " + ", ".join(f"{n} {_fmt(v)}" for n, v in zip(check.runs, vals)) + \
-            f" = {_fmt(mean)} {'>=' if ok else '<'} {_fmt(check.value)}"
+        return _verdict(ok), f"{m}: {listed} {'>=' if ok else '<'} {_fmt(check.value)}"
+    if kind == "mean_gap_at_most":
+        (base, base_listed), (here, listed) = _mean(check.baselines, get), _mean(check.runs, get)
+        ok = base - here <= check.value
+        return _verdict(ok), f"{m}: {base_listed}, minus {listed}: {_fmt(base - here)} " \
+                             f"{'<=' if ok else '>'} {_fmt(check.value)}"
     if kind == "gap_at_most":
         gap = get[check.baseline] - get[check.run]
         ok = gap <= check.value
@@ -363,6 +376,13 @@ def evaluate_check(check, results: dict[str, dict | None]) -> tuple[str, str]:
     ok = all(a > b for a, b in zip(gaps, gaps[1:]))
     return _verdict(ok), f"{m}: gap to {check.baseline} {_fmt(get[check.baseline])}: " + \
         ", ".join(f"{n} {_fmt(g)}" for n, g in zip(check.runs, gaps)) + (" (shrinks)" if ok else " (does not shrink)")
+
+
+def _mean(names: list[str], get: dict[str, float]) -> tuple[float, str]:
+    """The mean of the runs' values, and how it was made ("mean of a 0.8, b 0.75 = 0.775")."""
+    vals = [get[n] for n in names]
+    mean = math.fsum(vals) / len(vals)
+    return mean, "mean of " + ", ".join(f"{n} {_fmt(v)}" for n, v in zip(names, vals)) + f" = {_fmt(mean)}"
 
 
 def _broken_order(check, results: dict[str, dict | None], absent: list[str]) -> str | None:

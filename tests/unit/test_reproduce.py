@@ -141,6 +141,10 @@ def check(**fields):
     (dict(kind="mean_at_least", runs=["a", "b", "c"], value=0.76), "PASS",
      "final_accuracy: mean of a 0.8, b 0.75, c 0.75 = 0.7667 >= 0.76"),
     (dict(kind="mean_at_least", runs=["a", "b", "c"], value=0.77), "FAIL", "= 0.7667 < 0.77"),  # a passes alone
+    (dict(kind="mean_gap_at_most", runs=["a", "b"], baselines=["base", "c"], value=0.05), "PASS",
+     "final_accuracy: mean of base 0.9, c 0.75 = 0.825, minus mean of a 0.8, b 0.75 = 0.775: 0.05 <= 0.05"),
+    # each pair alone: base - a = 0.1 fails, c - b = 0 passes; the means decide
+    (dict(kind="mean_gap_at_most", runs=["a", "b"], baselines=["base", "c"], value=0.04), "FAIL", ": 0.05 > 0.04"),
 ])
 def test_every_check_kind_passes_and_fails_with_the_numbers_it_compared(fields, status, compared):
     got, text = pp.evaluate_check(check(**fields), RESULTS)
@@ -160,6 +164,8 @@ def test_a_missing_metric_fails_and_an_absent_run_is_skipped():
     # a mean is of every run it names: one that did not finish leaves it unknown, however high the rest
     assert pp.evaluate_check(check(kind="mean_at_least", runs=["a", "b"], value=0.5), partial) == \
         ("SKIP", "b did not finish")
+    assert pp.evaluate_check(check(kind="mean_gap_at_most", runs=["a", "c"], baselines=["a", "b"], value=1),
+                             partial) == ("SKIP", "c was not run, b did not finish")
     # two finished runs already out of order: no missing run can mend it (Fu: sigma 3 above sigma 2)
     assert pp.evaluate_check(check(kind="order", runs=["b", "a", "c"], direction="descending"),
                              {"a": RESULTS["a"], "b": RESULTS["b"], "c": None}) == \
