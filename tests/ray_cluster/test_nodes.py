@@ -1,16 +1,16 @@
 """Across nodes, on one three-node ray.cluster_utils.Cluster (declared GPUs, all on this machine):
 
-1. a tiny scenario's workers land on every node, each holding the GPU fraction it asked for;
-2. `dpfl sweep --address` of three runs whose one worker wants a whole node: the Tune trials
+1. `dpfl sweep --address` of three runs whose one worker wants a whole node: the Tune trials
    spread over the cluster, one on each node, and every run directory lands in the one `--out`
    (one machine: the nodes share its file system, as a cluster's nodes must share `--out`). A worker
    node is lost mid-sweep: Tune starts its trial again on a node left, and the run resumes from its
    last checkpoint (its committed rows kept to the byte, every round once); a node is added back;
-3. then a node is lost mid-run (faults.node_failure): the runtime kills one node's raylet in round
-   2, the round records that node's clients as node_lost, and the run completes on the two nodes
-   that are left.
+2. then a run of three workers that each ask for half a GPU: they land one on every node, each
+   holding a fraction of one GPU; a node is lost mid-run (faults.node_failure): the runtime kills
+   one node's raylet in round 2, the round records that node's clients as node_lost, and the run
+   completes on the two nodes that are left.
 
-All three share the cluster: starting one costs more CPU than either run. The cluster and the
+Both share the cluster: starting one costs more CPU than either part. The cluster and the
 driver live in a child process (this pytest process never calls ray.init)."""
 import csv
 import json
@@ -84,23 +84,6 @@ SCRIPT = textwrap.dedent('''
 
     try:
         ensure_ray(cluster.address)  # the same door as `dpfl run --address`
-        seen = {"gpu_free": []}
-
-        def on_event(ev):
-            if ev["event"] == "start":
-                seen["pool"] = ev["pool"]
-            seen["gpu_free"].append({n: r.get("GPU", 0.0) for n, r in available_resources_per_node().items()})
-
-        sc = tiny("spread", resources={"workers": 3, "num_cpus_per_worker": 0.5, "num_gpus_per_worker": 0.5})
-        # keep_workers=False: parked workers would hold half a CPU on every node, and the sweep's
-        # whole-node trials would wait for warm.IDLE_SECONDS before any of them could start.
-        summary = run_scenario(sc, build_federation(sc), RunRecord(out / "spread"), on_event=on_event,
-                               keep_workers=False)
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        print("SPREAD " + json.dumps({"summary": summary, "nodes": nodes, "pool": seen["pool"],
-                                      "gpu_free": seen["gpu_free"],
-                                      "placement": placement_summary(seen["pool"], 0.5, 0.5),
-                                      "s": time.monotonic() - t0}), flush=True)
 
         # a sweep as one command on the cluster: each run's worker takes a whole node (2 CPUs). Once
         # every node runs a trial, a worker node whose trial's run has committed rounds is lost.
@@ -138,13 +121,20 @@ SCRIPT = textwrap.dedent('''
         cluster.wait_for_nodes()
 
         seen = {"gpu_free": []}
+
+        def on_event(ev):
+            if ev["event"] == "start":
+                seen["pool"] = ev["pool"]
+            seen["gpu_free"].append({n: r.get("GPU", 0.0) for n, r in available_resources_per_node().items()})
+
         sc = tiny("node_loss", faults={"node_failure": {"at_round": 2, "phase": "training"}},
-                  resources={"workers": 3, "num_cpus_per_worker": 0.5})
+                  resources={"workers": 3, "num_cpus_per_worker": 0.5, "num_gpus_per_worker": 0.5})
         before = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         summary = run_scenario(sc, build_federation(sc), RunRecord(out / "node_loss"), on_event=on_event,
                                keep_workers=False)
         after = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         print("LOSS " + json.dumps({"summary": summary, "before": before, "after": after, "pool": seen["pool"],
+                                    "gpu_free": seen["gpu_free"], "placement": placement_summary(seen["pool"], 0.5, 0.5),
                                     "s": time.monotonic() - t0}), flush=True)
     finally:
         ray.shutdown()
@@ -176,20 +166,7 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
         stop_sessions({proc.pid}, grace=5.0)
     assert proc.returncode == 0, (stdout[-3000:], stderr[-3000:])
 
-    # 1. spread: one worker on each node, each holding a fraction of one GPU
-    out = _result(stdout, "SPREAD")
-    assert out["summary"]["rounds_completed"] == 3 and len(out["nodes"]) == 3
-    assert sorted(w["node"] for w in out["pool"]) == out["nodes"]  # one worker on each node
-    for w in out["pool"]:
-        assert len(w["gpu_ids"]) == 1  # a fraction of one GPU, not a whole set
-    placement = out["placement"]
-    assert set(placement["nodes"]) == set(out["nodes"])
-    assert all(n["workers"] == 1 and len(n["gpu_ids"]) == 1 for n in placement["nodes"].values())
-    # While the run went, each node had exactly 2 - 0.5 of its GPUs free: the requested fraction.
-    during = [snap for snap in out["gpu_free"] if set(snap) == set(out["nodes"])]
-    assert any(all(free == 1.5 for free in snap.values()) for snap in during), out["gpu_free"]
-
-    # 2. a sweep on the cluster: one trial on each node, every run directory in --out; the node lost
+    # 1. a sweep on the cluster: one trial on each node, every run directory in --out; the node lost
     # mid-sweep costs its trial only the rounds after its run's last checkpoint
     out = _result(stdout, "SWEEP")
     assert out["rc"] == 0, out["tail"]
@@ -220,8 +197,20 @@ def test_workers_spread_over_every_node_then_a_lost_node_s_clients_are_node_lost
     assert all(len(nodes) == 1 for nodes in placed)
     assert out["lost"] not in {n for nodes in placed for n in nodes}  # the trial started again ran elsewhere
 
-    # 3. node loss: the lost node held a worker, its clients are node_lost in round 2, the run completes
+    # 2. spread: one worker on each node, each holding a fraction of one GPU
     out = _result(stdout, "LOSS")
+    assert len(out["before"]) == 3
+    assert sorted(w["node"] for w in out["pool"]) == out["before"]  # one worker on each node
+    for w in out["pool"]:
+        assert len(w["gpu_ids"]) == 1  # a fraction of one GPU, not a whole set
+    placement = out["placement"]
+    assert set(placement["nodes"]) == set(out["before"])
+    assert all(n["workers"] == 1 and len(n["gpu_ids"]) == 1 for n in placement["nodes"].values())
+    # Until the node was lost, each node had exactly 2 - 0.5 of its GPUs free: the requested fraction.
+    during = [snap for snap in out["gpu_free"] if set(snap) == set(out["before"])]
+    assert any(all(free == 1.5 for free in snap.values()) for snap in during), out["gpu_free"]
+
+    # then node loss: the lost node held a worker, its clients are node_lost in round 2, the run completes
     rows = [json.loads(line) for line in (tmp_path / "node_loss" / "rounds.jsonl").read_text().splitlines()]
     assert out["summary"]["stop_reason"] == "completed" and out["summary"]["rounds_completed"] == 3
     assert len(out["before"]) == 3 and len(out["after"]) == 2
