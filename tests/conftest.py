@@ -23,8 +23,8 @@ os.environ.pop("COLUMNS", None)
 # processes sit idle.
 _FIRST = ("tests/ray_cluster/", "tests/e2e/", "tests/ray/")
 # tests/ray's runs share their process's session Ray and the workers and coordinator its last run
-# parked (runtime/warm.py): run in one process they start about a quarter fewer worker processes than
-# spread over three (255 against 339 CPU-s for tests/ray alone; benchmarks/RESULTS.md).
+# parked (runtime/warm.py): run in one process they start fewer worker processes and take about a
+# quarter less CPU than spread over three (255 against 339 CPU-s for tests/ray alone; benchmarks/RESULTS.md).
 _ONE_PROCESS = "tests/ray/"
 
 
@@ -47,11 +47,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class TestsRayInOneProcess(LoadScopeScheduling):
+    class OneProcessForTestsRay(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _ONE_PROCESS if nodeid.startswith(_ONE_PROCESS) else nodeid
 
-    return TestsRayInOneProcess(config, log)
+    return OneProcessForTestsRay(config, log)
 
 
 @pytest.fixture(scope="session")
