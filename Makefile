@@ -47,11 +47,9 @@ test: $(WARM)
 	# on subprocesses and on deadlines, not on CPU, so a third process fills that time; a fourth gains
 	# little and loads the machine enough to strain the tests' signal bounds (benchmarks/RESULTS.md).
 	# Each process has its own local Ray (tests/conftest.py).
-	# --dist loadgroup: tests/ray as one unit on one process (its runs share that process's parked
-	# workers: tests/conftest.py), handed out first; every other test one at a time to whichever
-	# process is nearly out of work.
+	# --dist worksteal: an idle process takes queued tests from a busy one instead of waiting.
 	# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist worksteal tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -18,14 +18,9 @@ os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 os.environ.pop("COLUMNS", None)
 
 
-# Long tests first: `make test` hands the tests out one at a time to three pytest-xdist processes,
-# and a minute-long cluster or CLI test collected last would run alone at the end while the other
-# processes sit idle.
+# Long tests first: `make test` runs on pytest-xdist with work stealing, and a minute-long cluster
+# or CLI test collected last would run alone at the end while the other processes sit idle.
 _FIRST = ("tests/ray_cluster/", "tests/e2e/", "tests/ray/")
-# tests/ray's runs share their process's session Ray and the workers and coordinator its last run
-# parked (runtime/warm.py): run in one process they start fewer worker processes and take about a
-# quarter less CPU than spread over three (255 against 339 CPU-s for tests/ray alone; benchmarks/RESULTS.md).
-_ONE_PROCESS = "tests/ray/"
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -34,24 +29,6 @@ def pytest_collection_modifyitems(session, config, items):
         return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
 
     items.sort(key=rank)  # stable: each group keeps its own order
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` (as `make test` runs): tests/ray as one unit of work for one process, handed
-    out first (the largest unit first), and every other test one at a time to whichever process is
-    nearly out of work. pytest-xdist 3.8's own loadgroup groups `xdist_group` marks by appending the
-    group to each test's node id, which pytest 9 does not see (its node id is another attribute), so
-    the grouping is done here, by path."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class OneProcessForTestsRay(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _ONE_PROCESS if nodeid.startswith(_ONE_PROCESS) else nodeid
-
-    return OneProcessForTestsRay(config, log)
 
 
 @pytest.fixture(scope="session")
