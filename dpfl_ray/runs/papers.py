@@ -13,6 +13,8 @@ The schema (unknown keys are errors; every error names the file and the key)::
         set: ["privacy.adap_dpfl.stop_on=claimed"]   # optional --set overrides
         paper: {final_accuracy: 0.7956}              # optional: the paper's values, by metric
         source: "Sec. V-C: ..."       # optional: where the paper states them
+        seeds: [1, 2, 3]              # optional: the same run again on each seed, as the runs
+                                      # adap_as_published_seed1 ... (its set, then seed=N; its paper values)
     quick:                            # --quick: a CI-sized version of the same runs
       set: ["training.rounds=3"]      # after each run's own set
       runs: [adap_as_published]       # optional subset (default: all)
@@ -37,6 +39,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal, Union, get_args
 
@@ -68,12 +71,37 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+
 class RunSpec(_Strict):
     name: RunName
     scenario: str = Field(min_length=1)
     set: list[Override] = []
     paper: dict[Metric, Number] = {}
     source: str | None = None
+    seeds: list[Seed] = Field(default=[], max_length=100)
+
+    @model_validator(mode="after")
+    def _seeds(self):
+        if len(set(self.seeds)) < len(self.seeds):
+            raise ValueError("seeds: a seed is listed twice")
+        fixed = [o for o in self.set if o.split("=", 1)[0].strip() == "seed"]
+        if self.seeds and fixed:
+            raise ValueError(f"seeds: the run's set already fixes the seed ({fixed[0]})")
+        too_long = [n for n in self.seeds if len(self._copy_name(n)) > 80]
+        if too_long:
+            raise ValueError(f"seeds: {self._copy_name(too_long[0])!r}, a copy's name, is longer than 80 characters")
+        return self
+
+    def _copy_name(self, seed: int) -> str:
+        return f"{self.name}_seed{seed}"
+
+    def seed_copies(self) -> list[RunSpec]:
+        """The run on each of ``seeds``: named NAME_seedN, its overrides then ``seed=N``, the same
+        paper values (the paper reports one run; each copy is another draw of the same setting)."""
+        return [RunSpec(name=self._copy_name(n), scenario=self.scenario, set=[*self.set, f"seed={n}"],
+                        paper=dict(self.paper), source=f"{self.name} on seed {n}") for n in self.seeds]
 
 
 class QuickSpec(_Strict):
@@ -168,16 +196,26 @@ class PaperSpec(_Strict):
     title: str = Field(min_length=1)
     data: str = Field(min_length=1)
     notes: str | None = None
-    runs: list[RunSpec] = Field(min_length=1)
+    # the runs as paper.yaml lists them; `runs` adds each one's seed copies after it
+    declared: list[RunSpec] = Field(alias="runs", min_length=1)
     quick: QuickSpec = QuickSpec()
     claims: list[Claim] = []
 
+    @cached_property
+    def runs(self) -> list[RunSpec]:
+        """Every run to make: each declared run, then its seed copies (:meth:`RunSpec.seed_copies`)."""
+        return [r for run in self.declared for r in (run, *run.seed_copies())]
+
     @model_validator(mode="after")
     def _names(self):
+        seen: set[str] = set()
+        for i, run in enumerate(self.declared):
+            for key, name in [(f"runs.{i}.name", run.name),
+                              *((f"runs.{i}.seeds.{j}", c.name) for j, c in enumerate(run.seed_copies()))]:
+                if name in seen:
+                    raise ValueError(f"{key}: {name!r} is given twice")
+                seen.add(name)
         names = [r.name for r in self.runs]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise ValueError(f"runs.{i}.name: {name!r} is given twice")
         for where, listed in (("quick.runs", self.quick.runs or ()),):
             for j, name in enumerate(listed):
                 if name not in names:
@@ -234,8 +272,9 @@ def format_error(err: ValidationError) -> str:
         msg = f"{first['input']!r} {what}"
     elif first["type"] not in ("value_error", "missing") and "input" in first:
         msg = f"{msg} (got {str(first['input'])[:80]!r})"
-    if first["type"] == "value_error" and ": " in msg and not loc:  # the model check names its own key
-        loc, msg = msg.split(": ", 1)
+    if first["type"] == "value_error" and re.match(r"[\w.]+: ", msg):  # a model's check names its own key
+        key, msg = msg.split(": ", 1)
+        loc = f"{loc}.{key}" if loc else key
     extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{loc}: {msg}{extra}" if loc else msg + extra
 
@@ -269,7 +308,7 @@ def load_paper(folder: Path) -> PaperSpec:
         mark = getattr(err, "problem_mark", None)
         raise DPFLError(f"not valid YAML{f' (line {mark.line + 1})' if mark else ''}", field=str(path)) from None
     spec = parse_paper(raw, str(path))
-    for i, run in enumerate(spec.runs):
+    for i, run in enumerate(spec.declared):
         if Path(run.scenario).is_absolute():
             raise DPFLError(f"{run.scenario!r} must be relative to the paper's folder",
                             field=f"{path}: runs.{i}.scenario")

@@ -77,6 +77,15 @@ def folder(tmp_path) -> Path:
     (lambda r: r["runs"][0].update(paper={"final accuracy": 0.5}), "'final accuracy' is not a metric name"),
     (lambda r: r["runs"].clear(), "runs: List should have at least 1 item"),
     (lambda r: r.pop("title"), "title: Field required"),
+    (lambda r: r["runs"][0].update(seeds=[1, 1]), "runs.0.seeds: a seed is listed twice"),
+    (lambda r: r["runs"][1].update(seeds=[2], set=["training.lr=0.1", "seed=5"]), "runs.1.seeds: the run's set already fixes the seed (seed=5)"),
+    (lambda r: r["runs"][0].update(seeds=[-1]), "runs.0.seeds.0: Input should be greater than or equal to 0"),
+    (lambda r: r["runs"][0].update(seeds=[True]), "runs.0.seeds.0: Input should be a valid integer"),
+    (lambda r: r["runs"][2].update(seeds=[7]) or r["runs"].insert(0, {"name": "c_seed7", "scenario": "s.yaml"}),
+     "runs.3.seeds.0: 'c_seed7' is given twice"),
+    (lambda r: r["runs"][0].update(seeds=[7]) or r["runs"].append({"name": "a_seed7", "scenario": "s.yaml"}),
+     "runs.3.name: 'a_seed7' is given twice"),
+    (lambda r: r["runs"][0].update(name="a" * 76, seeds=[12]), "runs.0.seeds: '" + "a" * 76 + "_seed12', a copy's name,"),
 ])
 def test_schema_mistakes_name_the_file_and_the_key(change, message):
     with pytest.raises(DPFLError) as err:
@@ -88,6 +97,23 @@ def test_a_valid_spec_and_its_metrics():
     spec = spec_with()
     assert [r.name for r in spec.runs] == ["a", "b", "c"] and spec.quick.runs == ["a", "b"]
     assert spec.metrics() == ["final_accuracy"] and spec.run("b").set == ["training.lr=0.1"]
+
+
+def test_a_run_on_several_seeds_is_the_run_then_a_copy_a_seed(folder):
+    raw = copy.deepcopy(BASE)
+    raw["runs"][0].update(seeds=[3, 1])
+    raw["claims"].append({"id": "mean", "text": "t", "check": {"kind": "mean_at_least", "metric": "final_accuracy",
+                                                              "runs": ["a", "a_seed1", "a_seed3"], "value": 0.7}})
+    raw["quick"]["runs"] = ["a_seed1"]
+    spec = pp.parse_paper(raw, "toy/paper.yaml")
+    assert [r.name for r in spec.runs] == ["a", "a_seed3", "a_seed1", "b", "c"]
+    a, copy3 = spec.run("a"), spec.run("a_seed3")
+    # its overrides, then the seed; the paper's values, which the paper reports for its one run
+    assert (copy3.scenario, copy3.set, copy3.paper, copy3.seeds) == (a.scenario, [*a.set, "seed=3"], a.paper, [])
+    assert spec.metrics() == ["final_accuracy"] and [r.name for r in spec.declared] == ["a", "b", "c"]
+    # a copy is a run like any other: planned with the quick overrides after its own
+    (planned,) = rp.plan(folder, spec, quick=True)
+    assert (planned.name, planned.overrides) == ("a_seed1", (*a.set, "seed=1", "training.rounds=1"))
 
 
 def test_load_paper_checks_the_file_and_the_scenarios(folder):
