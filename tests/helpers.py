@@ -8,6 +8,12 @@ from dpfl_ray.scenario import scenario_from_dict
 TWO_WORKERS = {"workers": 2, "num_cpus_per_worker": 0.5}
 
 
+def every_client_straggles(seconds: float) -> dict:
+    """A scenario's ``faults`` section that delays every client ``seconds`` a round (no deadline):
+    a run stopped or killed from outside then sleeps while it waits, instead of training flat out."""
+    return {"stragglers": {"fraction": 1.0, "latency": {"distribution": "fixed", "seconds": seconds}}}
+
+
 def tiny_scenario(**sections):
     """A scenario that trains in seconds: synthetic blobs, logistic model, 20 clients, one worker."""
     raw = {

@@ -12,13 +12,13 @@ import time
 import yaml
 
 from dpfl_ray.runs import sweep as sw
+from tests.helpers import every_client_straggles
 
 from .test_cli import ROOT, TINY, dpfl
 
 RUN_FILES = ("model.pt", "checkpoint.npz", "scenario.yaml", "accuracy.png", "ledger.json")
-# The runs that are stopped or killed from outside: every client straggles 0.2 s a round, so that a
-# run waiting for its signal sleeps instead of training flat out (a core each) the whole while.
-SLOW = {"faults": {"stragglers": {"fraction": 1.0, "latency": {"distribution": "fixed", "seconds": 0.2}}}}
+# The runs that are stopped or killed from outside sleep 0.2 s a round while they wait for it.
+SLOW = {"faults": every_client_straggles(0.2)}
 
 
 def _timings_aside(run_dir):
@@ -137,8 +137,7 @@ def test_asha_stops_the_trailing_run_which_ends_with_its_files_and_is_not_run_ag
     # every client straggles 0.3 s (no deadline): a round takes that long, so Tune's decision on round 1
     # reaches the trial long before its 40th round
     scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 40},
-                                        "faults": {"stragglers": {"fraction": 1.0,
-                                                                  "latency": {"distribution": "fixed", "seconds": 0.3}}}}))
+                                        "faults": every_client_straggles(0.3)}))
     out = tmp_path / "asha"
     # one at a time: the learning run sets round 1's bar, which the run that cannot learn (lr 1e-9) misses
     args = ("sweep", scenario, "--grid", "training.lr=0.3,1e-9", "--scheduler", "asha", "--max-concurrent", "1",

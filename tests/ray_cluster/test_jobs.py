@@ -9,6 +9,8 @@ import time
 import torch
 import yaml
 
+from tests.helpers import every_client_straggles
+
 from .conftest import BIN, ROOT, client_env, dpfl
 
 QUICK = ["scenarios/quickstart.yaml", "--set", "training.rounds=2", "--set", "resources.workers=1",
@@ -135,8 +137,7 @@ def test_stop_ends_a_running_job_and_its_files_still_come_back(ray_head, tmp_pat
     scenario = tmp_path / "long.yaml"
     # every client straggles 0.2 s a round: the run sleeps, not trains flat out, while it waits for its stop
     scenario.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "rounds": 5000},
-                                        "faults": {"stragglers": {"fraction": 1.0,
-                                                                  "latency": {"distribution": "fixed", "seconds": 0.2}}}}))
+                                        "faults": every_client_straggles(0.2)}))
     job_id = _ok(dpfl("submit", scenario, "--address", url, env=env, timeout=120)).stdout.splitlines()[0]
     # waited on through the head's job API (a `dpfl jobs` process per poll would cost a CPU-second
     # each); what `dpfl jobs logs` and `dpfl jobs status` then say is checked once
