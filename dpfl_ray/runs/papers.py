@@ -84,8 +84,9 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _seeds(self):
-        if len(set(self.seeds)) < len(self.seeds):
-            raise ValueError("seeds: a seed is listed twice")
+        twice = [n for i, n in enumerate(self.seeds) if n in self.seeds[:i]]
+        if twice:
+            raise ValueError(f"seeds: seed {twice[0]} is listed twice")
         fixed = [o for o in self.set if o.split("=", 1)[0].strip() == "seed"]
         if self.seeds and fixed:
             raise ValueError(f"seeds: the run's set already fixes the seed ({fixed[0]})")

@@ -77,7 +77,7 @@ def folder(tmp_path) -> Path:
     (lambda r: r["runs"][0].update(paper={"final accuracy": 0.5}), "'final accuracy' is not a metric name"),
     (lambda r: r["runs"].clear(), "runs: List should have at least 1 item"),
     (lambda r: r.pop("title"), "title: Field required"),
-    (lambda r: r["runs"][0].update(seeds=[1, 1]), "runs.0.seeds: a seed is listed twice"),
+    (lambda r: r["runs"][0].update(seeds=[1, 1]), "runs.0.seeds: seed 1 is listed twice"),
     (lambda r: r["runs"][1].update(seeds=[2], set=["training.lr=0.1", "seed=5"]), "runs.1.seeds: the run's set already fixes the seed (seed=5)"),
     (lambda r: r["runs"][0].update(seeds=[-1]), "runs.0.seeds.0: Input should be greater than or equal to 0"),
     (lambda r: r["runs"][0].update(seeds=[True]), "runs.0.seeds.0: Input should be a valid integer"),
