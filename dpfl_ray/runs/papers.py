@@ -212,7 +212,7 @@ class PaperSpec(_Strict):
         seen: set[str] = set()
         for i, run in enumerate(self.declared):
             for key, name in [(f"runs.{i}.name", run.name),
-                              *((f"runs.{i}.seeds.{j}", c.name) for j, c in enumerate(run.seed_copies()))]:
+                              *((f"runs.{i}.seeds.{j}", run._copy_name(n)) for j, n in enumerate(run.seeds))]:
                 if name in seen:
                     raise ValueError(f"{key}: {name!r} is given twice")
                 seen.add(name)
