@@ -647,3 +647,45 @@ def test_integer_noise_books_two_rounded_vectors_where_a_neighbour_swaps_a_clien
     single = rdp.rounded_l2_bound(alg.clip_norm * plan.scale, d, beta)
     expected = 2 * single if one_in_one_out else rdp.rounded_l2_bound(2 * alg.clip_norm * plan.scale, d, beta)
     assert plan.event.l2 == expected
+
+
+def test_the_late_gap_script_pairs_runs_by_seed_and_averages_the_window(tmp_path):
+    """docs/experiments/baek2021_late_gap.py (docs/reproductions.md, experiment 8), on hand-made run
+    directories: runs paired by seed and told apart by their scenario.yaml, each seed's mean gap over
+    the window, the seeds' mean with scipy's t interval, and a seed without both runs over the window
+    listed and not counted; a run of another configuration is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("late_gap", root / "docs" / "experiments" / "baek2021_late_gap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(name, seed, z, rate, accuracy, rounds=102):
+        d = tmp_path / name
+        d.mkdir()
+        dropout = {"model": "tail" if rate else "none", "rate": rate}
+        (d / "scenario.yaml").write_text(yaml.safe_dump({"seed": seed, "faults": {"dropout": dropout},
+                                                         "privacy": {"noise_multiplier": z, "calibration": "baek"}}))
+        (d / "summary.json").write_text(json.dumps({"final_accuracy": accuracy(rounds), "stop_reason": "completed"}))
+        (d / "rounds.jsonl").write_text("".join(json.dumps({"round": t, "test_accuracy": accuracy(t)}) + "\n"
+                                                for t in range(1, rounds + 1)))
+        return d
+
+    # seed 1: the z / 0.9 run leads by 0.01 in even rounds and 0.03 in odd ones; seed 2 by 0.02 in round 100 only
+    runs = [run("cal1", 1, 1.5, 0.1, lambda t: 0.5), run("z1", 1, 1.6667, 0.0, lambda t: 0.51 + 0.02 * (t % 2)),
+            run("cal2", 2, 1.5, 0.1, lambda t: 0.6), run("z2", 2, 1.6667, 0.0, lambda t: 0.62 if t == 100 else 0.6),
+            run("cal3", 3, 1.5, 0.1, lambda t: 0.7, rounds=100), run("z3", 3, 1.6667, 0.0, lambda t: 0.7)]
+    lines = module.table(99, 102, runs)
+    assert lines[2:5] == ["| 1 | +0.0200 | +0.0300 | +0.0100 | +0.0100 |",
+                          "| 2 | +0.0050 | +0.0000 | +0.0200 | +0.0000 |",
+                          "| 3 | not counted: its two runs do not both cover rounds 99-102 | | | |"]
+    low, high = stats.t.interval(0.95, 1, loc=0.0125, scale=stats.sem([0.02, 0.005]))
+    assert lines[6] == f"D = +0.0125 over 2 seeds (SE 0.0075, 95% {low:+.4f} to {high:+.4f})"
+    assert lines[7:] == ["round 100 alone: +0.0150 (SE 0.0050)", "round 102 alone: +0.0050 (SE 0.0050)"]
+    with pytest.raises(SystemExit, match="neither the calibrated"):
+        module.table(99, 102, runs + [run("z1_drop30", 4, 1.0, 0.3, lambda t: 0.5)])

@@ -1,0 +1,89 @@
+"""Does Baek's calibration cost accuracy beyond its noise level late in training? (docs/reproductions.md,
+Baek et al. 2021, experiment 8): python docs/experiments/baek2021_late_gap.py FIRST LAST RUN_DIR...
+
+The run directories are pairs of one seed: the calibrated run at z = 1.5 with 10% tail dropout, and the
+run without dropout at z / 0.9 = 1.6667, the noise the calibration leaves on the survivors' average.
+Each is told apart by its scenario.yaml and paired by its seed; both are evaluated every round over
+FIRST..LAST. For each seed the table gives d = the mean over those rounds of accuracy(z / 0.9) -
+accuracy(calibrated), and the gaps at the window's first round, at round 100 and at its last round;
+below it, the mean of d over the seeds with its standard error and t-based 95% interval, and the mean
+gap at round 100 and at the last round alone. A seed whose two runs do not both cover the window is
+listed and not counted.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+from scipy import stats
+
+from dpfl_ray.errors import DPFLError
+from dpfl_ray.runs.load import load_run
+
+CALIBRATED, Z_OVER_09 = "calibrated", "z/0.9"
+
+
+def kind_and_seed(run: Path) -> tuple[str, int]:
+    scenario = yaml.safe_load((run / "scenario.yaml").read_text())
+    dropout, privacy = scenario["faults"]["dropout"], scenario["privacy"]
+    rate = dropout["rate"] if dropout["model"] != "none" else 0.0
+    z = privacy["noise_multiplier"]
+    if rate == 0.1 and z == 1.5 and privacy["calibration"] == "baek":
+        return CALIBRATED, scenario["seed"]
+    if rate == 0.0 and abs(z - 1.5 / 0.9) < 1e-3:
+        return Z_OVER_09, scenario["seed"]
+    raise SystemExit(f"{run}: neither the calibrated z = 1.5, 10% run nor the z / 0.9 run without dropout")
+
+
+def accuracy_by_round(run: Path) -> dict[int, float]:
+    try:
+        rows = load_run(run).rounds
+    except DPFLError as err:
+        raise SystemExit(str(err)) from None
+    return {r["round"]: r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None}
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) / len(values) ** 0.5
+
+
+def table(first: int, last: int, dirs: list[Path]) -> list[str]:
+    runs: dict[int, dict[str, dict[int, float]]] = {}
+    for d in dirs:
+        kind, seed = kind_and_seed(d)
+        if kind in runs.get(seed, {}):
+            raise SystemExit(f"{d}: a second {kind} run of seed {seed}")
+        runs.setdefault(seed, {})[kind] = accuracy_by_round(d)
+    window = range(first, last + 1)
+    lines = [f"| seed | mean gap, rounds {first}-{last} | round {first} | round 100 | round {last} |",
+             "|---|--:|--:|--:|--:|"]
+    means, at_100, at_last = [], [], []
+    for seed in sorted(runs):
+        pair = runs[seed]
+        if set(pair) != {CALIBRATED, Z_OVER_09} or not all(set(window) <= set(acc) for acc in pair.values()):
+            lines.append(f"| {seed} | not counted: its two runs do not both cover rounds {first}-{last} | | | |")
+            continue
+        gap = {t: pair[Z_OVER_09][t] - pair[CALIBRATED][t] for t in window}
+        means.append(statistics.fmean(gap.values()))
+        at_last.append(gap[last])
+        if 100 in gap:
+            at_100.append(gap[100])
+        lines.append(f"| {seed} | {means[-1]:+.4f} | {gap[first]:+.4f} | "
+                     f"{f'{gap[100]:+.4f}' if 100 in gap else '-'} | {gap[last]:+.4f} |")
+    if len(means) < 2:
+        raise SystemExit(f"fewer than two seeds with both runs over rounds {first}-{last}")
+    mean, se = _mean_se(means)
+    half = stats.t.ppf(0.975, len(means) - 1) * se
+    lines += ["", f"D = {mean:+.4f} over {len(means)} seeds (SE {se:.4f}, "
+                  f"95% {mean - half:+.4f} to {mean + half:+.4f})"]
+    for label, values in ((100, at_100), (last, at_last)):
+        if len(values) >= 2:
+            m, s = _mean_se(values)
+            lines.append(f"round {label} alone: {m:+.4f} (SE {s:.4f})")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(table(int(sys.argv[1]), int(sys.argv[2]), [Path(d) for d in sys.argv[3:]])))
