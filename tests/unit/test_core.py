@@ -128,6 +128,21 @@ def test_a_model_file_is_the_seeded_model_s_with_theta_and_draws_nothing_from_to
     assert blob == model_file(model.state_dict())
 
 
+def test_a_model_with_buffers_gets_no_model_file_and_torch_s_generator_is_left_alone(monkeypatch):
+    """theta holds parameters only: a model with buffers (none is shipped) is refused, naming them,
+    instead of being built from the seed, which would seed the global generator under training."""
+    from dpfl_ray.training import models
+
+    monkeypatch.setattr(models, "_layers", lambda cfg, shape, n: torch.nn.Sequential(
+        torch.nn.Linear(shape[0], n), torch.nn.BatchNorm1d(n)))
+    torch.manual_seed(11)
+    with pytest.raises(DPFLError, match=r"has buffers \(1.running_mean, 1.running_var, 1.num_batches_tracked\)"):
+        model_file_bytes(ModelConfig(name="logistic"), (6,), 3, 4, np.zeros(27, np.float32))
+    drawn = torch.rand(4)
+    torch.manual_seed(11)
+    assert torch.equal(drawn, torch.rand(4))
+
+
 def test_set_flat_copies_instead_of_aliasing():
     model = build_model(ModelConfig(name="logistic"), (4,), 2, 0)
     flat = np.zeros(get_flat(model).size, np.float32)
