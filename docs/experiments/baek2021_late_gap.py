@@ -45,10 +45,6 @@ def accuracy_by_round(run: Path) -> dict[int, float]:
     return {r["round"]: r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None}
 
 
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) / len(values) ** 0.5
-
-
 def table(first: int, last: int, dirs: list[Path]) -> list[str]:
     runs: dict[int, dict[str, dict[int, float]]] = {}
     for d in dirs:
@@ -74,14 +70,12 @@ def table(first: int, last: int, dirs: list[Path]) -> list[str]:
                      f"{f'{gap[100]:+.4f}' if 100 in gap else '-'} | {gap[last]:+.4f} |")
     if len(means) < 2:
         raise SystemExit(f"fewer than two seeds with both runs over rounds {first}-{last}")
-    mean, se = _mean_se(means)
-    half = stats.t.ppf(0.975, len(means) - 1) * se
-    lines += ["", f"D = {mean:+.4f} over {len(means)} seeds (SE {se:.4f}, "
-                  f"95% {mean - half:+.4f} to {mean + half:+.4f})"]
+    mean, se = statistics.fmean(means), stats.sem(means)
+    low, high = stats.t.interval(0.95, len(means) - 1, loc=mean, scale=se)
+    lines += ["", f"D = {mean:+.4f} over {len(means)} seeds (SE {se:.4f}, 95% {low:+.4f} to {high:+.4f})"]
     for label, values in ((100, at_100), (last, at_last)):
         if len(values) >= 2:
-            m, s = _mean_se(values)
-            lines.append(f"round {label} alone: {m:+.4f} (SE {s:.4f})")
+            lines.append(f"round {label} alone: {statistics.fmean(values):+.4f} (SE {stats.sem(values):.4f})")
     return lines
 
 
