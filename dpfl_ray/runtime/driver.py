@@ -466,7 +466,7 @@ def _model_file(scenario, fed, theta: np.ndarray, workers: Sequence, wait_s: flo
             pass
     from ..training.models import model_file_bytes
 
-    return model_file_bytes(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, scenario.seed, theta)
+    return model_file_bytes(scenario.model, fed.dataset.input_shape, fed.dataset.num_classes, theta)
 
 
 def write_unstarted(scenario: Scenario, fed: Federation, record: RunRecord, wall: float,

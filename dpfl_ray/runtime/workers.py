@@ -129,7 +129,7 @@ class ClientWorker:
         run asks for the committed model while this worker may still train the round in flight, and
         the answer must not wait for that round (model_file_bytes draws nothing from torch's
         generator, and touches neither this worker's model nor its data)."""
-        return model_file_bytes(self.sc.model, self._input_shape, self._num_classes, self.sc.seed, theta)
+        return model_file_bytes(self.sc.model, self._input_shape, self._num_classes, theta)
 
     def info(self) -> dict:
         """Where this worker runs, and the stack sizes its CPU made it pad (local_batched.stack_padding)."""

@@ -92,20 +92,20 @@ def model_file(state_dict) -> bytes:
         return path.read_bytes()
 
 
-def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, seed: int, theta: np.ndarray) -> bytes:
+def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, theta: np.ndarray) -> bytes:
     """model.pt's bytes (model_file) for the flat model ``theta``.
 
     Every parameter comes from ``theta``, so the layers are made on the meta device and given empty
     storage: nothing is drawn from (or seeds) torch's global generator, and a worker can answer this
     from a second thread while its training thread uses that generator (workers.ClientWorker.model_file).
     A model with buffers is refused: ``theta`` does not hold them, and making them would mean seeding
-    the global generator under the training thread (``seed`` names the run's model in that message)."""
+    the global generator under the training thread."""
     check_model_input(model_cfg, tuple(input_shape))
     with torch.device("meta"):
         model = _layers(model_cfg, tuple(input_shape), num_classes)
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
-        raise DPFLError(f"model {model_cfg.name!r} (seed {seed}) has buffers ({', '.join(buffers)}) that the flat "
+        raise DPFLError(f"model {model_cfg.name!r} has buffers ({', '.join(buffers)}) that the flat "
                         "model does not hold: model.pt cannot be written from it", field="model.name")
     model = model.to_empty(device="cpu")
     set_flat(model, theta)

@@ -117,7 +117,7 @@ def test_a_worker_in_a_round_that_never_ends_still_answers_for_the_model_file(ra
     theta = np.linspace(-1, 1, 3 * 9, dtype=np.float32)  # logistic: 8 features and a bias, 3 classes
     blob = ray_session.get(worker.model_file.remote(theta), timeout=60)
     assert ray_session.wait([run], timeout=0)[0] == []  # the round is still in the worker
-    assert blob == model_file_bytes(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed, theta)
+    assert blob == model_file_bytes(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, theta)
     ray_session.kill(worker)
     ray_session.kill(coord)
 

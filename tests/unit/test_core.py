@@ -121,7 +121,7 @@ def test_a_model_file_is_the_seeded_model_s_with_theta_and_draws_nothing_from_to
     theta = get_flat(model) * np.float32(-2.0)
     set_flat(model, theta)
     torch.manual_seed(11)
-    blob = model_file_bytes(cfg, shape, 10, 4, theta)
+    blob = model_file_bytes(cfg, shape, 10, theta)
     drawn = torch.rand(4)
     torch.manual_seed(11)
     assert torch.equal(drawn, torch.rand(4))
@@ -137,7 +137,7 @@ def test_a_model_with_buffers_gets_no_model_file_and_torch_s_generator_is_left_a
         torch.nn.Linear(shape[0], n), torch.nn.BatchNorm1d(n)))
     torch.manual_seed(11)
     with pytest.raises(DPFLError, match=r"has buffers \(1.running_mean, 1.running_var, 1.num_batches_tracked\)"):
-        model_file_bytes(ModelConfig(name="logistic"), (6,), 3, 4, np.zeros(27, np.float32))
+        model_file_bytes(ModelConfig(name="logistic"), (6,), 3, np.zeros(27, np.float32))
     drawn = torch.rand(4)
     torch.manual_seed(11)
     assert torch.equal(drawn, torch.rand(4))
