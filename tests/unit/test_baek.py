@@ -689,3 +689,18 @@ def test_the_late_gap_script_pairs_runs_by_seed_and_averages_the_window(tmp_path
     assert lines[7:] == ["round 100 alone: +0.0150 (SE 0.0050)", "round 102 alone: +0.0050 (SE 0.0050)"]
     with pytest.raises(SystemExit, match="neither the calibrated"):
         module.table(99, 102, runs + [run("z1_drop30", 4, 1.0, 0.3, lambda t: 0.5)])
+
+    # experiment 9 adds the no-dropout run at z = 1.5: the claim's loss L and z / 0.9's cost C, with L = C + D
+    both = runs + [run("n1", 1, 1.5, 0.0, lambda t: 0.53), run("n2", 2, 1.5, 0.0, lambda t: 0.61)]
+    lines = module.tables(99, 102, both)
+    assert lines[0] == "D = z/0.9 minus calibrated:" and lines[8].startswith("D = +0.0125 over 2 seeds")
+    at = lines.index("L = z=1.5 minus calibrated:")
+    assert lines[at + 4:at + 7] == ["| 1 | +0.0300 | +0.0300 | +0.0300 | +0.0300 |",
+                                    "| 2 | +0.0100 | +0.0100 | +0.0100 | +0.0100 |",
+                                    "| 3 | not counted: its two runs do not both cover rounds 99-102 | | | |"]
+    assert lines[at + 8].startswith("L = +0.0200 over 2 seeds (SE 0.0100")
+    at = lines.index("C = z=1.5 minus z/0.9:")
+    assert lines[at + 4:at + 6] == ["| 1 | +0.0100 | +0.0000 | +0.0200 | +0.0200 |",
+                                    "| 2 | +0.0050 | +0.0100 | -0.0100 | +0.0100 |"]
+    assert lines[at + 8].startswith("C = +0.0075 over 2 seeds (SE 0.0025")
+    assert module.tables(99, 102, runs) == ["D = z/0.9 minus calibrated:", ""] + module.table(99, 102, runs)
