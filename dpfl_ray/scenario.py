@@ -265,7 +265,7 @@ class PrivacyConfig(_Section):
     population_weight: float | None = Field(
         None, gt=0, description="dp_fedavg: W, the population's total weight, declared public; the expected and "
                                 "bounded denominators are q * W (default: data.num_clients; zero_out uses the "
-                                "actual population's)")
+                                "actual population's). baek-extended: n_0 = min_weight_fraction * q * W")
     randomness: Literal["reproducible", "os"] = Field(
         "reproducible", description="DP noise and layer seeds from the scenario seed (repeatable), or from "
                                     "os.urandom expanded by ChaCha20 (not repeatable)")

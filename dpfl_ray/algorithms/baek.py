@@ -243,8 +243,12 @@ class Baek(Algorithm):
         # the rounding of integer noise it does not (plan_ring's replace_one)
         self.sampling, frac, displacement = sampling_of(scenario.sampling, len(weights))
         self.one_in_one_out = isinstance(self.sampling, FixedSizeSampling) or displacement > 1
-        self.expected_weight = frac * float(np.sum(self.weights))
-        self.n0 = self.min_fraction * self.expected_weight if self.mode == "baek-extended" else None
+        # n_0 sets every client's noise and the abort rule, so it is a constant of the scenario: the declared
+        # population weight W (default the scenario's clients and an audit's canaries, weight 1 each), never
+        # the sum of the weights, which a replaced client would move
+        canaries = p.audit.canaries if p.audit is not None else 0
+        population_weight = float(p.population_weight or scenario.data.num_clients + canaries)
+        self.n0 = p.min_weight_fraction * frac * population_weight if self.mode == "baek-extended" else None
         self.plan: RoundPlan | None = None
         self._current: Mechanism | None = None
         self._views = None

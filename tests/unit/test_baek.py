@@ -189,9 +189,12 @@ def test_layered_aborts_beyond_its_tolerance_and_extended_below_n0():
     assert alg.after_upload(list(range(9))) == UnmaskPlan(layers_from=2)
     assert alg.after_upload(list(range(10))) == UnmaskPlan(layers_from=1)
     ext = Baek(_scenario("baek-extended", min_weight_fraction=0.5), np.ones(40), Z)
-    assert ext.n0 == pytest.approx(10.0)  # F * q * sum w = 0.5 * 0.5 * 40
+    assert ext.n0 == pytest.approx(10.0)  # F * q * W = 0.5 * 0.5 * 40, W = data.num_clients
     assert "below n_0" in ext.begin_round(0, list(range(9))).reason
     assert ext.begin_round(0, list(range(10))) is None
+    # n_0 is the scenario's, not the data's: clients of other weights leave it, a declared W moves it
+    assert Baek(_scenario("baek-extended"), np.r_[np.ones(20), np.full(20, 0.25)], Z).n0 == pytest.approx(10.0)
+    assert Baek(_scenario("baek-extended", population_weight=25.0), np.ones(40), Z).n0 == pytest.approx(6.25)
 
 
 def test_dropouts_in_several_phases_of_one_round():
