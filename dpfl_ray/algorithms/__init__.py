@@ -34,11 +34,14 @@ def algorithm_class(scenario) -> type[Algorithm]:
     return algorithm_class_named(scenario.training.algorithm)
 
 
-def make_algorithm(scenario, weights, noise_multiplier: float | None = None, sizes=None) -> Algorithm:
+def make_algorithm(scenario, weights, noise_multiplier: float | None = None, sizes=None,
+                   randomness=None) -> Algorithm:
     """The scenario's algorithm over clients of these weights (and data sizes, for algorithms whose
-    noise depends on them)."""
+    noise depends on them). ``randomness``: a private algorithm's source of DP draws
+    (privacy/randomness.py), the run's own where it is resumed; a fresh one of the scenario's mode if None."""
+    extra = {} if randomness is None else {"randomness": randomness}
     return algorithm_class(scenario)(scenario, weights, noise_multiplier or scenario.privacy.noise_multiplier,
-                                     sizes=sizes)
+                                     sizes=sizes, **extra)
 
 
 __all__ = ["REGISTRY", "NbAFL", "Huang2020", "AdapDPFL", "algorithm_class", "algorithm_class_named", "Abort",

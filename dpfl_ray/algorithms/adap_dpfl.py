@@ -138,7 +138,8 @@ class AdapDPFL(Algorithm):
             raise ValueError("privacy.adap_dpfl.optimizer_state: 'server' steps once on each round's mean noisy "
                              f"gradient, one lot per client; set privacy.adap_dpfl.steps: 1 (it is {a.steps})")
 
-    def __init__(self, scenario, weights, noise_multiplier=None, sizes=None):
+    def __init__(self, scenario, weights, noise_multiplier=None, sizes=None,
+                 randomness: DPRandomness | None = None):
         a, p = scenario.privacy.adap_dpfl, scenario.privacy
         self.settings, self.budget = a, float(a.epsilon)
         self.weights = np.asarray(weights, dtype=np.float64)
@@ -152,7 +153,7 @@ class AdapDPFL(Algorithm):
         self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))
         # stop_on: claimed -> the paper's eq. 10 ledger decides the stop (module doc)
         self.claims = claimed_ledgers(p.delta, len(weights)) if a.stop_on == "claimed" else None
-        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
         self._sampled: list[int] = []
 
     def _round_event(self, c: int):

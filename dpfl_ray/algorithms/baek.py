@@ -230,10 +230,11 @@ class Baek(Algorithm):
                 raise ValueError(f"privacy.accountant: {p.distributed_noise} noise is booked by its RDP; use rdp or "
                                  "rdp-classic")
 
-    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None):
+    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None,
+                 randomness: DPRandomness | None = None):
         require_public_weight_cap(scenario, weights)
         p = scenario.privacy
-        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
         self.mode = p.calibration
         self.min_fraction = p.min_weight_fraction
         self.clip_norm = float(p.clipping.norm)

@@ -97,10 +97,11 @@ class DPFedAvg(Algorithm):
             raise ValueError("privacy.calibration: dp_fedavg adds its noise centrally, after the dropouts; "
                              "calibration modes belong to training.algorithm: baek")
 
-    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None):
+    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float, sizes=None,
+                 randomness: DPRandomness | None = None):
         require_public_weight_cap(scenario, weights)
         p = scenario.privacy
-        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
         self.clipping = p.clipping
         self.denominator = p.denominator or "expected"
         self.z = float(noise_multiplier)

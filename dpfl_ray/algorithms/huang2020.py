@@ -63,7 +63,8 @@ class Huang2020(Algorithm):
         if any(d.phase == "calibration" and d.model != "none" for d in sc.faults.dropouts):
             raise ValueError("faults.dropout.phase: huang2020 has no calibration phase")
 
-    def __init__(self, scenario, weights, noise_multiplier=None, sizes=None):
+    def __init__(self, scenario, weights, noise_multiplier=None, sizes=None,
+                 randomness: DPRandomness | None = None):
         h, p = scenario.privacy.huang2020, scenario.privacy
         self.weights = np.asarray(weights, dtype=np.float64)
         sizes = np.asarray(sizes if sizes is not None else np.ones(len(weights)), dtype=np.int64)
@@ -73,7 +74,7 @@ class Huang2020(Algorithm):
             epsilon_gradient=h.epsilon_gradient, epsilon_selection=h.epsilon_selection, gamma=h.gamma,
             calibration=h.calibration, delta=p.delta if h.calibration == "eq3" else None)
         self.budget_of = budgets_by_size(sizes, h.category_budgets)  # eps_k (Fig. 7)
-        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
         self.spent = np.zeros(len(sizes))
         self._sampled: list[int] = []
 

@@ -154,9 +154,10 @@ class NbAFL(Algorithm):
         if sc.training.clip_norm is not None:
             raise ValueError("training.clip_norm: nbafl clips the parameters (privacy.clipping.norm), not the update")
 
-    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float | None = None, sizes=None):
+    def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float | None = None, sizes=None,
+                 randomness: DPRandomness | None = None):
         p, nb = scenario.privacy, scenario.privacy.nbafl
-        self.randomness = DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
         self.weights = np.asarray(weights, dtype=np.float64)
         self.num_clients = len(weights)
         sizes = np.asarray(sizes if sizes is not None else np.ones(len(weights)), dtype=np.int64)

@@ -3,7 +3,8 @@
 ``privacy.randomness: reproducible`` (the default, for simulation): every stream is derived from
 ``(scenario seed, purpose, round, client)`` (:mod:`dpfl_ray.rng`), so a run repeats bit for bit --
 and anyone who knows the scenario seed knows the noise. ``os``: one 32-byte root secret is drawn
-from ``os.urandom`` when the run starts and never written anywhere; each stream's key is derived
+from ``os.urandom`` when the run starts (kept in the run directory only while the run can be resumed:
+runtime/checkpoint.py, ``run_secret``); each stream's key is derived
 from it with HKDF-SHA256 bound to (purpose, round, client), and the stream itself is the ChaCha20
 keystream under that key (the ``cryptography`` package), turned into normal draws by the
 Box-Muller transform (uniforms, Laplace draws and permutations come from the same keystream).
@@ -115,10 +116,24 @@ class DPRandomness:
     root: bytes | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, mode: str, seed: int) -> "DPRandomness":
+    def create(cls, mode: str, seed: int, root: bytes | None = None) -> "DPRandomness":
+        """``root``: the run's secret in mode 'os' (a resumed run's, so that it redraws the noise of
+        the rounds it runs again); a fresh one from ``os.urandom`` when None."""
         if mode not in MODES:
             raise ValueError(f"unknown randomness mode {mode!r}")
-        return cls(mode, int(seed), os.urandom(32) if mode == "os" else None)
+        if mode != "os":
+            return cls(mode, int(seed))
+        if root is not None and len(root) != 32:
+            raise ValueError(f"the DP root secret has {len(root)} bytes, not 32")
+        return cls(mode, int(seed), os.urandom(32) if root is None else bytes(root))
+
+    def child(self, label: str) -> "DPRandomness":
+        """An independent source for one part of the run (the client sample, the algorithm's noise):
+        in mode 'os' its root is derived from this one; 'reproducible' streams are already told apart
+        by their purpose, so it is this source itself."""
+        if self.mode != "os":
+            return self
+        return DPRandomness(self.mode, self.seed, _derive(self.root, f"child|{label}"))
 
     def generator(self, purpose: str, round_idx: int = -1, client_id: int = -1):
         """A stream with ``standard_normal``: numpy's seeded PCG64 (reproducible) or ChaCha20 (os)."""

@@ -3,8 +3,11 @@ atomically (a temporary file, then a rename), so a run stopped at any moment -- 
 a killed driver or coordinator -- resumes from its last checkpoint with ``dpfl run --resume``.
 
 Every random stream derives from (seed, round, client, purpose), so the round index *is* the RNG
-state: a resumed run reproduces the uninterrupted one bit for bit (except with
-``privacy.randomness: os``, whose noise is fresh by design).
+state: a resumed run reproduces the uninterrupted one bit for bit. With ``privacy.randomness: os``
+the streams derive from the run's secret root instead, kept in the run directory while the run can
+be resumed (:func:`run_secret`): a resumed run redraws the noise and the client sample of every
+round it runs again. The rounds after the last checkpoint were committed, so the server may have
+seen them; fresh noise on a second run of them would be a release the ledger never booked.
 """
 from __future__ import annotations
 
@@ -21,6 +24,44 @@ from ..errors import DPFLError
 from ..scenario import first_difference
 
 CHECKPOINT = "checkpoint.npz"
+# privacy.randomness: os -- the run's 32-byte root of DP randomness, owner-only, while the run can go on
+DP_SECRET = "dp_secret"
+
+
+def run_secret(run_dir: Path, mode: str) -> bytes | None:
+    """The run's root secret of DP randomness in mode 'os' (None in mode 'reproducible'): the one
+    its directory holds, which a resumed run (or a sweep trial's next attempt) must use again;
+    else a fresh one from ``os.urandom``, written there readable by its owner alone."""
+    if mode != "os":
+        return None
+    path = Path(run_dir) / DP_SECRET
+    if path.exists():
+        return read_secret(path)
+    secret = os.urandom(32)
+    tmp = path.with_name(DP_SECRET + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secret)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return secret
+
+
+def read_secret(path: Path) -> bytes:
+    try:
+        secret = Path(path).read_bytes()
+    except OSError as err:
+        raise DPFLError(f"cannot read {path} ({err.strerror or err})", field="--resume") from None
+    if len(secret) != 32:
+        raise DPFLError(f"{path} holds {len(secret)} bytes, not the run's 32-byte secret", field="--resume")
+    return secret
+
+
+def forget_run_secret(run_dir: Path) -> None:
+    """A finished run is never resumed: its secret leaves the disk."""
+    Path(run_dir, DP_SECRET).unlink(missing_ok=True)
 
 
 def write_checkpoint(run_dir: Path, state: dict) -> Path:
@@ -129,4 +170,10 @@ def open_for_resume(run_dir: Path):
     RunRecord.committed_rows(run_dir, rows_covered(checkpoint))
     scenario = load_scenario(run_dir / "scenario.yaml")
     check_same_scenario(checkpoint, scenario, run_dir / "scenario.yaml")
+    if scenario.privacy.randomness == "os":
+        if not (run_dir / DP_SECRET).exists():
+            raise DPFLError(f"{run_dir} has no {DP_SECRET}, the secret its DP noise came from (privacy.randomness: "
+                            "os): a resumed run would draw fresh noise for rounds the server may already have "
+                            "seen, which the ledger would not book; start the run afresh", field="--resume")
+        read_secret(run_dir / DP_SECRET)
     return checkpoint, scenario

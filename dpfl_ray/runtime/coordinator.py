@@ -44,19 +44,21 @@ BUDGET_REFUSAL = "releasing this round would take the effective epsilon past pri
 
 class Coordinator:
     def __init__(self, scenario: dict, data: dict, theta0: np.ndarray | Pending, workers: list | None = None,
-                 resume: dict | None = None, fault_plan: FaultPlan | None = None):
+                 resume: dict | None = None, fault_plan: FaultPlan | None = None, dp_secret: bytes | None = None):
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
         arrays, plus the test set, partition and weights. ``theta0``: the initial model, flat, or
         Pending on the worker that builds it (this actor imports no torch unless it must, a second
         of CPU at every start). ``workers``: a pool the driver started next to this actor (so both
         start at once); None starts one in ``start_pool``. ``resume``: a checkpoint (runtime/checkpoint.py) to
         continue from. ``fault_plan``: built by the driver, which has the scenario's files (an
-        availability trace)."""
+        availability trace). ``dp_secret``: the run's root of DP randomness in mode 'os'
+        (runtime/checkpoint.py, ``run_secret``); a fresh one if None."""
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         self.faults = fault_plan or FaultPlan.from_scenario(self.sc)
         self.sampling = overcommitted(self.sc.sampling)
         # the client sample is a DP draw too (amplification by sampling): 'os' draws it from a secret
-        self.sample_randomness = DPRandomness.create(self.sc.privacy.randomness, self.sc.seed)
+        randomness = DPRandomness.create(self.sc.privacy.randomness, self.sc.seed, dp_secret)
+        self.sample_randomness = randomness.child("sample")
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
             [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
@@ -86,7 +88,8 @@ class Coordinator:
             self.privacy = (ClientPrivacy if cls.record_level else RunPrivacy)(self.sc, self.weights, alg_sizes)
         self.has_validation = data.get("num_validation", 0) > 0
         self.algorithm = make_algorithm(self.sc, self.weights, self.privacy.noise_multiplier if self.privacy else None,
-                                        sizes=alg_sizes)
+                                        sizes=alg_sizes,
+                                        randomness=randomness.child("algorithm") if cls.private else None)
         self.algorithm.bind_model(int(np.asarray(theta0).size))
         if self.privacy:
             self.privacy.bind(self.algorithm)
@@ -124,12 +127,12 @@ class Coordinator:
         _one_torch_thread()  # an algorithm may have brought torch in; it runs on one core here
 
     def rebind(self, scenario: dict, data: dict, theta0: np.ndarray | Pending, workers: list | None = None,
-               resume: dict | None = None, fault_plan: FaultPlan | None = None) -> bool:
+               resume: dict | None = None, fault_plan: FaultPlan | None = None, dp_secret: bytes | None = None) -> bool:
         """Serve another run (runtime/warm.py): every attribute the last run set is dropped and
         ``__init__`` runs anew, so the coordinator is the one a fresh process would be; only the
         imports (dp_accounting, torch where it evaluated) and the process stay."""
         self.__dict__.clear()
-        self.__init__(scenario, data, theta0, workers, resume, fault_plan)
+        self.__init__(scenario, data, theta0, workers, resume, fault_plan, dp_secret)
         return True
 
     def release(self) -> bool:
@@ -579,18 +582,19 @@ class CoordinatorArgs(NamedTuple):
     workers: list | None
     resume: dict | None
     fault_plan: FaultPlan | None
+    dp_secret: bytes | None = None
 
 
 def coordinator_args(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
-                     fault_plan: FaultPlan | None = None,
-                     theta0: np.ndarray | Pending | None = None) -> CoordinatorArgs:
+                     fault_plan: FaultPlan | None = None, theta0: np.ndarray | Pending | None = None,
+                     dp_secret: bytes | None = None) -> CoordinatorArgs:
     """``theta0``: the initial model, flat (models.initial_theta), or Pending on a worker that builds
     it; built here (torch) otherwise. Never in the coordinator, which then need not load torch."""
     if theta0 is None:
         from ..training.models import initial_theta
 
         theta0 = initial_theta(scenario.model, data["input_shape"], data["num_classes"], scenario.seed)
-    return CoordinatorArgs(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan)
+    return CoordinatorArgs(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan, dp_secret)
 
 
 def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,

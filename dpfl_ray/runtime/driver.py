@@ -17,7 +17,7 @@ from ..runs.record import RunRecord, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
-from .checkpoint import rows_covered, write_checkpoint
+from .checkpoint import CHECKPOINT, finished, forget_run_secret, rows_covered, run_secret, write_checkpoint
 from .messages import Pending
 from .recovery import add_pending_row, committed_from_checkpoint, head_unreachable, row_of
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
@@ -141,7 +141,9 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         # another run's resources would hold the coordinator's first reply: then it is built here
         if theta0 is None and pool and starting:
             theta0 = Pending(pool[0].initial_model.remote())
-        args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0)
+        # privacy.randomness: os -- a resumed run draws from the secret its first rounds drew from
+        secret = run_secret(record.path, scenario.privacy.randomness)
+        args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0, secret)
         # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one
         coord = warm.take_coordinator(args, lambda ref: _ask(ref, shutdown=shutdown))
         if coord is None:
@@ -198,6 +200,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     # a stopped run's first worker may still be starting or be hung: it gets a moment, then torch loads here
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings, () if lost else pool,
                      CALL_TIMEOUT_SECONDS if clean else MODEL_FILE_GRACE_SECONDS)
+    if finished(record.path) is not None or not (record.path / CHECKPOINT).exists():  # nothing will resume it
+        forget_run_secret(record.path)
     if keep_workers and clean:
         warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)
         warm.park_coordinator(coord)

@@ -296,10 +296,14 @@ def test_a_coordinator_killed_mid_run_leaves_its_checkpoint_and_the_resume_ends_
         ray_session, tmp_path, monkeypatch):
     """README, "Faults, deadlines, checkpoints and sweeps": a run whose coordinator actor is killed
     mid-run ends with the files of its last checkpoint and the --resume command, and the resume
-    ends with the uninterrupted run's model, ledger and rows (timings aside)."""
+    ends with the uninterrupted run's model, ledger and rows (timings aside). Under
+    privacy.randomness: os, the harder case (tests/e2e/test_resume.py resumes a reproducible run): the
+    rounds after the checkpoint, which the server may have seen, are run again with the noise and
+    client sample they had, from the secret the run keeps until it completes; here both runs are
+    given one secret, so the resumed run must end as the uninterrupted one did."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.runtime import driver, warm
-    from dpfl_ray.runtime.checkpoint import open_for_resume, rows_covered
+    from dpfl_ray.runtime.checkpoint import DP_SECRET, open_for_resume, rows_covered
 
     def private():
         # The driver reads the rows polls behind the coordinator, so the kill after its first
@@ -308,7 +312,8 @@ def test_a_coordinator_killed_mid_run_leaves_its_checkpoint_and_the_resume_ends_
         # the figures are those of a run without it).
         return tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 40},
                              sampling={"mode": "poisson", "rate": 0.3, "clients_per_round": None},
-                             privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}},
+                             privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5},
+                                      "randomness": "os"},
                              faults={"stragglers": {"tiers": [{"share": 1.0, "latency": {"distribution": "fixed",
                                                                                          "seconds": 0.1}}]}},
                              output={"checkpoint_every": 5, "eval_every": 5})
@@ -316,7 +321,18 @@ def test_a_coordinator_killed_mid_run_leaves_its_checkpoint_and_the_resume_ends_
     def figures(rows):
         return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
 
-    _, rounds_fresh, fresh = _run(private(), tmp_path, "fresh")
+    secret = bytes(range(7, 39))
+
+    def record(path):  # the secret run_secret would have drawn: both runs draw from this one
+        made = RunRecord(path)
+        (path / DP_SECRET).write_bytes(secret)
+        return made
+
+    sc = private()
+    run_scenario(sc, build_federation(sc), record(tmp_path / "fresh"))
+    rounds_fresh = [json.loads(line) for line in (tmp_path / "fresh" / "rounds.jsonl").read_text().splitlines()]
+    fresh = torch.load(tmp_path / "fresh" / "model.pt")
+    assert not (tmp_path / "fresh" / DP_SECRET).exists()  # a completed run is never resumed: the secret goes
     warm.clear()  # the run below starts a coordinator of its own, which the test kills
     started = []
     start = driver.start_coordinator
@@ -334,7 +350,8 @@ def test_a_coordinator_killed_mid_run_leaves_its_checkpoint_and_the_resume_ends_
     killed = tmp_path / "killed"
     sc = private()
     with pytest.raises(DPFLError, match=r"the coordinator was lost .* resume with: dpfl run --resume "):
-        run_scenario(sc, build_federation(sc), RunRecord(killed))
+        run_scenario(sc, build_federation(sc), record(killed))
+    assert (killed / DP_SECRET).read_bytes() == secret
     checkpoint, again = open_for_resume(killed)
     last = int(checkpoint["round"])
     summary = json.loads((killed / "summary.json").read_text())
@@ -346,6 +363,7 @@ def test_a_coordinator_killed_mid_run_leaves_its_checkpoint_and_the_resume_ends_
     covered = rows_covered(checkpoint)
     resumed = run_scenario(again, build_federation(again), RunRecord.reopen(killed, covered), resume=checkpoint)
     assert resumed["stop_reason"] == "completed" and resumed["rounds_completed"] == 40
+    assert not (killed / DP_SECRET).exists()
     rows = [json.loads(line) for line in (killed / "rounds.jsonl").read_text().splitlines()]
     assert figures(rows) == figures(rounds_fresh)
     after = torch.load(killed / "model.pt")
