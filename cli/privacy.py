@@ -62,6 +62,14 @@ def _mechanism(mechanism: str, distributed_options: bool) -> str:
 
 
 MAX_TABLE_COLUMNS = 20
+MAX_TABLE_ROWS = 20  # dropout rates
+# each entry is a composition of its own (a row's epsilon at a round count, or its search for a budget's
+# rounds): seconds each with pld, about 25 s for the default 3 x (4 + 3)
+MAX_TABLE_ENTRIES = 60
+# Above this a planned noise multiplier leaves epsilon 0 to every printed digit, and dp_accounting's
+# arithmetic overflows near 1e200.
+MAX_NOISE_MULTIPLIER = 1e6
+MAX_NBAFL_CLIENTS = 10_000_000
 
 
 def _not_nbafl(mechanism: str, command: str) -> None:
@@ -96,6 +104,8 @@ def _sampling(sampling_rate: float | None, clients_per_round: int | None, num_cl
             raise DPFLError("--num-clients needs --clients-per-round", field="clients_per_round")
         if num_clients is None:
             raise DPFLError("--clients-per-round needs --num-clients", field="num_clients")
+        if clients_per_round < 1:  # the ledger books an empty round; a planned schedule has none
+            raise DPFLError(f"must be >= 1, got {clients_per_round}", field="clients_per_round")
         return FixedSizeSampling(clients_per_round, num_clients)
     if sampling_rate is None:
         if default_rate is None:
@@ -124,6 +134,16 @@ def _used_note(accountant: str, used: str, note: str) -> str:
     if used != accountant:
         return f"; accountant_used={used} ({note})"
     return f"; {note}" if note else ""
+
+
+def _check_planned_noise(z: float, field: str = "noise_multiplier") -> float:
+    from dpfl_ray.privacy.validation import _check_noise
+
+    z = _check_noise(z, field)
+    if z > MAX_NOISE_MULTIPLIER:
+        raise DPFLError(f"must be at most {MAX_NOISE_MULTIPLIER:g} (epsilon is 0 to every printed digit long "
+                        f"before), got {z:g}", field=field)
+    return z
 
 
 def _floats(text: str, field: str) -> list[float]:
@@ -209,7 +229,6 @@ def epsilon(
     """
     from dpfl_ray.privacy.dropouts import planned_noise_multipliers
     from dpfl_ray.privacy.ledger import EpsilonCurve, FixedSizeSampling
-    from dpfl_ray.privacy.validation import _check_noise
 
     _check_used_by_calibration(calibration, min_weight_fraction, calibration_dropout_rate, dropout_rate)
     min_weight_fraction = 0.5 if min_weight_fraction is None else min_weight_fraction
@@ -227,7 +246,7 @@ def epsilon(
     if noise_multiplier is None:
         raise DPFLError("required: give --noise-multiplier (or --mechanism nbafl with its parameters)",
                         field="noise_multiplier")
-    _check_noise(noise_multiplier)
+    _check_planned_noise(noise_multiplier)
     z_claimed, z_eff = planned_noise_multipliers(noise_multiplier, calibration, dropout_rate,
                                                  calibration_dropout_rate, min_weight_fraction)
     booked, booked_claimed = _booked(mechanism, z_eff, samp), _booked(mechanism, z_claimed, samp)
@@ -278,6 +297,8 @@ def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exp
     for value, field in ((min_size, "min_size"), (exposures, "exposures"), (clients, "clients")):
         if value < 1:
             raise DPFLError(f"must be >= 1, got {value}", field=field)
+    if clients > MAX_NBAFL_CLIENTS:
+        raise DPFLError(f"must be at most {MAX_NBAFL_CLIENTS:,} clients a round, got {clients:,}", field="clients")
     if not clip > 0 or not math.isfinite(clip):
         raise DPFLError(f"must be a finite number > 0, got {clip}", field="clip_norm")
     if threat_model not in ("server", "broadcast"):
@@ -291,6 +312,9 @@ def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exp
     figures = {}
     for name, bound in (("enforced", enforced_bound(clip)), ("assumed", assumed_bound(clip, min_size))):
         z, _ = round_multipliers(sigma_u, sigma_d, bound, shares, secure, threat_model)
+        if not z <= MAX_NOISE_MULTIPLIER:
+            raise DPFLError(f"{paper_epsilon:g} gives NbAFL a noise multiplier of {z:.3g}, above "
+                            f"{MAX_NOISE_MULTIPLIER:g}: epsilon would be 0 to every printed digit", field="nbafl_epsilon")
         ledger, per_client = PrivacyLedger(accountant, delta), PrivacyLedger(accountant, delta)
         for t in range(rounds):
             ledger.record_round(z, NoSampling(), reason="nbafl", paper_epsilon=paper_epsilon / rounds)
@@ -398,17 +422,23 @@ def table(
     composition of T identical rounds (``count=T``), so the pld table takes ~10-20 s.
     """
     from dpfl_ray.privacy.ledger import EpsilonCurve
-    from dpfl_ray.privacy.validation import _check_noise
 
     samp = _sampling(sampling_rate, clients_per_round, num_clients, default_rate=0.01)
     rates = _floats(dropout_rates, "dropout_rates")
     budget_list = _floats(budgets, "budgets")
     round_list = _ints(rounds, "rounds")
-    if len(round_list) > MAX_TABLE_COLUMNS:  # each column is a composition of its own (seconds with pld)
-        raise DPFLError(f"{len(round_list)} round counts; a table shows at most {MAX_TABLE_COLUMNS}", field="rounds")
+    # each column is a composition of its own (seconds with pld), and each budget a search over rounds
+    for values, field, most in ((round_list, "rounds", MAX_TABLE_COLUMNS), (budget_list, "budgets", MAX_TABLE_COLUMNS),
+                                (rates, "dropout_rates", MAX_TABLE_ROWS)):
+        if len(values) > most:
+            raise DPFLError(f"{len(values)} values; a table shows at most {most}", field=field)
+    if len(rates) * (len(round_list) + len(budget_list)) > MAX_TABLE_ENTRIES:
+        raise DPFLError(f"{len(rates)} dropout rates x ({len(round_list)} round counts + {len(budget_list)} budgets) "
+                        f"= {len(rates) * (len(round_list) + len(budget_list))} entries, each a composition of its "
+                        f"own; a table computes at most {MAX_TABLE_ENTRIES}", field="dropout_rates")
     mechanism = _mechanism(mechanism, any(rates))
     _not_nbafl(mechanism, "table")
-    _check_noise(noise_multiplier)
+    _check_planned_noise(noise_multiplier)
     booked = _booked(mechanism, noise_multiplier, samp)
     curves = [EpsilonCurve(booked, samp, delta, accountant, r) for r in rates]
     rows = []

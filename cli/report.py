@@ -41,6 +41,10 @@ def _run_cards(rows: list[list[str]]) -> list[Table]:
     return cards
 
 
+# what marks a directory as a run's (dpfl run) or a sweep's (dpfl sweep), never a report's
+RUN_FILES = ("summary.json", "rounds.jsonl", "scenario.yaml", "ledger.json", "sweep.csv")
+
+
 @user_errors
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run directories written by `dpfl run`, or sweep directories "
@@ -55,6 +59,11 @@ def report(
     runs, notes = load_runs(run_dirs)  # every input is checked before anything is written
     if any(run.path.resolve() == out.resolve() for run in runs):  # its own accuracy.png would be replaced
         raise DPFLError(f"{out} is one of the run directories reported: choose another folder", field="--out")
+    # any other run's or sweep's directory too: the report's accuracy.png and plots would replace that run's
+    held = [name for name in RUN_FILES if (out / name).exists()]
+    if held:
+        raise DPFLError(f"{out} holds a run's or a sweep's files ({', '.join(held)}): the report's plots would "
+                        "replace theirs; choose another folder", field="--out")
     rows, written = write_report(runs, out)
     texts = [cells(row) for row in rows]
     table = _wide_table(texts)

@@ -7,6 +7,7 @@ number; a key given twice, an empty file and an empty ``--set`` path segment are
 """
 from __future__ import annotations
 
+import math
 import re
 import reprlib
 from pathlib import Path
@@ -182,7 +183,7 @@ class Huang2020Config(_Section):
     (docs/record_level_dp.md). The per-example clipping bound S is privacy.clipping.norm."""
 
     category_budgets: list[Annotated[float, Field(gt=0)]] = Field(
-        default_factory=lambda: [1.0, 2.75, 4.5, 6.25, 8.0],
+        default_factory=lambda: [1.0, 2.75, 4.5, 6.25, 8.0], min_length=1,
         description="eps_k of each data-amount category, smallest clients first (Fig. 7: 1 to 8)")
     step_sizes: list[Annotated[float, Field(gt=0)]] = Field(
         default_factory=lambda: [2.0, 5.0, 10.0, 20.0, 50.0], min_length=1,
@@ -239,7 +240,8 @@ class PrivacyConfig(_Section):
     """Client-level DP (training.algorithm: dp_fedavg or baek). Every epsilon comes from the ledger."""
 
     noise_multiplier: float | None = Field(
-        None, gt=0, description="z: noise std = z * S on the sum (dp_fedavg), z * 2C (baek, replace-one)")
+        None, gt=0, le=1e6, description="z: noise std = z * S on the sum (dp_fedavg), z * 2C (baek, replace-one); "
+                                        "at most 1e6, where epsilon is 0 to every printed digit")
     clipping: ClippingConfig = ClippingConfig()
     denominator: Literal["expected", "bounded", "actual"] | None = Field(
         None, description="dp_fedavg: divide by the expected cohort weight (default), by max(F qW, actual) "
@@ -531,11 +533,23 @@ class Scenario(_Section):
     @model_validator(mode="after")
     def _cross_checks(self):
         canaries = self.privacy.audit.canaries if self.privacy.audit else 0  # audit canaries join the population
-        if self.sampling.mode == "fixed" and self.sampling.clients_per_round > self.data.num_clients + canaries:
+        population = self.data.num_clients + canaries
+        if self.sampling.mode == "fixed" and self.sampling.clients_per_round > population:
             extra = f" + {canaries} audit canaries" if canaries else ""
             raise ValueError(
                 f"sampling.clients_per_round={self.sampling.clients_per_round} exceeds "
                 f"data.num_clients={self.data.num_clients}{extra}")
+        threshold = self.secagg.threshold
+        if self.secagg.enabled and isinstance(threshold, int):
+            # a round's threshold is at most its cohort; one above every cohort would never be the one used
+            if self.sampling.mode == "fixed":
+                largest = min(population, math.ceil(self.sampling.overcommit * self.sampling.clients_per_round))
+                what = "sampling.clients_per_round" + (" x sampling.overcommit" if self.sampling.overcommit > 1 else "")
+            else:
+                largest, what = population, "the population"
+            if threshold > largest:
+                raise ValueError(f"secagg.threshold={threshold} exceeds the most clients a round can have ({largest}, "
+                                 f"{what}): no round could use it; set at most {largest}")
         return self
 
     @model_validator(mode="after")

@@ -62,7 +62,9 @@ def resolve_target(address: str | None, environ: Mapping[str, str] | None = None
     environ = os.environ if environ is None else environ
     inside_job = JOB_CONFIG_ENV in environ
     source = "--address"
-    if address is None or not address.strip():
+    if address is not None and not address.strip():  # e.g. --address "$ADDR" with ADDR unset: not a local run
+        raise DPFLError("is empty: give HOST:PORT, ray://HOST:10001, auto or local, or leave it out", field=source)
+    if address is None:
         address, source = (environ.get("RAY_ADDRESS") or "").strip(), "RAY_ADDRESS"
         if not address:
             return Target("local", inside_job=inside_job)

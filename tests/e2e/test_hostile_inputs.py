@@ -342,6 +342,15 @@ def _one_line_in_process(res, needle):
      "is a distribution to draw from: give --search random"),
     (("run", "--resume", "{tmp}/gone"), "{tmp}/gone: no such run directory"),
     (("audit", "{tmp}/gone"), "{tmp}/gone: no such run directory"),
+    # a noise multiplier past dp_accounting's arithmetic; a threshold no cohort of 6 can use (it was cut to 6);
+    # an empty category list; an empty --address (it started a private Ray)
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=dp_fedavg", "--set",
+      "privacy.noise_multiplier=1e308"), "privacy.noise_multiplier: Input should be less than or equal to 1000000"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "secagg.enabled=true", "--set", "secagg.threshold=100"),
+     "secagg.threshold=100 exceeds the most clients a round can have (6, sampling.clients_per_round)"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=huang2020", "--set",
+      "privacy.huang2020={{category_budgets: []}}"), "privacy.huang2020.category_budgets: List should have at least 1"),
+    (("run", "{tiny}", "--address", ""), "--address: is empty: give HOST:PORT"),
 ])
 def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     before = files_under(tmp_path)
@@ -362,7 +371,21 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     (("privacy", "epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta",
       "1e-5", "--nbafl-epsilon", "3"), "nbafl_epsilon: is for --mechanism nbafl"),
     (("privacy", "table", "--dropout-rates", "0", "--rounds", ",".join(str(i) for i in range(1, 31))),
-     "rounds: 30 round counts; a table shows at most 20"),
+     "rounds: 30 values; a table shows at most 20"),
+    (("privacy", "table", "--rounds", "1,10", "--budgets", ",".join(str(i) for i in range(1, 40))),
+     "budgets: 39 values; a table shows at most 20"),
+    (("privacy", "table", "--rounds", "1,10", "--budgets", "1,2,3,4,5,6,7,8,9,10", "--dropout-rates",
+      "0,0.1,0.2,0.3,0.4,0.5"), "dropout_rates: 6 dropout rates x (2 round counts + 10 budgets) = 72 entries"),
+    # past dp_accounting's arithmetic (an internal OverflowError), and a cohort of nobody
+    (("privacy", "epsilon", "--noise-multiplier", "1e308", "--sampling-rate", "0.5", "--rounds", "2", "--delta",
+      "1e-5"), "noise_multiplier: must be at most 1e+06"),
+    (("privacy", "table", "--noise-multiplier", "1e300", "--rounds", "1,10"), "noise_multiplier: must be at most"),
+    (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "nbafl",
+      "--nbafl-epsilon", "1e-300"), "nbafl_epsilon: 1e-300 gives NbAFL a noise multiplier of"),
+    (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "nbafl",
+      "--nbafl-epsilon", "1", "--clients", "99999999999999999999"), "clients: must be at most 10,000,000"),
+    (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--noise-multiplier", "1", "--clients-per-round",
+      "0", "--num-clients", "10"), "clients_per_round: must be >= 1, got 0"),
     # a name of no run fails a dry run too; nbafl's noise is no multiplier
     (("reproduce", "geyer2017", "--only", "bogus", "--dry-run"), "--only: 'bogus' is not a run of geyer2017"),
     (("privacy", "noise", "--epsilon", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5",
@@ -397,6 +420,13 @@ def test_report_refuses_to_write_into_a_run_it_reports(tmp_path):
     res = dpfl_in_process("report", run, "--out", run)
     _one_line_in_process(res, "is one of the run directories reported")
     assert {p: p.read_bytes() for p in run.iterdir()} == before
+    # nor into another run's directory, whose accuracy.png the report's would replace
+    other = _run_dir(tmp_path / "other", {"name": "y", "final_accuracy": 0.6}, '{"round": 1, "test_accuracy": 0.6}\n')
+    (other / "accuracy.png").write_bytes(b"the run's own plot")
+    before = {p: p.read_bytes() for p in other.iterdir()}
+    res = dpfl_in_process("report", run, "--out", other)
+    _one_line_in_process(res, "holds a run's or a sweep's files (summary.json, rounds.jsonl)")
+    assert {p: p.read_bytes() for p in other.iterdir()} == before
 
 
 def test_a_budget_the_first_round_passes_names_the_accountant_that_answered(tiny):
