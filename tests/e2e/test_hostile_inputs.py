@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -394,12 +395,27 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     (("bench", "run", "W1", "--keep", "{tiny}"), "--keep: cannot create"),
     (("bench", "local", "--data", "{tiny}", "--model", "logistic"), "--data: "),
     (("bench", "local", "--data", "random", "--examples", "100000000"), "--examples: 100000000 examples per client"),
+    (("bench", "local", "--data", "random", "--model", "logistic", "--clients", "100000000", "--examples", "1"),
+     "--clients: 100,000,000 clients x 1 examples: at most 1,000,000"),
 ])
 def test_the_other_commands_findings_are_one_line(tiny, tmp_path, args, needle):
     before = files_under(tmp_path)
     res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
     _one_line_in_process(res, needle)
     assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("x_shape, labels, needle", [
+    ((100,), [0] * 100, "x_train (100,) and y_train (100,) are not N images"),
+    ((100, 1, 28, 28), [0] * 7, "x_train (100, 1, 28, 28) and y_train (7,) are not N images"),
+    ((100, 1, 28, 28), [50] * 100, "labels 50..50, the benchmark's models have classes 0..9"),
+])
+def test_bench_local_refuses_data_its_models_cannot_take(tmp_path, x_shape, labels, needle):
+    """They were internal errors (IndexError in torch), or, for 7 labels of 100 images, a timing."""
+    path = tmp_path / "bad.npz"
+    np.savez(path, x_train=np.zeros(x_shape, np.float32), y_train=np.array(labels, np.int64))
+    res = dpfl_in_process("bench", "local", "--data", path, "--model", "logistic", "--repeats", "1")
+    _one_line_in_process(res, needle)
 
 
 @pytest.mark.parametrize("args", [("run", "{tiny}", "--out", ""), ("sweep", "{tiny}", "--out", " "),
