@@ -196,7 +196,7 @@ def client_epsilons(run: Run) -> list[float]:
         values = ledger["per_client_epsilon"].values()
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
-    return [float(v) for v in values if _finite_number(v)]
+    return [float(v) for v in values if _finite_number(v) and v >= 0]  # no epsilon is negative
 
 
 def plot_client_epsilon(runs: list[Run], path: Path) -> Path | None:
@@ -216,7 +216,8 @@ def plot_client_epsilon(runs: list[Run], path: Path) -> Path | None:
 def client_accuracy_groups(run: Run) -> dict[str, dict]:
     """summary.json's ``client_accuracy`` (output.client_accuracy: each client's own model in the
     last round) as {group: {"mean", "min", "max"}}, one group "all clients" when the algorithm does
-    not label clients; {} when the run has none or the figures are not numbers."""
+    not label clients; {} when the run has none or the figures are not accuracies in order
+    (0 <= min <= mean <= max <= 1)."""
     ca = run.summary.get("client_accuracy")
     if not isinstance(ca, dict):
         return {}
@@ -224,7 +225,7 @@ def client_accuracy_groups(run: Run) -> dict[str, dict]:
     out = {}
     for label, stats in groups.items():
         values = [stats.get(k) if isinstance(stats, dict) else None for k in ("mean", "min", "max")]
-        if all(_finite_number(v) for v in values):
+        if all(_finite_number(v) for v in values) and 0 <= values[1] <= values[0] <= values[2] <= 1:
             out[str(label)] = dict(zip(("mean", "min", "max"), map(float, values)))
     return out
 

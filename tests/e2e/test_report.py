@@ -213,6 +213,14 @@ def test_record_level_runs_get_a_per_client_epsilon_histogram(runs, tmp_path):
     res = report(runs[1], rl, "--out", out)
     assert res.exit_code == 0, res.output
     assert (out / "client_epsilon.png").read_bytes()[:8] == PNG_MAGIC
+    # negative epsilons are no client's (-1e308 beside 1e308 made matplotlib's bins fail: an internal error, files
+    # half written)
+    (rl / "ledger.json").write_text(json.dumps({"per_client_epsilon": {"0": -1e308, "1": 1e6, "2": 0.4}}))
+    from dpfl_ray.runs.load import load_run
+    from dpfl_ray.runs.report import client_epsilons
+    assert client_epsilons(load_run(rl)) == [1e6, 0.4]
+    res = report(runs[1], rl, "--out", tmp_path / "rep1")
+    assert res.exit_code == 0, res.output
     (rl / "ledger.json").write_bytes(b"\x00 not json")  # a broken ledger loses the plot, not the report
     res = report(runs[1], rl, "--out", tmp_path / "rep2")
     assert res.exit_code == 0 and not (tmp_path / "rep2" / "client_epsilon.png").exists()
@@ -239,4 +247,10 @@ def test_per_client_accuracy_is_plotted_by_group(runs, tmp_path):
                                                     "client_accuracy": {"by_group": {"x": {"mean": "high"}}}}))
     res = report(runs[0], huang, "--out", tmp_path / "rep2")
     assert res.exit_code == 0 and not (tmp_path / "rep2" / "client_accuracy.png").exists()
+    # nor are figures out of order (a min above the mean made matplotlib fail on a negative error bar)
+    (huang / "summary.json").write_text(json.dumps({**json.loads((huang / "summary.json").read_text()),
+                                                    "client_accuracy": {"mean": 0.5, "min": 0.7, "max": 0.9}}))
+    assert client_accuracy_groups(load_run(huang)) == {}
+    res = report(runs[0], huang, "--out", tmp_path / "rep3")
+    assert res.exit_code == 0 and not (tmp_path / "rep3" / "client_accuracy.png").exists()
     assert not (tmp_path / "rep" / "client_epsilon.png").exists()
