@@ -66,12 +66,12 @@ def time_paths(model_name: str = "cnn", clients: int = 5, examples: int = 50, ba
     the batched path (the stacked network where the model has one), and the vmapped batched path
     with the channels-last pool and with the model's own max-pool kernel."""
     dev = torch.device(device)
-    if clients * examples > MAX_EXAMPLES:
-        raise DPFLError(f"{clients:,} clients x {examples:,} examples: at most {MAX_EXAMPLES:,} examples a call",
-                        field="--clients")
     x_all, y_all = load_images(data, seed)
     if examples > len(y_all):
         raise DPFLError(f"{examples} examples per client, but {data} holds {len(y_all)}", field="--examples")
+    if clients * examples > MAX_EXAMPLES:
+        raise DPFLError(f"{clients:,} clients x {examples:,} examples: at most {MAX_EXAMPLES:,} examples a call",
+                        field="--clients")
     g = np.random.default_rng(seed)
     picks = [g.choice(len(y_all), examples, replace=False) for _ in range(clients)]
     xs, ys = [x_all[p] for p in picks], [y_all[p] for p in picks]

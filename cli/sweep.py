@@ -77,6 +77,8 @@ def sweep(
     axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_, drawn)  # every combination, before anything runs
     base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
+        if out is not None:  # the directory the real sweep would refuse
+            sw.SweepLock(out).check()
         for run in runs:
             console.print(run.name, highlight=False, soft_wrap=True)
         later = (f"; optuna asks the other {drawn.samples - len(drawn.points())} points from these runs' results"

@@ -202,11 +202,15 @@ class SweepLock:
         self.path = self.dir / (manifest + ".lock")
         self.foreign = foreign
 
-    def acquire(self) -> "SweepLock":
+    def check(self) -> None:
+        """What ``acquire`` refuses before it takes the lock (a dry run asks it alone)."""
         check_writable(self.dir)  # a file, or a folder this process cannot write in: one line naming --out
         if self.foreign != "" and _foreign_files(self.dir, self.manifest):
             raise DPFLError(f"{self.dir} already holds files that are not a {self.what}; choose another --out"
                             f"{self.foreign or ''}", field="--out")
+
+    def acquire(self) -> "SweepLock":
+        self.check()
         self.dir.mkdir(parents=True, exist_ok=True)
         fd, mine = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), False
         try:

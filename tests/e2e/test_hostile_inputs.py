@@ -367,6 +367,8 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     (("sweep", "{tiny}", "--grid", "training.rounds=randint(1,99999999999999999999999)", "--search", "random",
       "--num-samples", "2", "--dry-run"), "needs bounds within +-2^53"),
     (("sweep", "{tiny}", "--grid", "training.lr=0.1", "--out", "{tiny}"), "--out: cannot create"),
+    (("sweep", "{tiny}", "--grid", "training.lr=0.1", "--out", "{tmp}", "--dry-run"),
+     "already holds files that are not a sweep"),
     (("sweep", "{tiny}", "--grid", "training.lr=normal(0,1)", "--dry-run"), "normal is not a distribution"),
     # an option the command would leave unused, and a table of a thousand compositions
     (("privacy", "epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta",
