@@ -205,11 +205,11 @@ def epsilon(
     calibration_dropout_rate: Annotated[Optional[float], typer.Option(help="Fraction in [0, 1] (default 0) of the survivors that vanish before sending their calibration term (baek, baek-extended).")] = None,
     mechanism: MechanismOpt = "auto",
     nbafl_epsilon: Annotated[Optional[float], typer.Option(help="nbafl: the paper's epsilon for the whole training.")] = None,
-    clip_norm: Annotated[float, typer.Option(help="nbafl: C, the clipping bound of the parameters.")] = 1.0,
-    min_size: Annotated[int, typer.Option(help="nbafl: m, the smallest local dataset.")] = 1,
+    clip_norm: Annotated[Optional[float], typer.Option(help="nbafl: C, the clipping bound of the parameters (default 1).")] = None,
+    min_size: Annotated[Optional[int], typer.Option(help="nbafl: m, the smallest local dataset (default 1).")] = None,
     exposures: Annotated[Optional[int], typer.Option(help="nbafl: L, uploads per client (default T).")] = None,
-    clients: Annotated[int, typer.Option(help="nbafl: N, the clients aggregated per round.")] = 1,
-    threat_model: Annotated[str, typer.Option(help="nbafl: server (sees each upload, or their sum with --secagg) or broadcast.")] = "server",
+    clients: Annotated[Optional[int], typer.Option(help="nbafl: N, the clients aggregated per round (default 1).")] = None,
+    threat_model: Annotated[Optional[str], typer.Option(help="nbafl: server (sees each upload, or their sum with --secagg) or broadcast (default server).")] = None,
     secagg: Annotated[bool, typer.Option("--secagg", help="nbafl: the server sees only the sum of the uploads.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -236,12 +236,20 @@ def epsilon(
     mechanism = _mechanism(mechanism, bool(dropout_rate or calibration_dropout_rate or calibration != "none"))
     if mechanism != "nbafl":
         for given, name in ((nbafl_epsilon is not None, "nbafl_epsilon"), (exposures is not None, "exposures"),
-                            (secagg, "secagg")):
+                            (secagg, "secagg"), (clip_norm is not None, "clip_norm"), (min_size is not None, "min_size"),
+                            (clients is not None, "clients"), (threat_model is not None, "threat_model")):
             if given:
                 raise DPFLError(f"is for --mechanism nbafl; {mechanism} would leave it unused", field=name)
     if mechanism == "nbafl":
-        return _nbafl_epsilon(rounds, delta, accountant, nbafl_epsilon, clip_norm, min_size, exposures, clients,
-                              threat_model, secagg, as_json)
+        for given, name in ((noise_multiplier is not None, "noise_multiplier"),
+                            (sampling_rate is not None, "sampling_rate"),
+                            (clients_per_round is not None, "clients_per_round"), (num_clients is not None, "num_clients")):
+            if given:
+                raise DPFLError("nbafl derives its noise from --nbafl-epsilon and aggregates --clients every round "
+                                "(no sampling): it would leave this unused", field=name)
+        return _nbafl_epsilon(rounds, delta, accountant, nbafl_epsilon, 1.0 if clip_norm is None else clip_norm,
+                              1 if min_size is None else min_size, exposures, 1 if clients is None else clients,
+                              threat_model or "server", secagg, as_json)
     samp = _sampling(sampling_rate, clients_per_round, num_clients)
     if noise_multiplier is None:
         raise DPFLError("required: give --noise-multiplier (or --mechanism nbafl with its parameters)",
@@ -297,6 +305,9 @@ def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exp
     for value, field in ((min_size, "min_size"), (exposures, "exposures"), (clients, "clients")):
         if value < 1:
             raise DPFLError(f"must be >= 1, got {value}", field=field)
+    if exposures > rounds:
+        raise DPFLError(f"must be at most --rounds ({rounds}): a client uploads at most once a round, got {exposures}",
+                        field="exposures")
     if clients > MAX_NBAFL_CLIENTS:
         raise DPFLError(f"must be at most {MAX_NBAFL_CLIENTS:,} clients a round, got {clients:,}", field="clients")
     if not clip > 0 or not math.isfinite(clip):

@@ -389,6 +389,13 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
       "--nbafl-epsilon", "1", "--clients", "99999999999999999999"), "clients: must be at most 10,000,000"),
     (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--noise-multiplier", "1", "--clients-per-round",
       "0", "--num-clients", "10"), "clients_per_round: must be >= 1, got 0"),
+    # options the mechanism never reads, and more uploads than rounds
+    (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "nbafl",
+      "--nbafl-epsilon", "6", "--sampling-rate", "0.1"), "sampling_rate: nbafl derives its noise from --nbafl-epsilon"),
+    (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--noise-multiplier", "1", "--sampling-rate", "0.1",
+      "--threat-model", "broadcast"), "threat_model: is for --mechanism nbafl; dp_fedavg would leave it unused"),
+    (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "nbafl",
+      "--nbafl-epsilon", "6", "--exposures", "999999999999999"), "exposures: must be at most --rounds (10)"),
     # a name of no run fails a dry run too; nbafl's noise is no multiplier
     (("reproduce", "geyer2017", "--only", "bogus", "--dry-run"), "--only: 'bogus' is not a run of geyer2017"),
     (("privacy", "noise", "--epsilon", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5",
