@@ -23,7 +23,7 @@ from ..training.evaluation import combine_shards, eval_shards
 from ..scenario import Scenario
 from ..training.heap import keep_freed_memory
 from ..secagg import PHASES as PROTOCOL_PHASES
-from ..secagg import EncodingError, SecAggClient, encode, presum_masked
+from ..secagg import EncodingError, EncodingOverflow, SecAggClient, encode, presum_masked
 from ..secagg.keys import expand_masks
 from ..faults.plan import check_update, corrupt, corruption_rng
 from .messages import Canaries, Encoding, LocalReply, PhaseReply, WorkerChaos
@@ -67,6 +67,16 @@ WORKER_PHASES = PROTOCOL_PHASES + ("calibration",)
 BATCH_BUDGET_BYTES = 256 << 20
 # clients trained, checked and summed before the next slice starts (a multiple of the batch stack)
 SUM_CHUNK_CLIENTS = 256
+
+
+def unencodable(err: EncodingError) -> str:
+    """Why a client's value could not enter SecAgg's ring, naming no figure of it (its largest
+    coordinate, its norm): the reason reaches rounds.jsonl, as faults.check_update's reasons do, and
+    the value is one client's weighted update and noise share."""
+    if isinstance(err, EncodingOverflow):
+        return ("overflow: its value exceeds the fixed-point range of the ring (secagg.bits, secagg.scale; "
+                "secagg.overflow: clip cuts it)")
+    return f"its value cannot be encoded in the ring ({type(err).__name__}, {err.field or 'values'})"
 
 
 class ClientWorker:
@@ -296,7 +306,7 @@ class ClientWorker:
                 try:
                     self._sa["inputs"][idx] = spec.ring_words(sent, cid, weights[cid])
                 except EncodingError as err:
-                    return PhaseReply(aborted=f"client {cid}: {err}")
+                    return PhaseReply(aborted=f"client {cid}: {unencodable(err)}")
             else:
                 value = spec.weighted_value(sent, cid, weights[cid])
                 try:
@@ -304,7 +314,7 @@ class ClientWorker:
                                  rng=rngmod.generator(self.sc.seed, "encode", round_idx, cid),
                                  overflow="clip" if encoding.overflow == "clip" else "raise")
                 except EncodingError as err:  # the round cannot go on; say why instead of crashing the run
-                    return PhaseReply(aborted=f"client {cid}: {err}")
+                    return PhaseReply(aborted=f"client {cid}: {unencodable(err)}")
                 if enc.clip is not None:
                     clipped += enc.clip.n_clipped
                 self._sa["inputs"][idx] = enc.data

@@ -2,6 +2,7 @@
 ledger books the effective multiplier of each round, and it agrees with `dpfl privacy epsilon`."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -159,6 +160,9 @@ def test_an_input_that_overflows_the_ring_aborts_the_round_not_the_run(ray_sessi
     assert summary["stop_reason"] == "completed" and len(rounds) == 2
     assert all("overflow" in r["secagg_aborted"].lower() or "exceed" in r["secagg_aborted"] for r in rounds), rounds
     assert all(r["survived"] == 0 for r in rounds)
+    # the reason names no figure of the client's value (its largest coordinate was printed): only the scenario's
+    reasons = [re.search(r"client \d+: (.*)$", r["secagg_aborted"]).group(1) for r in rounds]
+    assert all(not any(ch.isdigit() for ch in why) for why in reasons), reasons
 
 
 POISSON = {"mode": "poisson", "rate": 0.25, "clients_per_round": None}
