@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DPFLError
+from .record import DP_SECRET
 
 BEGIN = "DPFL-RUNDIR-BEGIN"
 DATA = "DPFL-RUNDIR"
@@ -36,9 +37,11 @@ class Bundle:
 
 
 def pack(run_dir: str | Path) -> tuple[bytes, list[str]]:
-    """The run directory's files as a gzip'd tar, paths relative to it (sorted: same files, same order)."""
+    """The run directory's files as a gzip'd tar, paths relative to it (sorted: same files, same order).
+    An unfinished 'os' run's secret (``dp_secret``) stays on the cluster: the bundle is written into the
+    job's log, which anyone with the dashboard reads; the run resumes there."""
     root = Path(run_dir)
-    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != DP_SECRET)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for rel in files:

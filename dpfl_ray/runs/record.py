@@ -123,11 +123,18 @@ def check_writable(path: str | Path, field: str = "--out") -> None:
         raise DPFLError(f"cannot write in {ancestor} ({err.strerror or err})", field=field) from None
 
 
+# privacy.randomness: os -- the run's secret root of DP randomness while the run can go on
+# (runtime/checkpoint.py, run_secret); never packed into a bundle that leaves the cluster
+DP_SECRET = "dp_secret"
+
+
 class RunRecord:
     @staticmethod
     def check_new(path: str | Path) -> None:
+        """A directory a new run may start in: none, an empty one, or one that holds nothing but the
+        secret an earlier attempt of the same run left to be drawn from again (runs/sweep.py, move_aside)."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if path.exists() and (not path.is_dir() or any(p.name != DP_SECRET for p in path.iterdir())):
             raise DPFLError(f"{path} already holds files; choose another --out", field="--out")
         check_writable(path)
 

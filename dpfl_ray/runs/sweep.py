@@ -30,7 +30,7 @@ from ..errors import DPFLError
 from .load import (MANIFEST, MAX_NAME_BYTES, MAX_RUNS, SweepRun, _safe, check_run_count, expand, load_run,  # noqa: F401
                    sweep_run_dirs)
 from ..scenario import load_scenario
-from .record import check_writable
+from .record import DP_SECRET, check_writable
 
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
@@ -415,15 +415,21 @@ def resumed(sweep_dir: Path, todo: Sequence[SweepRun]) -> int:
 
 def move_aside(sweep_dir: Path, name: str) -> Path | None:
     """Move run ``name``'s unfinished directory to ``.incomplete/NAME.N`` (never overwriting an
-    earlier one); returns where it went, or None when there was none."""
+    earlier one); returns where it went, or None when there was none. Its 'os' secret stays where the
+    run starts again: the rounds it committed before its first checkpoint, which the server may have
+    seen, are then drawn again as they were (runtime/checkpoint.py, run_secret)."""
     run_dir = Path(sweep_dir) / name
     if not run_dir.exists():
         return None
     aside = Path(sweep_dir) / ".incomplete"
     aside.mkdir(exist_ok=True)
     n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1
-    shutil.move(str(run_dir), str(aside / f"{name}.{n}"))
-    return aside / f"{name}.{n}"
+    moved = aside / f"{name}.{n}"
+    shutil.move(str(run_dir), str(moved))
+    if (moved / DP_SECRET).is_file():
+        run_dir.mkdir()
+        os.replace(moved / DP_SECRET, run_dir / DP_SECRET)
+    return moved
 
 
 def pack_run(run_dir: Path) -> bytes:

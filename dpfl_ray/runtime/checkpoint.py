@@ -21,11 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DPFLError
+from ..runs.record import DP_SECRET
 from ..scenario import first_difference
 
 CHECKPOINT = "checkpoint.npz"
-# privacy.randomness: os -- the run's 32-byte root of DP randomness, owner-only, while the run can go on
-DP_SECRET = "dp_secret"
 
 
 def run_secret(run_dir: Path, mode: str) -> bytes | None:

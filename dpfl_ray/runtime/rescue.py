@@ -90,7 +90,7 @@ def rescue(run_dir: Path, head: str | None, started_at: float) -> str:
     from ..data import build_federation
     from ..runs.record import RunRecord
     from ..scenario import load_scenario
-    from .checkpoint import CHECKPOINT, read_checkpoint, rows_covered
+    from .checkpoint import CHECKPOINT, forget_run_secret, read_checkpoint, rows_covered
     from .driver import finish, write_unstarted
 
     what = (f"the Ray head at {head} is unreachable" if head_unreachable(head)
@@ -99,6 +99,7 @@ def rescue(run_dir: Path, head: str | None, started_at: float) -> str:
     fed = build_federation(sc)
     wall = time.time() - started_at
     if not (run_dir / CHECKPOINT).is_file():
+        forget_run_secret(run_dir)  # nothing will resume it (dpfl run --resume needs a checkpoint)
         rows = (run_dir / "rounds.jsonl").read_text().splitlines() if (run_dir / "rounds.jsonl").exists() else []
         if rows:
             return f"{what}; it had written no checkpoint yet (output.checkpoint_every), so its model is lost"

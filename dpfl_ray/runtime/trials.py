@@ -179,6 +179,9 @@ def bring_back(config: dict, run_dir: Path, status: str) -> str:
         ray.get(collector.write.remote(config["name"], pack_run(run_dir)), timeout=BRING_BACK_TIMEOUT_S)
     except Exception as err:  # noqa: BLE001 - the run's files are still on this node: say where
         return f"failed: its files stayed on node {here} at {run_dir} ({type(err).__name__}: {err})"
+    from ..runs.record import DP_SECRET
+
+    (run_dir / DP_SECRET).unlink(missing_ok=True)  # an unfinished 'os' run resumes from the sweep node's copy
     return status
 
 

@@ -79,3 +79,24 @@ def test_an_os_run_without_its_secret_is_not_resumed(tmp_path):
         assert "\n" not in str(err.value)
         secret = run_secret(run, "os")
         assert open_for_resume(run)[0]["round"] == 1 and run_secret(run, "os") == secret
+
+
+def test_the_secret_stays_on_the_cluster_and_where_the_run_starts_again(tmp_path):
+    """A job's bundle goes into its log: no secret in it. A sweep's trial whose earlier attempt left no
+    checkpoint starts again in its own directory, from the secret of the rounds that attempt committed."""
+    from dpfl_ray.runs.bundle import pack
+    from dpfl_ray.runs.record import RunRecord
+    from dpfl_ray.runs.sweep import move_aside
+
+    run = tmp_path / "sweep" / "lr=0.1_seed=0"
+    run.mkdir(parents=True)
+    (run / "rounds.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5}) + "\n")
+    secret = run_secret(run, "os")
+    assert pack(run)[1] == ["rounds.jsonl"]
+    with pytest.raises(DPFLError, match="already holds files"):
+        RunRecord.check_new(run)
+    moved = move_aside(tmp_path / "sweep", run.name)
+    assert (moved / "rounds.jsonl").exists() and not (moved / DP_SECRET).exists()
+    assert [p.name for p in run.iterdir()] == [DP_SECRET]
+    RunRecord(run).close()  # a directory holding only the secret takes a new run
+    assert run_secret(run, "os") == secret
