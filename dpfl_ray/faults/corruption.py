@@ -40,14 +40,24 @@ def corrupt(vector: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarr
     raise ValueError(f"unknown corruption {kind!r}; one of {', '.join(CORRUPTIONS)}")
 
 
-def check_update(vector, expected_dim: int, max_norm: float | None) -> str | None:
+# float32 clipping lands within a few ulps of the bound; a client past this is not one that clipped
+CLIP_TOLERANCE = 1e-5
+
+
+def check_update(vector, expected_dim: int, max_norm: float | None, clip_norm: float | None = None,
+                 indicator: bool = False) -> str | None:
     """Why an update must not reach the model, or None. The reason starts with its kind
-    (``shape``, ``nan``, ``inf``, ``norm``) so records can count rejections by kind."""
-    v = np.asarray(vector)
+    (``shape``, ``nan``, ``inf``, ``norm``) so records can count rejections by kind. ``clip_norm``:
+    the bound the client must have clipped to (ClientSpec.clip_norm), the sensitivity the ledger
+    books, its last value the clipped-count bit (+-1/2) where ``indicator``."""
+    try:
+        v = np.asarray(vector)
+    except (ValueError, TypeError):  # ragged, or not an array at all
+        return "shape: not an array of numbers"
     if v.shape != (expected_dim,):
         return f"shape: {tuple(v.shape)} instead of ({expected_dim},)"
-    if not np.issubdtype(v.dtype, np.number):
-        return f"shape: {v.dtype} values instead of numbers"
+    if not (np.issubdtype(v.dtype, np.floating) or np.issubdtype(v.dtype, np.integer)):
+        return f"shape: {v.dtype} values instead of real numbers"
     # The reason names no figure of the vector (how many NaNs, its norm): it reaches rounds.jsonl by
     # client id, and the check stands for a validity proof that says pass or fail and nothing more.
     if np.issubdtype(v.dtype, np.inexact) and np.isnan(v).any():
@@ -56,6 +66,12 @@ def check_update(vector, expected_dim: int, max_norm: float | None) -> str | Non
         return "inf: infinite values"
     if max_norm is not None and float(np.linalg.norm(v.astype(np.float64))) > max_norm:
         return f"norm: above faults.max_update_norm={max_norm:g}"
+    if clip_norm:
+        body = v[:-1] if indicator else v
+        if float(np.linalg.norm(body.astype(np.float64))) > clip_norm * (1 + CLIP_TOLERANCE):
+            return f"norm: above the clipping bound {clip_norm:g}"
+        if indicator and float(v[-1]) not in (0.5, -0.5):
+            return "norm: its clipped-count bit is neither +1/2 nor -1/2"
     return None
 
 

@@ -18,7 +18,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ..algorithms import Abort, CalibrationSum, ClientSpec, RoundOutcome, UnmaskPlan
 from ..errors import DPFLError
 from ..faults.plan import CRASH, SECAGG_PHASE, STRAGGLER
-from ..secagg import SecAggAbort, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound, secure_sum
+from ..secagg import (SecAggAbort, SecAggError, SecAggRoundConfig, SecAggServer, decode, rounding_error_bound,
+                      secure_sum)
 from ..secagg.keys import expand_masks
 from ..secagg.ring import decode_sum, ring_sum
 from ..secagg.server import MaskExpander
@@ -217,6 +218,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
                                                                    pool_expander(list(phases.live), phases.timeout)))
     except SecAggAbort as err:
         return stopped("secagg_aborted", str(err))
+    except SecAggError as err:  # a message against the protocol: this round releases nothing, the run goes on
+        return stopped("secagg_aborted", f"protocol violation: {err}")
     survivors = tuple(sorted(active[u] for u in server.u3))
     client_bytes = {u: b for r in replies for u, b in r.bytes_sent.items()}
     dim = int(coord.theta.size)

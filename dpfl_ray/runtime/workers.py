@@ -207,7 +207,8 @@ class ClientWorker:
             sent = spec.prepare(delta, theta)
             if cid in chaos.corrupt:  # a faulty client: what it sends is broken, whatever it clipped
                 sent = corrupt(sent, chaos.corrupt[cid], corruption_rng(self.sc.seed, round_idx, cid))
-            reason = check_update(sent, spec.prepared_dim(theta.size), chaos.max_norm)
+            reason = check_update(sent, spec.prepared_dim(theta.size), chaos.max_norm, spec.clip_norm,
+                                  bool(spec.clip_norm and spec.indicator))
             out[cid] = (None, reason) if reason else (sent, None)
         return out
 

@@ -33,6 +33,13 @@ from dpfl_ray.secagg.keys import PURPOSE_MASK, check_public_key, derive_keys, ex
 MaskExpander = Callable[[Sequence[tuple[bytes, int]], int, str], np.ndarray]
 
 
+
+def _client_id(u, where: str) -> int:
+    """A client id as a message carries it: an integer (a float or a bool names no client)."""
+    if not isinstance(u, (int, np.integer)) or isinstance(u, bool):
+        raise SecAggProtocolError(f"{where} names client {u!r}, which is no client id")
+    return int(u)
+
 class SecAggServer:
     """Call ``receive_keys``, ``receive_shares``, ``receive_masked``, ``receive_unmask`` in order."""
 
@@ -146,7 +153,7 @@ class SecAggServer:
             y = m.get("masked")
             if not isinstance(ids, (list, tuple)) or not ids or not isinstance(y, np.ndarray):
                 raise SecAggProtocolError("masked message needs 'clients' (non-empty list) and 'masked' (array)")
-            ids = [int(u) for u in ids]
+            ids = [_client_id(u, "masked input") for u in ids]
             bad = [u for u in ids if u not in self.u2 or u in senders]
             if bad or len(set(ids)) != len(ids):
                 raise SecAggProtocolError(f"masked input from clients {bad or ids} that did not share keys or "
@@ -224,12 +231,15 @@ class SecAggServer:
                 if not isinstance(shares, Mapping):
                     raise SecAggProtocolError(f"unmask response of client {r} lacks {field!r}", client=r)
                 for u, share in shares.items():
-                    u = int(u)
+                    u = _client_id(u, f"client {r}'s {field}")
                     if u not in owners or r not in self.graph.holders(u):
                         raise SecAggProtocolError(f"client {r} sent an unrequested {field} entry for {u}", client=r)
                     points[u][r + 1] = shamir.decode_share(share)
             self._collect_layers(r, m, layer_points)
-            self.rejected_shares.extend((r, int(u)) for u in m.get("rejected", ()))
+            rejected = m.get("rejected", ())
+            if not isinstance(rejected, (list, tuple)):
+                raise SecAggProtocolError(f"client {r}'s rejected shares must be a list of client ids", client=r)
+            self.rejected_shares.extend((r, _client_id(u, f"client {r}'s rejected shares")) for u in rejected)
         self.u4 = frozenset(responders)
         self._check_live("unmask", self.u4)
         self.seconds["unmask"] += time.perf_counter() - start

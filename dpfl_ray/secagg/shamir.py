@@ -37,6 +37,8 @@ def encode_share(value: int) -> bytes:
 
 
 def decode_share(data: bytes) -> int:
+    if not isinstance(data, (bytes, bytearray)):
+        raise ShamirError(f"a share must be {SHARE_BYTES} bytes, got a {type(data).__name__}")
     if len(data) != SHARE_BYTES:
         raise ShamirError(f"a share must be {SHARE_BYTES} bytes, got {len(data)}")
     value = int.from_bytes(data, "big")

@@ -174,6 +174,29 @@ def test_check_update_reasons():
     assert check_update(np.array([30.0, 40.0]), 2, 5.0) == "norm: above faults.max_update_norm=5"
     assert check_update(np.array([3.0, 4.0]), 2, 5.0) is None and check_update(np.array([3.0, 4.0]), 2, 4.9)
     assert check_update(np.full(4, 1e30, dtype=np.float32), 4, 1e6).startswith("norm:")  # no float32 overflow
+    # complex values (their imaginary part was dropped when summed) and ragged input are no update
+    assert check_update(np.array([1 + 2j, 0j]), 2, None) == "shape: complex128 values instead of real numbers"
+    assert check_update([[1.0, 2.0], [3.0]], 2, None) == "shape: not an array of numbers"
+
+
+def test_an_update_past_its_clipping_bound_is_refused_as_the_ledger_s_sensitivity_would_be_broken():
+    """faults.max_update_norm (1e6 by default) stops absurd norms; the bound the ledger books is the
+    clip norm: a client that did not clip to it is refused, whatever max_update_norm says."""
+    from dpfl_ray.algorithms.base import ClientSpec
+
+    update = np.random.default_rng(1).normal(size=300).astype(np.float32) * 10
+    for indicator in (False, True):
+        spec = ClientSpec(clip_norm=0.5, indicator=indicator)
+        sent = spec.prepare(update, np.zeros(300, np.float32))
+        dim = spec.prepared_dim(300)
+        assert check_update(sent, dim, 1e6, 0.5, indicator) is None  # clipped in float32: within the tolerance
+        far = sent.copy()
+        far[:300] *= 2
+        assert check_update(far, dim, 1e6, 0.5, indicator) == "norm: above the clipping bound 0.5"
+    bit = ClientSpec(clip_norm=0.5, indicator=True).prepare(update, np.zeros(300, np.float32))
+    bit[-1] = 3.0
+    assert check_update(bit, 301, 1e6, 0.5, True) == "norm: its clipped-count bit is neither +1/2 nor -1/2"
+    assert check_update(update, 300, 1e6) is None  # no clip norm (record-level runs): only the absurd is refused
 
 
 @settings(max_examples=50, deadline=None)

@@ -251,6 +251,37 @@ def test_server_rejects_out_of_order_and_duplicate_messages():
         clients[0].share_keys(keys)  # a phase cannot be repeated
 
 
+def test_messages_that_name_no_client_or_carry_no_share_are_protocol_errors():
+    """A float or bool id was taken for a client (1.9 for client 1); a share that is no bytes, or a
+    list of rejected shares that names no client, raised TypeError, which ended the run: each is now
+    a SecAggError, which aborts the round alone (runtime/secagg_round.py)."""
+    from dpfl_ray.secagg.errors import SecAggError
+
+    config = SecAggRoundConfig(n_clients=3, bits=32, threshold=2)
+
+    def to_masked():
+        clients = [SecAggClient(u, config) for u in range(3)]
+        server = SecAggServer(config)
+        keys = server.receive_keys([c.advertise_keys() for c in clients])
+        forwarded = server.receive_shares([c.share_keys(keys) for c in clients])
+        return clients, server, [c.masked_input(forwarded[c.id], np.zeros(3, np.uint32)) for c in clients]
+
+    for bad in (1.9, True, None):
+        clients, server, masked = to_masked()
+        masked[1] = {**masked[1], "clients": [bad]}
+        with pytest.raises(SecAggProtocolError, match="which is no client id"):
+            server.receive_masked(masked)
+    for field, spoil in (("b_shares", lambda shares: {u: "not bytes" for u in shares}),
+                         ("b_shares", lambda shares: {0.5: b for b in shares.values()}),
+                         ("rejected", lambda _: ["x"]), ("rejected", lambda _: "0")):
+        clients, server, masked = to_masked()
+        request = server.receive_masked(masked)
+        replies = [c.unmask(request) for c in clients]
+        replies[0] = {**replies[0], field: spoil(replies[0][field])}
+        with pytest.raises(SecAggError):
+            server.receive_unmask(replies)
+
+
 def test_server_rejects_a_share_message_that_skips_a_neighbour():
     config = SecAggRoundConfig(n_clients=3, bits=32, threshold=2)
     clients = [SecAggClient(u, config) for u in range(3)]
