@@ -419,8 +419,8 @@ def move_aside(sweep_dir: Path, name: str) -> Path | None:
     run starts again: the rounds it committed before its first checkpoint, which the server may have
     seen, are then drawn again as they were (runtime/checkpoint.py, run_secret)."""
     run_dir = Path(sweep_dir) / name
-    if not run_dir.exists():
-        return None
+    if not run_dir.exists() or (run_dir.is_dir() and {p.name for p in run_dir.iterdir()} == {DP_SECRET}):
+        return None  # nothing but the secret the run starts again from
     aside = Path(sweep_dir) / ".incomplete"
     aside.mkdir(exist_ok=True)
     n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1

@@ -200,7 +200,9 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     # a stopped run's first worker may still be starting or be hung: it gets a moment, then torch loads here
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings, () if lost else pool,
                      CALL_TIMEOUT_SECONDS if clean else MODEL_FILE_GRACE_SECONDS)
-    if finished(record.path) is not None or not (record.path / CHECKPOINT).exists():  # nothing will resume it
+    # the os secret goes once nothing can run a released round again: the run finished, or it released none.
+    # Rounds released before a first checkpoint keep it: a sweep starts such a run again from it (move_aside).
+    if finished(record.path) is not None or not ((record.path / CHECKPOINT).exists() or record.rounds):
         forget_run_secret(record.path)
     if keep_workers and clean:
         warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)

@@ -98,5 +98,6 @@ def test_the_secret_stays_on_the_cluster_and_where_the_run_starts_again(tmp_path
     moved = move_aside(tmp_path / "sweep", run.name)
     assert (moved / "rounds.jsonl").exists() and not (moved / DP_SECRET).exists()
     assert [p.name for p in run.iterdir()] == [DP_SECRET]
+    assert move_aside(tmp_path / "sweep", run.name) is None  # nothing to set aside but the secret
     RunRecord(run).close()  # a directory holding only the secret takes a new run
     assert run_secret(run, "os") == secret
