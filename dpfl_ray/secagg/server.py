@@ -33,12 +33,12 @@ from dpfl_ray.secagg.keys import PURPOSE_MASK, check_public_key, derive_keys, ex
 MaskExpander = Callable[[Sequence[tuple[bytes, int]], int, str], np.ndarray]
 
 
-
 def _client_id(u, where: str) -> int:
     """A client id as a message carries it: an integer (a float or a bool names no client)."""
     if not isinstance(u, (int, np.integer)) or isinstance(u, bool):
         raise SecAggProtocolError(f"{where} names client {u!r}, which is no client id")
     return int(u)
+
 
 class SecAggServer:
     """Call ``receive_keys``, ``receive_shares``, ``receive_masked``, ``receive_unmask`` in order."""
