@@ -108,6 +108,8 @@ def reproduce(
     out_dir = out or Path("runs") / "reproduce" / (spec.paper + ("-quick" if quick else ""))
     command = shlex.join(["dpfl", *sys.argv[1:]])
     shutdown = Shutdown().install()
+    if adopt:  # refused before the lock file is made in a folder the reproduction does not take (it writes nothing)
+        rp.adopt(out_dir, runs)
     with sw.SweepLock(out_dir, manifest=rp.MANIFEST, command="reproduce", what="reproduction",
                       foreign="" if adopt else ", or add --adopt if it holds this paper's run directories"):
         adopted = rp.adopt(out_dir, runs) if adopt else []

@@ -398,6 +398,8 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
       "--nbafl-epsilon", "6", "--exposures", "999999999999999"), "exposures: must be at most --rounds (10)"),
     # a name of no run fails a dry run too; nbafl's noise is no multiplier
     (("reproduce", "geyer2017", "--only", "bogus", "--dry-run"), "--only: 'bogus' is not a run of geyer2017"),
+    # a folder --adopt does not take keeps no lock file of the reproduction's
+    (("reproduce", "geyer2017", "--quick", "--out", "{tmp}", "--adopt"), "is not the directory of a run of this"),
     (("privacy", "noise", "--epsilon", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5",
       "--mechanism", "nbafl"), "mechanism: `dpfl privacy noise` is for dp_fedavg and baek"),
     # the benchmarks' options name themselves
