@@ -18,8 +18,11 @@ from typing import Callable
 from ..errors import DPFLError
 from .cluster import Token, find_auth_token, missing_token_message, rejected_token_message
 
-# (connect, read) seconds for every HTTP request to the dashboard.
+# (connect, read) seconds for every HTTP request to the dashboard. requests' read timeout bounds each
+# read, not the answer: a server that sends a byte every few seconds is never cut off by it, so every
+# request also has a deadline for the whole of it, their sum (an upload, the project's package: UPLOAD_S).
 HTTP_TIMEOUT_S = (5.0, 60.0)
+UPLOAD_S = 600.0
 # The job's entrypoint reads the resolved scenario from here (runtime_env env_vars).
 SCENARIO_ENV = "DPFL_SCENARIO_YAML"
 # A sweep job's `dpfl sweep` options (JSON list: --grid, --seeds, ...); absent for a single run.
@@ -219,10 +222,13 @@ class Jobs:
 
 
 def _client_class():
-    """JobSubmissionClient whose every request carries a timeout (the SDK sets none)."""
+    """JobSubmissionClient whose every request carries a timeout (the SDK sets none) and a deadline for the
+    whole answer (HTTP_TIMEOUT_S)."""
     import logging
 
     from ray.job_submission import JobSubmissionClient
+
+    from .connect import call_bounded
 
     # The SDK narrates its packaging at INFO/WARNING; dpfl says what matters itself.
     logging.getLogger("ray").setLevel(logging.ERROR)
@@ -234,6 +240,9 @@ def _client_class():
 
         def _do_request(self, method, endpoint, **kwargs):
             kwargs.setdefault("timeout", self._dpfl_timeout)
-            return super()._do_request(method, endpoint, **kwargs)
+            total = UPLOAD_S if kwargs.get("data") is not None else float(sum(self._dpfl_timeout))
+            return call_bounded(lambda: JobSubmissionClient._do_request(self, method, endpoint, **kwargs), total,
+                                f"a request to the Ray dashboard at {self._address}")
 
     return TimedJobSubmissionClient
+

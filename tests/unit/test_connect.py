@@ -126,6 +126,47 @@ def test_call_bounded_returns_raises_and_gives_up():
     time.sleep(0.6)
 
 
+def test_a_dashboard_that_answers_a_byte_at_a_time_is_cut_off_by_the_request_s_deadline():
+    """requests' read timeout bounds each read, not the answer: a server that sends one byte a second
+    kept `dpfl jobs` waiting past any limit. Each request now has a deadline for the whole answer."""
+    import http.server
+    import socketserver
+
+    from dpfl_ray.runtime.jobs import Jobs
+
+    stop = threading.Event()
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            try:
+                while not stop.wait(0.5):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+            except OSError:  # the client gave up
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Drip)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DPFLError, match=r"a request to the Ray dashboard at http://127.0.0.1:\d+ did not finish "
+                                            r"within 3 s"):
+            Jobs(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=(1.0, 2.0))
+        assert time.monotonic() - t0 < 25  # each read alone came within 2 s: only the deadline ends it
+    finally:
+        stop.set()  # the answer ends short: the abandoned request ends too, before this process does
+        server.shutdown()
+        server.server_close()
+        time.sleep(1.0)
+
+
 def test_the_gcs_probe_runs_grpc_outside_the_thread_a_signal_interrupts():
     """A signal handler raises KeyboardInterrupt in the main thread. Raised inside gRPC's own code, it
     left the channel waiting forever at close for a half-made call (`dpfl run --address` hung after
