@@ -73,9 +73,12 @@ def _no_parked_workers_for_other_drivers(request):
     """Workers parked by this process's last in-process run (runtime/warm.py) hold the session
     Ray's CPUs: a test whose `dpfl` subprocess joins that Ray gets them back first."""
     if "ray_address" in request.fixturenames:
+        import gc
+
         from dpfl_ray.runtime import warm
 
         warm.clear()
+        gc.collect()  # actor handles an earlier test's traceback kept in a cycle: their actors end now
     yield
 
 
