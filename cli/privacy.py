@@ -17,7 +17,7 @@ import typer
 
 # Every dpfl command imports this module to list its options: the accounting library
 # (dp_accounting, and torch through the algorithms: ~3 s) is imported by the commands that use it.
-from dpfl_ray.defaults import DEFAULT_ACCOUNTANT, DEFAULT_MAX_ROUNDS
+from dpfl_ray.defaults import DEFAULT_ACCOUNTANT, DEFAULT_MAX_ROUNDS, MAX_NOISE_MULTIPLIER
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.dropouts import CALIBRATIONS
 
@@ -66,9 +66,6 @@ MAX_TABLE_ROWS = 20  # dropout rates
 # each entry is a composition of its own (a row's epsilon at a round count, or its search for a budget's
 # rounds): seconds each with pld, about 25 s for the default 3 x (4 + 3)
 MAX_TABLE_ENTRIES = 60
-# Above this a planned noise multiplier leaves epsilon 0 to every printed digit, and dp_accounting's
-# arithmetic overflows near 1e200.
-MAX_NOISE_MULTIPLIER = 1e6
 MAX_NBAFL_CLIENTS = 10_000_000
 
 

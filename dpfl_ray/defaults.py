@@ -8,3 +8,6 @@ DEFAULT_MAX_ROUNDS = 10**7
 #: the default floor of Fu et al.'s adaptive clipping threshold (privacy.adap_dpfl.min_clip_norm; the
 #: reason for its value: algorithms/adap_dpfl_core.py)
 MIN_CLIP_NORM = 1e-6
+#: the largest noise multiplier a scenario or ``dpfl privacy`` takes: above it epsilon is 0 to every
+#: printed digit, and dp_accounting's arithmetic overflows near 1e200
+MAX_NOISE_MULTIPLIER = 1e6

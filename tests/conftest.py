@@ -78,7 +78,7 @@ def _no_parked_workers_for_other_drivers(request):
         from dpfl_ray.runtime import warm
 
         warm.clear()
-        gc.collect()  # actor handles an earlier test's traceback kept in a cycle: their actors end now
+        gc.collect()  # actors whose handles only a reference cycle keeps (a traceback's frames) end now
     yield
 
 

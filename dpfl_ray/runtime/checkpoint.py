@@ -141,9 +141,12 @@ def finished(run_dir: Path) -> dict | None:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(summary, dict) and summary.get("stop_reason") not in ("interrupted", "error", None):
-        return summary
-    return None
+    return summary if isinstance(summary, dict) and ended_on_its_own(summary) else None
+
+
+def ended_on_its_own(summary: dict) -> bool:
+    """Did the run of this summary end as planned or by its budget (not by a signal or an error)?"""
+    return summary.get("stop_reason") not in ("interrupted", "error", None)
 
 
 def resumable(run_dir: Path) -> bool:

@@ -17,7 +17,7 @@ from ..runs.record import RunRecord, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
-from .checkpoint import CHECKPOINT, finished, forget_run_secret, rows_covered, run_secret, write_checkpoint
+from .checkpoint import CHECKPOINT, ended_on_its_own, forget_run_secret, rows_covered, run_secret, write_checkpoint
 from .messages import Pending
 from .recovery import add_pending_row, committed_from_checkpoint, head_unreachable, row_of
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
@@ -202,7 +202,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                      CALL_TIMEOUT_SECONDS if clean else MODEL_FILE_GRACE_SECONDS)
     # the os secret goes once nothing can run a released round again: the run finished, or it released none.
     # Rounds released before a first checkpoint keep it: a sweep starts such a run again from it (move_aside).
-    if finished(record.path) is not None or not ((record.path / CHECKPOINT).exists() or record.rounds):
+    if ended_on_its_own(summary) or not ((record.path / CHECKPOINT).exists() or record.rounds):
         forget_run_secret(record.path)
     if keep_workers and clean:
         warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)

@@ -71,8 +71,8 @@ class SecAggServer:
             check_round(m, self.config)
             self.bytes_received += wire_size(m, self.config.bits)
             if sender_key is not None:
-                sender = m.get(sender_key)
-                if not isinstance(sender, (int, np.integer)) or not 0 <= sender < self.config.n_clients:
+                sender = _client_id(m.get(sender_key), "a message")
+                if not 0 <= sender < self.config.n_clients:
                     raise SecAggProtocolError(f"message from unknown client {sender!r}")
                 if sender in seen:
                     raise SecAggProtocolError(f"client {sender} sent twice in one round", client=int(sender))

@@ -266,6 +266,9 @@ def test_messages_that_name_no_client_or_carry_no_share_are_protocol_errors():
         forwarded = server.receive_shares([c.share_keys(keys) for c in clients])
         return clients, server, [c.masked_input(forwarded[c.id], np.zeros(3, np.uint32)) for c in clients]
 
+    adverts = [SecAggClient(u, config).advertise_keys() for u in range(3)]
+    with pytest.raises(SecAggProtocolError, match="which is no client id"):  # True was taken for client 1
+        SecAggServer(config).receive_keys(adverts[:1] + [{**adverts[1], "client": True}] + adverts[2:])
     for bad in (1.9, True, None):
         clients, server, masked = to_masked()
         masked[1] = {**masked[1], "clients": [bad]}
