@@ -126,15 +126,62 @@ def check_writable(path: str | Path, field: str = "--out") -> None:
 # privacy.randomness: os -- the run's secret root of DP randomness while the run can go on
 # (runtime/checkpoint.py, run_secret); never packed into a bundle that leaves the cluster
 DP_SECRET = "dp_secret"
+# round number -> the release digests (privacy/reruns.py) and epsilon of each row a resume cut back:
+# rounds the server may have seen released, which the resumed run must release alike or not at all
+RELEASED = "released_rounds.json"
+# what a directory may hold for a run to start in it anew: what an earlier attempt left to go on from
+KEPT_FOR_RESTART = frozenset({DP_SECRET, RELEASED})
+
+
+def released_rounds(path: str | Path) -> dict[int, dict]:
+    """The rounds a run released before a resume cut their rows back (:data:`RELEASED`)."""
+    file = Path(path) / RELEASED
+    try:
+        data = json.loads(file.read_text(encoding="utf-8")) if file.exists() else {}
+    except (OSError, ValueError) as err:
+        raise DPFLError(f"cannot read {file} ({err}); it lists the rounds released before a resume", field="--resume")
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise DPFLError(f"{file} is not a map of round -> release digests", field="--resume")
+    return {int(r): v for r, v in data.items()}
+
+
+def keep_released(path: str | Path, rows: list[dict]) -> None:
+    """Add the released rows among ``rows`` to :data:`RELEASED`; a round already there keeps its
+    first entry (the release the server saw first; a matching rerun has the same digests)."""
+    kept = released_rounds(path)
+    new = {int(r["round"]): {**r["release_check"], "epsilon": r.get("epsilon")} for r in rows
+           if isinstance(r, dict) and isinstance(r.get("round"), int) and isinstance(r.get("release_check"), dict)}
+    if not set(new) - set(kept):
+        return
+    merged = {**new, **kept}
+    text = json.dumps({str(r): merged[r] for r in sorted(merged)}, indent=1) + "\n"
+    _atomic(Path(path) / RELEASED, lambda tmp: tmp.write_text(text))
+
+
+def rows_after(path: str | Path, rounds: int) -> list[dict]:
+    """The whole rows of rounds.jsonl past its first ``rounds`` (a line cut short is left out)."""
+    file = Path(path) / "rounds.jsonl"
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()[rounds:] if file.exists() else []
+    except (OSError, UnicodeDecodeError):
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 class RunRecord:
     @staticmethod
     def check_new(path: str | Path) -> None:
-        """A directory a new run may start in: none, an empty one, or one that holds nothing but the
-        secret an earlier attempt of the same run left to be drawn from again (runs/sweep.py, move_aside)."""
+        """A directory a new run may start in: none, an empty one, or one that holds nothing but what
+        an earlier attempt of the same run left for it (runs/sweep.py, move_aside): the secret to draw
+        from again, and the digests of the rounds it released."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(p.name != DP_SECRET for p in path.iterdir())):
+        if path.exists() and (not path.is_dir() or any(p.name not in KEPT_FOR_RESTART for p in path.iterdir())):
             raise DPFLError(f"{path} already holds files; choose another --out", field="--out")
         check_writable(path)
 
@@ -148,10 +195,12 @@ class RunRecord:
     @classmethod
     def reopen(cls, path: str | Path, rounds: int) -> "RunRecord":
         """A run directory to continue after its first ``rounds`` rounds (``dpfl run --resume``):
-        rows past them -- written after the checkpoint -- are dropped."""
+        rows past them -- written after the checkpoint -- are dropped, their release digests kept
+        (:func:`keep_released`)."""
         self = cls.__new__(cls)
         self.path = Path(path)
         self.rounds = cls.committed_rows(self.path, rounds)
+        keep_released(self.path, rows_after(self.path, rounds))
         tmp = self.path / "rounds.jsonl.tmp"
         tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rounds))
         os.replace(tmp, self.path / "rounds.jsonl")

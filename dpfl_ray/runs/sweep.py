@@ -30,7 +30,7 @@ from ..errors import DPFLError
 from .load import (MANIFEST, MAX_NAME_BYTES, MAX_RUNS, SweepRun, _safe, check_run_count, expand, load_run,  # noqa: F401
                    sweep_run_dirs)
 from ..scenario import load_scenario
-from .record import DP_SECRET, check_writable
+from .record import KEPT_FOR_RESTART, check_writable, keep_released, rows_after
 
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
@@ -415,20 +415,26 @@ def resumed(sweep_dir: Path, todo: Sequence[SweepRun]) -> int:
 
 def move_aside(sweep_dir: Path, name: str) -> Path | None:
     """Move run ``name``'s unfinished directory to ``.incomplete/NAME.N`` (never overwriting an
-    earlier one); returns where it went, or None when there was none. Its 'os' secret stays where the
-    run starts again: the rounds it committed before its first checkpoint, which the server may have
-    seen, are then drawn again as they were (runtime/checkpoint.py, run_secret)."""
+    earlier one); returns where it went, or None when there was none. What the run starts again
+    from stays: the rounds it committed before its first checkpoint, which the server may have seen,
+    are drawn again as they were (its 'os' secret: runtime/checkpoint.py, run_secret) and released
+    again only alike (their digests: runs/record.py, keep_released)."""
     run_dir = Path(sweep_dir) / name
-    if not run_dir.exists() or (run_dir.is_dir() and {p.name for p in run_dir.iterdir()} == {DP_SECRET}):
-        return None  # nothing but the secret the run starts again from
+    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else None
+    if not run_dir.exists() or (names and names <= KEPT_FOR_RESTART):
+        return None  # nothing but what the run starts again from
+    if run_dir.is_dir():
+        keep_released(run_dir, rows_after(run_dir, 0))
     aside = Path(sweep_dir) / ".incomplete"
     aside.mkdir(exist_ok=True)
     n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1
     moved = aside / f"{name}.{n}"
     shutil.move(str(run_dir), str(moved))
-    if (moved / DP_SECRET).is_file():
+    kept = [f for f in sorted(KEPT_FOR_RESTART) if (moved / f).is_file()]
+    if kept:
         run_dir.mkdir()
-        os.replace(moved / DP_SECRET, run_dir / DP_SECRET)
+        for f in kept:
+            os.replace(moved / f, run_dir / f)
     return moved
 
 

@@ -23,6 +23,7 @@ from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_a
 from ..faults.plan import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
 from ..training.evaluation import combine_shards, eval_shards
 from ..privacy.randomness import DPRandomness
+from ..privacy.reruns import RerunDiverged, RerunGuard
 from ..privacy.client_sampling import sample_clients
 from ..scenario import Scenario
 from ..runs.record import client_accuracy_summary
@@ -44,7 +45,8 @@ BUDGET_REFUSAL = "releasing this round would take the effective epsilon past pri
 
 class Coordinator:
     def __init__(self, scenario: dict, data: dict, theta0: np.ndarray | Pending, workers: list | None = None,
-                 resume: dict | None = None, fault_plan: FaultPlan | None = None, dp_secret: bytes | None = None):
+                 resume: dict | None = None, fault_plan: FaultPlan | None = None, dp_secret: bytes | None = None,
+                 released: dict | None = None):
         """``data`` holds object refs (nested, so Ray hands them over unresolved) of the training
         arrays, plus the test set, partition and weights. ``theta0``: the initial model, flat, or
         Pending on the worker that builds it (this actor imports no torch unless it must, a second
@@ -52,13 +54,17 @@ class Coordinator:
         start at once); None starts one in ``start_pool``. ``resume``: a checkpoint (runtime/checkpoint.py) to
         continue from. ``fault_plan``: built by the driver, which has the scenario's files (an
         availability trace). ``dp_secret``: the run's root of DP randomness in mode 'os'
-        (runtime/checkpoint.py, ``run_secret``); a fresh one if None."""
+        (runtime/checkpoint.py, ``run_secret``); a fresh one if None. ``released``: the rounds the run
+        released before a resume cut their rows back (runs/record.py, ``released_rounds``), which it
+        releases again only alike (privacy/reruns.py)."""
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         self.faults = fault_plan or FaultPlan.from_scenario(self.sc)
         self.sampling = overcommitted(self.sc.sampling)
         # the client sample is a DP draw too (amplification by sampling): 'os' draws it from a secret
         randomness = DPRandomness.create(self.sc.privacy.randomness, self.sc.seed, dp_secret)
         self.sample_randomness = randomness.child("sample")
+        self.reruns = RerunGuard(randomness.child("reruns").secret("release_check", -1, -1, 0), released)
+        self._diverged: str | None = None
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
             [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
@@ -127,12 +133,13 @@ class Coordinator:
         _one_torch_thread()  # an algorithm may have brought torch in; it runs on one core here
 
     def rebind(self, scenario: dict, data: dict, theta0: np.ndarray | Pending, workers: list | None = None,
-               resume: dict | None = None, fault_plan: FaultPlan | None = None, dp_secret: bytes | None = None) -> bool:
+               resume: dict | None = None, fault_plan: FaultPlan | None = None, dp_secret: bytes | None = None,
+               released: dict | None = None) -> bool:
         """Serve another run (runtime/warm.py): every attribute the last run set is dropped and
         ``__init__`` runs anew, so the coordinator is the one a fresh process would be; only the
         imports (dp_accounting, torch where it evaluated) and the process stay."""
         self.__dict__.clear()
-        self.__init__(scenario, data, theta0, workers, resume, fault_plan, dp_secret)
+        self.__init__(scenario, data, theta0, workers, resume, fault_plan, dp_secret, released)
         return True
 
     def release(self) -> bool:
@@ -283,7 +290,7 @@ class Coordinator:
         self.pool = placement_summary(infos, self._worker_cls_resources[0], self._worker_cls_resources[1])
         self._emit({"event": "start", "workers": len(self.workers), "pool": infos, "num_params": int(self.theta.size)})
         tr = self.sc.training
-        stop_reason = "completed"
+        stop_reason, error = "completed", None
         for t in range(self.rounds_done, tr.rounds):
             if self._stop.is_set():
                 stop_reason = "interrupted"
@@ -291,12 +298,16 @@ class Coordinator:
             if self.privacy and not self.privacy.next_round_fits(t):
                 stop_reason = "privacy_budget_exhausted"
                 break
-            self._round(t)
+            try:
+                self._round(t)
+            except RerunDiverged as err:
+                stop_reason, error = "error", str(err)
+                break
         self._settle()
         if stop_reason == "privacy_budget_exhausted":
             self._evaluate_final_model()
         self._record_stack_padding()
-        return {"stop_reason": stop_reason}
+        return {"stop_reason": stop_reason, **({"error": error} if error else {})}
 
     def _evaluate_final_model(self) -> None:
         """A budget that ends the run between two evaluations (output.eval_every) leaves the final
@@ -333,6 +344,7 @@ class Coordinator:
         active = [c for c in active if not dropped.get(c, "").endswith("@training")]
         extra, rejected = {}, {}
         self._missed = []
+        self.reruns.begin(t + 1)
         abort = alg.begin_round(t, sampled)
         spec = alg.client_spec() if abort is None else None
         if spec is not None and sc.output.client_accuracy and t + 1 == sc.training.rounds:
@@ -350,7 +362,7 @@ class Coordinator:
             assignment = self.assign(active)
             res = secagg_round(self, t, theta_ref, active, len(sampled) - len(active), faults, spec,
                                self._after_upload, self._chaos(faults, assignment),
-                               lambda phase: self._strike(faults, phase), canaries)
+                               lambda phase: self._strike(faults, phase), canaries, self._before_calibration)
             dropped.update(res.lost)
             rejected = res.rejected
             self._replace(res.dead)
@@ -370,6 +382,8 @@ class Coordinator:
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
             else:
                 outcome = RoundOutcome(t, survivors=tuple(survivors), updates=updates, total=total, reports=reports)
+        if self._diverged is not None:  # the round released nothing; neither may any after it
+            raise RerunDiverged(self._diverged)
         if outcome.released:
             agg = alg.finish(dataclasses.replace(outcome, theta=self.theta), self.theta.size)
         else:  # nothing was released: the model stays
@@ -409,7 +423,8 @@ class Coordinator:
                 self.privacy.exhausted |= why == BUDGET_REFUSAL
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
-                      "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
+                      "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra,
+                      **(self.reruns.row() if outcome.released else {})}
             if self.audit is not None and outcome.released:
                 views = alg.server_views()
                 self.audit.add_round(theta.astype(np.float64) - self.theta,
@@ -425,13 +440,27 @@ class Coordinator:
 
     def _after_upload(self, survivors: list[int]):
         """What the unmask request carries, or why nothing is released -- the mechanism's own
-        reasons, or a release that would take the effective epsilon past the budget."""
+        reasons, a release that would take the effective epsilon past the budget, or a rerun round
+        that would release otherwise than the server saw before (privacy/reruns.py)."""
+        if self.privacy:
+            why = self.reruns.check("model", self.theta) or self.reruns.check("survivors", survivors)
+            if why is not None:
+                self._diverged = why
+                return Abort(why)
         plan = self.algorithm.after_upload(survivors)
         if isinstance(plan, Abort) or not self.privacy:
             return plan
         if not self.privacy.release_fits(self.algorithm.mechanism()):
             return Abort(BUDGET_REFUSAL)
         return plan
+
+    def _before_calibration(self, senders: list[int]) -> str | None:
+        """Why the calibration terms of ``senders`` must not be released (a rerun round whose
+        calibrating clients differ from its release before), else None."""
+        why = self.reruns.check("calibration", senders) if self.privacy else None
+        if why is not None:
+            self._diverged = why
+        return why
 
     def _chaos(self, faults, assignment) -> dict:
         """Each worker's share of the round's planned faults (see messages.WorkerChaos)."""
@@ -583,18 +612,20 @@ class CoordinatorArgs(NamedTuple):
     resume: dict | None
     fault_plan: FaultPlan | None
     dp_secret: bytes | None = None
+    released: dict | None = None
 
 
 def coordinator_args(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,
                      fault_plan: FaultPlan | None = None, theta0: np.ndarray | Pending | None = None,
-                     dp_secret: bytes | None = None) -> CoordinatorArgs:
+                     dp_secret: bytes | None = None, released: dict | None = None) -> CoordinatorArgs:
     """``theta0``: the initial model, flat (models.initial_theta), or Pending on a worker that builds
     it; built here (torch) otherwise. Never in the coordinator, which then need not load torch."""
     if theta0 is None:
         from ..training.models import initial_theta
 
         theta0 = initial_theta(scenario.model, data["input_shape"], data["num_classes"], scenario.seed)
-    return CoordinatorArgs(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan, dp_secret)
+    return CoordinatorArgs(scenario.model_dump(mode="json"), data, theta0, workers, resume, fault_plan, dp_secret,
+                           released)
 
 
 def make_coordinator(scenario: Scenario, data: dict, workers: list | None = None, resume: dict | None = None,

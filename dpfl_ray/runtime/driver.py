@@ -13,7 +13,7 @@ from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
 from ..faults.plan import FaultPlan
-from ..runs.record import RunRecord, versions
+from ..runs.record import RunRecord, released_rounds, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
@@ -143,7 +143,9 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
             theta0 = Pending(pool[0].initial_model.remote())
         # privacy.randomness: os -- a resumed run draws from the secret its first rounds drew from
         secret = run_secret(record.path, scenario.privacy.randomness)
-        args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0, secret)
+        # rounds released before a resume cut their rows back: released again alike, or not at all
+        args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0, secret,
+                                released_rounds(record.path))
         # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one
         coord = warm.take_coordinator(args, lambda ref: _ask(ref, shutdown=shutdown))
         if coord is None:
@@ -167,7 +169,10 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                     seen, last_checkpoint = _checkpoint(coord, seen, record, on_event)
                     next_checkpoint = (last_checkpoint["round"] // every + 1) * every
             if done:
-                stop_reason = _ask(run_ref)["stop_reason"]
+                result = _ask(run_ref)
+                stop_reason, error = result["stop_reason"], result.get("error")
+                if error:  # a rerun round that would have released otherwise (privacy/reruns.py)
+                    error += f"; the same survivors release the same values: dpfl run --resume {record.path}"
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
@@ -395,6 +400,13 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
                "versions": versions()}
     if error:
         summary["error"] = error
+    again = {r: v for r, v in released_rounds(record.path).items() if r > len(rounds)}
+    if again:  # the server saw them, and this run has not released them again: not in its ledger yet
+        summary["released_before_resume"] = {
+            "rounds": sorted(again), "epsilon": max((v["epsilon"] for v in again.values()
+                                                      if isinstance(v.get("epsilon"), (int, float))), default=None),
+            "note": "released before the run resumed from an earlier checkpoint; epsilon is the ledger's after "
+                    "them then, a bound on everything released until these rounds run again alike"}
     missed = not_carried_out(rounds)
     if missed:
         summary["faults_not_carried_out"] = missed

@@ -150,11 +150,13 @@ def _messages(replies: list[PhaseReply]):
 
 def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, faults, spec: ClientSpec,
                  after_upload: Callable[[list[int]], UnmaskPlan | Abort], chaos: dict | None = None,
-                 strike=None, canaries=None) -> SecAggRound:
+                 strike=None, canaries=None,
+                 before_calibration: Callable[[list[int]], str | None] | None = None) -> SecAggRound:
     """Securely sum w_i * spec.vector(Delta_i) (+ the client's noise) over ``active`` clients (those
     that trained; ``absent`` more were sampled). ``after_upload(survivors)`` sees who uploaded
     before unmasking and returns what the unmask request carries, or an Abort. ``chaos``: each
-    worker's WorkerChaos; ``strike(phase)``: carries out the planned crashes and node losses."""
+    worker's WorkerChaos; ``strike(phase)``: carries out the planned crashes and node losses.
+    ``before_calibration(senders)``: why the calibration terms that came must not be summed, or None."""
     sc, sa = coord.sc, coord.sc.secagg
     index = {cid: i for i, cid in enumerate(active)}
     n = len(active)
@@ -226,6 +228,9 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     calibration, first = None, _decoded(total, sa, ring, dim)
     if plan.calibration_n_prime is not None:
         terms = {c: v for r in replies for c, v in r.calibration.items()}
+        refused = before_calibration(sorted(terms)) if before_calibration else None
+        if refused is not None:  # A is unmasked, as in the release before; the terms are not summed
+            return stopped("round_aborted", refused)
         if ring is None:  # client-id order: the same float sum for any pool
             calibration = CalibrationSum(sum(terms[c] for c in sorted(terms)) if terms else None, tuple(sorted(terms)))
         else:

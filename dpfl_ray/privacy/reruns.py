@@ -1,0 +1,73 @@
+"""A round run twice must release the same values, or nothing.
+
+A resumed run (a lost coordinator, a killed driver, a sweep trial's next attempt) runs again the
+rounds after its last checkpoint; the server may have seen their first release. Their noise is
+drawn again from the same source (the seed, or the kept ``os`` secret: runtime/checkpoint.py), so
+the ledger, which books a round once, is right only if the second release is the same as the
+first: the same model going out, the same clients' inputs in the sum, the same clients' calibration
+terms (Baek et al. Alg. 2 line 22). Two sums with the same noise and other inputs give the server
+their difference: under central noise the differing clients' updates with no noise at all.
+
+Each released round's row carries :func:`release_check` digests of those three things (keyed, so
+that the row tells a reader nothing of the secret sample). A resume keeps the digests of the rows
+it cuts back (runs/record.py, ``released_rounds.json``); :class:`RerunGuard` compares the rerun
+round's with them where the round's inputs are known and nothing is unmasked, and the coordinator
+stops the run instead of releasing a round that differs (docs/sensitivity.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Iterable, Mapping
+
+import numpy as np
+
+# what each digest covers, in the order the round learns it
+PARTS = ("model", "survivors", "calibration")
+_WHAT = {"model": "another model (an earlier round went otherwise)", "survivors": "other surviving clients",
+         "calibration": "other clients' calibration terms"}
+
+
+def release_check(key: bytes, round_number: int, part: str, value: np.ndarray | Iterable[int]) -> str:
+    """A 128-bit keyed digest of one part of round ``round_number``'s release: the model's bits, or
+    the sorted client ids."""
+    if part not in PARTS:
+        raise ValueError(f"unknown release part {part!r}")
+    if part == "model":
+        body = np.ascontiguousarray(value, dtype=np.float32).tobytes()
+    else:
+        body = ",".join(str(int(c)) for c in sorted(value)).encode()
+    msg = f"{round_number}|{part}|".encode() + hashlib.sha256(body).digest()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+
+
+class RerunDiverged(Exception):
+    """A rerun round would release otherwise than before: the run stops (its message says why)."""
+
+
+class RerunGuard:
+    """The checks of one run: ``key`` from its DP randomness, ``released``: round number -> the
+    digests of that round's release before the resume (runs/record.py, ``released_rounds``)."""
+
+    def __init__(self, key: bytes, released: Mapping[int, Mapping[str, str | None]] | None = None):
+        self.key = key
+        self.released = {int(r): dict(v) for r, v in (released or {}).items()}
+        self.current: dict[str, str] = {}
+
+    def begin(self, round_number: int) -> None:
+        self.current, self._round = {}, round_number
+
+    def check(self, part: str, value) -> str | None:
+        """Digest ``part`` of the round in flight; why it must not be released when an earlier
+        release of the same round had another one, else None."""
+        digest = self.current[part] = release_check(self.key, self._round, part, value)
+        before = self.released.get(self._round)
+        if before and before.get(part) != digest:
+            return (f"round {self._round} ran again after a resume with {_WHAT[part]} than in the release "
+                    f"the server saw before; with the same noise a second release would give it their "
+                    f"difference, so nothing was released")
+        return None
+
+    def row(self) -> dict:
+        """The digests that go into the round's row once it is released."""
+        return {"release_check": dict(self.current)} if self.current else {}
