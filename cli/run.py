@@ -99,8 +99,8 @@ def _prepare(scenario, set_, out, address, resume):
     scenario is read before the data code loads: a mistake in it answers at once. Torch is not
     needed here: the model's fit to the data is checked without it (a worker builds it)."""
     from dpfl_ray.errors import DPFLError
-    from dpfl_ray.runs.record import RunRecord, default_run_dir
-    from dpfl_ray.runtime.checkpoint import finished, open_for_resume
+    from dpfl_ray.runs.record import RunRecord, default_run_dir, read_releases
+    from dpfl_ray.runtime.checkpoint import finished, open_for_resume, scenario_fingerprint
     from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
     from dpfl_ray.scenario import load_scenario
 
@@ -132,6 +132,8 @@ def _prepare(scenario, set_, out, address, resume):
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
     if checkpoint is None:
         RunRecord.check_new(run_dir)
+        # what an earlier attempt released there must be this scenario's (privacy/reruns.py)
+        read_releases(run_dir, scenario_fingerprint(sc)["scenario_sha256"])
     preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
     # A malformed address is one line before anything starts; loopback is read by Ray at import.
     stay_on_loopback(resolve_target(address, recorded=recorded_address))

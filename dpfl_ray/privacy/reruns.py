@@ -8,11 +8,12 @@ first: the same model going out, the same clients' inputs in the sum, the same c
 terms (Baek et al. Alg. 2 line 22). Two sums with the same noise and other inputs give the server
 their difference: under central noise the differing clients' updates with no noise at all.
 
-Each released round's row carries :func:`release_check` digests of those three things (keyed, so
-that the row tells a reader nothing of the secret sample). A resume keeps the digests of the rows
-it cuts back (runs/record.py, ``released_rounds.json``); :class:`RerunGuard` compares the rerun
-round's with them where the round's inputs are known and nothing is unmasked, and the coordinator
-stops the run instead of releasing a round that differs (docs/sensitivity.md).
+Each released round's :func:`release_check` digests of those three things (keyed, so that they
+tell a reader nothing of the secret sample) go to ``releases.jsonl`` as the round commits
+(runs/record.py, RELEASES), which a resume keeps; :class:`RerunGuard` compares a rerun round's with
+them where each is known and nothing new is sent or unmasked, and the coordinator stops the run
+instead of releasing a round that differs, or that released before and would release nothing now
+(docs/sensitivity.md).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import numpy as np
 
 # what each digest covers, in the order the round learns it
 PARTS = ("model", "survivors", "calibration")
-_WHAT = {"model": "another model (an earlier round went otherwise)", "survivors": "other surviving clients",
+_WHAT = {"model": "another model (an earlier round went otherwise, or this host's CPU computed other bits)",
+         "survivors": "other surviving clients",
          "calibration": "other clients' calibration terms"}
 
 
@@ -47,7 +49,7 @@ class RerunDiverged(Exception):
 
 class RerunGuard:
     """The checks of one run: ``key`` from its DP randomness, ``released``: round number -> the
-    digests of that round's release before the resume (runs/record.py, ``released_rounds``)."""
+    digests of that round's first release (runs/record.py, ``read_releases``)."""
 
     def __init__(self, key: bytes, released: Mapping[int, Mapping[str, str | None]] | None = None):
         self.key = key
@@ -68,6 +70,12 @@ class RerunGuard:
                     f"difference, so nothing was released")
         return None
 
-    def row(self) -> dict:
-        """The digests that go into the round's row once it is released."""
-        return {"release_check": dict(self.current)} if self.current else {}
+    def released_before(self) -> bool:
+        """Did an earlier attempt release the round in flight?"""
+        return self._round in self.released
+
+    def nothing_now(self) -> str:
+        """Why a round released before must not go by without a release now: the ledger would miss
+        the release the server saw, and every later round's model would differ from that attempt's."""
+        return (f"round {self._round} was released before the resume and releases nothing this time; the "
+                f"ledger would miss the release the server saw")

@@ -126,52 +126,40 @@ def check_writable(path: str | Path, field: str = "--out") -> None:
 # privacy.randomness: os -- the run's secret root of DP randomness while the run can go on
 # (runtime/checkpoint.py, run_secret); never packed into a bundle that leaves the cluster
 DP_SECRET = "dp_secret"
-# round number -> the release digests (privacy/reruns.py) and epsilon of each row a resume cut back:
-# rounds the server may have seen released, which the resumed run must release alike or not at all
-RELEASED = "released_rounds.json"
+# one line per released round, appended as the coordinator commits it: the release's digests
+# (privacy/reruns.py), the scenario's SHA-256 and the epsilon after it. A run that starts again
+# (a resume, a sweep's restart) releases a round listed here again only alike.
+RELEASES = "releases.jsonl"
 # what a directory may hold for a run to start in it anew: what an earlier attempt left to go on from
-KEPT_FOR_RESTART = frozenset({DP_SECRET, RELEASED})
+KEPT_FOR_RESTART = frozenset({DP_SECRET, RELEASES})
 
 
-def released_rounds(path: str | Path) -> dict[int, dict]:
-    """The rounds a run released before a resume cut their rows back (:data:`RELEASED`)."""
-    file = Path(path) / RELEASED
+def read_releases(path: str | Path, scenario_sha256: str | None = None) -> dict[int, dict]:
+    """Round number -> its first release's line in :data:`RELEASES` (none: an empty map). A last
+    line cut short (a driver killed mid-write) is left out; any other damage is one DPFLError, as is
+    a line of another scenario than ``scenario_sha256``: that run's DP randomness is not this one's."""
+    file = Path(path) / RELEASES
     try:
-        data = json.loads(file.read_text(encoding="utf-8")) if file.exists() else {}
-    except (OSError, ValueError) as err:
-        raise DPFLError(f"cannot read {file} ({err}); it lists the rounds released before a resume", field="--resume")
-    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise DPFLError(f"{file} is not a map of round -> release digests", field="--resume")
-    return {int(r): v for r, v in data.items()}
-
-
-def keep_released(path: str | Path, rows: list[dict]) -> None:
-    """Add the released rows among ``rows`` to :data:`RELEASED`; a round already there keeps its
-    first entry (the release the server saw first; a matching rerun has the same digests)."""
-    kept = released_rounds(path)
-    new = {int(r["round"]): {**r["release_check"], "epsilon": r.get("epsilon")} for r in rows
-           if isinstance(r, dict) and isinstance(r.get("round"), int) and isinstance(r.get("release_check"), dict)}
-    if not set(new) - set(kept):
-        return
-    merged = {**new, **kept}
-    text = json.dumps({str(r): merged[r] for r in sorted(merged)}, indent=1) + "\n"
-    _atomic(Path(path) / RELEASED, lambda tmp: tmp.write_text(text))
-
-
-def rows_after(path: str | Path, rounds: int) -> list[dict]:
-    """The whole rows of rounds.jsonl past its first ``rounds`` (a line cut short is left out)."""
-    file = Path(path) / "rounds.jsonl"
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()[rounds:] if file.exists() else []
-    except (OSError, UnicodeDecodeError):
-        return []
-    rows = []
-    for line in lines:
+        lines = file.read_text(encoding="utf-8").splitlines() if file.exists() else []
+    except (OSError, UnicodeDecodeError) as err:
+        raise DPFLError(f"cannot read {file} ({err}); it lists the rounds the run released", field="--resume")
+    out: dict[int, dict] = {}
+    for i, line in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            entry = json.loads(line)
         except ValueError:
-            continue
-    return rows
+            if i == len(lines) - 1:
+                break
+            entry = None
+        if not (isinstance(entry, dict) and type(entry.get("round")) is int and entry["round"] > 0
+                and all(isinstance(entry.get(k), str) for k in ("model", "survivors", "scenario_sha256"))):
+            raise DPFLError(f"{file} line {i + 1} is not a released round's digests (damaged)", field="--resume")
+        if scenario_sha256 is not None and entry["scenario_sha256"] != scenario_sha256:
+            raise DPFLError(f"{file} lists rounds released by a run of another scenario; a run of this one would "
+                            f"draw that run's DP randomness again: remove it and {DP_SECRET}, or choose another "
+                            "--out", field="--out")
+        out.setdefault(entry["round"], entry)
+    return out
 
 
 class RunRecord:
@@ -179,7 +167,7 @@ class RunRecord:
     def check_new(path: str | Path) -> None:
         """A directory a new run may start in: none, an empty one, or one that holds nothing but what
         an earlier attempt of the same run left for it (runs/sweep.py, move_aside): the secret to draw
-        from again, and the digests of the rounds it released."""
+        from again, and the list of the rounds it released."""
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(p.name not in KEPT_FOR_RESTART for p in path.iterdir())):
             raise DPFLError(f"{path} already holds files; choose another --out", field="--out")
@@ -195,12 +183,11 @@ class RunRecord:
     @classmethod
     def reopen(cls, path: str | Path, rounds: int) -> "RunRecord":
         """A run directory to continue after its first ``rounds`` rounds (``dpfl run --resume``):
-        rows past them -- written after the checkpoint -- are dropped, their release digests kept
-        (:func:`keep_released`)."""
+        rows past them -- written after the checkpoint -- are dropped (their releases stay listed in
+        :data:`RELEASES`)."""
         self = cls.__new__(cls)
         self.path = Path(path)
         self.rounds = cls.committed_rows(self.path, rounds)
-        keep_released(self.path, rows_after(self.path, rounds))
         tmp = self.path / "rounds.jsonl.tmp"
         tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rounds))
         os.replace(tmp, self.path / "rounds.jsonl")
@@ -238,6 +225,23 @@ class RunRecord:
         self._rounds_file.write(dumps(record) + "\n")
         self._rounds_file.flush()
         self.rounds.append(record)
+
+    def add_release(self, event: dict) -> None:
+        """Append a released round's digests to :data:`RELEASES`, on its way to disk before its row;
+        a round listed already (by an earlier attempt, which this one matched) is not listed again."""
+        if "_listed" not in self.__dict__:
+            file = self.path / RELEASES
+            data = file.read_bytes() if file.exists() else b""
+            if data and not data.endswith(b"\n"):  # a line cut short by a killed driver: never glued to the next
+                with open(file, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+            self._listed = set(read_releases(self.path))
+        listed = self._listed
+        if event["round"] in listed:
+            return
+        with open(self.path / RELEASES, "a", encoding="utf-8") as f:
+            f.write(dumps({k: v for k, v in event.items() if k != "event"}) + "\n")
+        listed.add(event["round"])
 
     def write_json(self, name: str, obj) -> None:
         """Atomically: a reader (or a run killed mid-write) sees the old file or the new, never half."""

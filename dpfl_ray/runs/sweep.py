@@ -30,7 +30,7 @@ from ..errors import DPFLError
 from .load import (MANIFEST, MAX_NAME_BYTES, MAX_RUNS, SweepRun, _safe, check_run_count, expand, load_run,  # noqa: F401
                    sweep_run_dirs)
 from ..scenario import load_scenario
-from .record import KEPT_FOR_RESTART, check_writable, keep_released, rows_after
+from .record import KEPT_FOR_RESTART, check_writable
 
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
@@ -413,24 +413,23 @@ def resumed(sweep_dir: Path, todo: Sequence[SweepRun]) -> int:
     return sum(1 for run in todo if (Path(sweep_dir) / run.name).exists())
 
 
-def move_aside(sweep_dir: Path, name: str) -> Path | None:
+def move_aside(sweep_dir: Path, name: str, keep: bool = True) -> Path | None:
     """Move run ``name``'s unfinished directory to ``.incomplete/NAME.N`` (never overwriting an
     earlier one); returns where it went, or None when there was none. What the run starts again
     from stays: the rounds it committed before its first checkpoint, which the server may have seen,
     are drawn again as they were (its 'os' secret: runtime/checkpoint.py, run_secret) and released
-    again only alike (their digests: runs/record.py, keep_released)."""
+    again only alike (their digests: runs/record.py, RELEASES). ``keep=False``: all of it goes aside,
+    for a directory about to be replaced whole (:func:`unpack_run`)."""
     run_dir = Path(sweep_dir) / name
     names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else None
-    if not run_dir.exists() or (names and names <= KEPT_FOR_RESTART):
+    if not run_dir.exists() or (keep and names and names <= KEPT_FOR_RESTART):
         return None  # nothing but what the run starts again from
-    if run_dir.is_dir():
-        keep_released(run_dir, rows_after(run_dir, 0))
     aside = Path(sweep_dir) / ".incomplete"
     aside.mkdir(exist_ok=True)
     n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1
     moved = aside / f"{name}.{n}"
     shutil.move(str(run_dir), str(moved))
-    kept = [f for f in sorted(KEPT_FOR_RESTART) if (moved / f).is_file()]
+    kept = [f for f in sorted(KEPT_FOR_RESTART) if keep and (moved / f).is_file()]
     if kept:
         run_dir.mkdir()
         for f in kept:
@@ -466,7 +465,7 @@ def unpack_run(sweep_dir: Path, name: str, blob: bytes) -> bool:
         shutil.rmtree(incoming / name, ignore_errors=True)
         incoming.mkdir(parents=True, exist_ok=True)
         tar.extractall(incoming, filter="data")
-    move_aside(sweep_dir, name)
+    move_aside(sweep_dir, name, keep=False)
     os.replace(incoming / name, sweep_dir / name)
     return True
 

@@ -161,9 +161,9 @@ def resumable(run_dir: Path) -> bool:
 def open_for_resume(run_dir: Path):
     """(checkpoint, scenario) of a run directory to continue, every file it rests on checked before
     Ray starts: the checkpoint whole, the rows it covers whole, the digests of rounds released
-    before (runs/record.py, released_rounds) readable, scenario.yaml unedited. None when
+    released (runs/record.py, read_releases) readable, scenario.yaml unedited. None when
     the run already finished (its summary: :func:`finished`)."""
-    from ..runs.record import RunRecord, released_rounds
+    from ..runs.record import RunRecord, read_releases
     from ..scenario import load_scenario
 
     run_dir = Path(run_dir)
@@ -171,9 +171,9 @@ def open_for_resume(run_dir: Path):
         return None
     checkpoint = read_checkpoint(run_dir)
     RunRecord.committed_rows(run_dir, rows_covered(checkpoint))
-    released_rounds(run_dir)
     scenario = load_scenario(run_dir / "scenario.yaml")
     check_same_scenario(checkpoint, scenario, run_dir / "scenario.yaml")
+    read_releases(run_dir, scenario_fingerprint(scenario)["scenario_sha256"])
     if scenario.privacy.randomness == "os":
         if not (run_dir / DP_SECRET).exists():
             raise DPFLError(f"{run_dir} has no {DP_SECRET}, the secret its DP noise came from (privacy.randomness: "

@@ -55,8 +55,8 @@ class Coordinator:
         continue from. ``fault_plan``: built by the driver, which has the scenario's files (an
         availability trace). ``dp_secret``: the run's root of DP randomness in mode 'os'
         (runtime/checkpoint.py, ``run_secret``); a fresh one if None. ``released``: the rounds the run
-        released before a resume cut their rows back (runs/record.py, ``released_rounds``), which it
-        releases again only alike (privacy/reruns.py)."""
+        released in earlier attempts (runs/record.py, ``read_releases``), which it releases again only
+        alike (privacy/reruns.py)."""
         self.sc = Scenario.model_validate(scenario, context={"read_files": False})
         self.faults = fault_plan or FaultPlan.from_scenario(self.sc)
         self.sampling = overcommitted(self.sc.sampling)
@@ -64,6 +64,7 @@ class Coordinator:
         randomness = DPRandomness.create(self.sc.privacy.randomness, self.sc.seed, dp_secret)
         self.sample_randomness = randomness.child("sample")
         self.reruns = RerunGuard(randomness.child("reruns").secret("release_check", -1, -1, 0), released)
+        self._scenario_sha256 = scenario_fingerprint(self.sc)["scenario_sha256"]
         self._diverged: str | None = None
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
@@ -331,6 +332,11 @@ class Coordinator:
     def _round(self, t: int) -> dict:
         t0 = time.perf_counter()
         sc, alg = self.sc, self.algorithm
+        self.reruns.begin(t + 1)
+        if self.privacy:  # before the model goes out: uploads the server sees may carry the same noise
+            why = self.reruns.check("model", self.theta)
+            if why is not None:
+                raise RerunDiverged(why)
         sampled = sample_clients(self.sampling, len(self.sizes), sc.seed, t, self.sample_randomness)
         faults = self.faults.plan(t, sampled, len(self.workers))
         if self.audit is not None and not sc.privacy.audit.dropouts:  # canaries never drop out
@@ -344,7 +350,6 @@ class Coordinator:
         active = [c for c in active if not dropped.get(c, "").endswith("@training")]
         extra, rejected = {}, {}
         self._missed = []
-        self.reruns.begin(t + 1)
         abort = alg.begin_round(t, sampled)
         spec = alg.client_spec() if abort is None else None
         if spec is not None and sc.output.client_accuracy and t + 1 == sc.training.rounds:
@@ -382,6 +387,8 @@ class Coordinator:
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
             else:
                 outcome = RoundOutcome(t, survivors=tuple(survivors), updates=updates, total=total, reports=reports)
+        if self._diverged is None and self.privacy and not outcome.released and self.reruns.released_before():
+            self._diverged = self.reruns.nothing_now()
         if self._diverged is not None:  # the round released nothing; neither may any after it
             raise RerunDiverged(self._diverged)
         if outcome.released:
@@ -423,8 +430,10 @@ class Coordinator:
                 self.privacy.exhausted |= why == BUDGET_REFUSAL
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
-                      "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra,
-                      **(self.reruns.row() if outcome.released else {})}
+                      "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
+            if self.privacy and outcome.released:  # on its way to releases.jsonl before its row
+                self._events.append({"event": "release", "round": t + 1, "scenario_sha256": self._scenario_sha256,
+                                     **self.reruns.current, "epsilon": record.get("epsilon")})
             if self.audit is not None and outcome.released:
                 views = alg.server_views()
                 self.audit.add_round(theta.astype(np.float64) - self.theta,
@@ -443,7 +452,7 @@ class Coordinator:
         reasons, a release that would take the effective epsilon past the budget, or a rerun round
         that would release otherwise than the server saw before (privacy/reruns.py)."""
         if self.privacy:
-            why = self.reruns.check("model", self.theta) or self.reruns.check("survivors", survivors)
+            why = self.reruns.check("survivors", survivors)
             if why is not None:
                 self._diverged = why
                 return Abort(why)

@@ -13,11 +13,12 @@ from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
 from ..faults.plan import FaultPlan
-from ..runs.record import RunRecord, released_rounds, versions
+from ..runs.record import RunRecord, read_releases, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
-from .checkpoint import CHECKPOINT, ended_on_its_own, forget_run_secret, rows_covered, run_secret, write_checkpoint
+from .checkpoint import (CHECKPOINT, ended_on_its_own, forget_run_secret, rows_covered, run_secret, scenario_fingerprint,
+                         write_checkpoint)
 from .messages import Pending
 from .recovery import add_pending_row, committed_from_checkpoint, head_unreachable, row_of
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
@@ -143,9 +144,10 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
             theta0 = Pending(pool[0].initial_model.remote())
         # privacy.randomness: os -- a resumed run draws from the secret its first rounds drew from
         secret = run_secret(record.path, scenario.privacy.randomness)
-        # rounds released before a resume cut their rows back: released again alike, or not at all
+        # rounds an earlier attempt released: released again alike, or not at all (privacy/reruns.py)
+        released = read_releases(record.path, scenario_fingerprint(scenario)["scenario_sha256"])
         args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0, secret,
-                                released_rounds(record.path))
+                                released)
         # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one
         coord = warm.take_coordinator(args, lambda ref: _ask(ref, shutdown=shutdown))
         if coord is None:
@@ -293,6 +295,8 @@ def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up
                 break
             if not record.rounds or ev["round"] > record.rounds[-1]["round"]:
                 record.add_round(row_of(ev))
+        elif ev.get("event") == "release":  # a round the server saw, whatever becomes of its row
+            record.add_release(ev)
         seen += 1
         if on_event:
             on_event(ev)
@@ -400,12 +404,15 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
                "versions": versions()}
     if error:
         summary["error"] = error
-    again = {r: v for r, v in released_rounds(record.path).items() if r > len(rounds)}
+    try:
+        again = {r: v for r, v in read_releases(record.path).items() if r > len(rounds)}
+    except DPFLError as err:
+        again, summary["releases_unreadable"] = {}, str(err)
     if again:  # the server saw them, and this run has not released them again: not in its ledger yet
         summary["released_before_resume"] = {
             "rounds": sorted(again), "epsilon": max((v["epsilon"] for v in again.values()
                                                       if isinstance(v.get("epsilon"), (int, float))), default=None),
-            "note": "released before the run resumed from an earlier checkpoint; epsilon is the ledger's after "
+            "note": "released by an earlier attempt of this run (releases.jsonl); epsilon is the ledger's after "
                     "them then, a bound on everything released until these rounds run again alike"}
     missed = not_carried_out(rounds)
     if missed:

@@ -217,6 +217,48 @@ class _Collector:
 
         return unpack_run(self.sweep_dir, name, blob)
 
+    def kept(self, name: str) -> dict[str, bytes]:
+        """What run ``name``'s unfinished directory here holds for the run to start again from (its
+        'os' secret, the rounds it released: runs/record.py, KEPT_FOR_RESTART), for a trial on a node
+        that does not see this directory: without them it would release those rounds again with
+        other noise or other inputs, which no ledger books (privacy/reruns.py)."""
+        from ..runs.record import KEPT_FOR_RESTART
+        from .checkpoint import finished
+
+        run_dir = self.sweep_dir / name
+        if run_dir.parent != self.sweep_dir or not run_dir.is_dir() or finished(run_dir) is not None:
+            return {}
+        return {f: (run_dir / f).read_bytes() for f in sorted(KEPT_FOR_RESTART) if (run_dir / f).is_file()}
+
+
+def write_kept(run_dir: Path, files: dict[str, bytes]) -> None:
+    """Write what :meth:`_Collector.kept` sent into a new run directory, each file readable by its
+    owner alone (one is the run's secret)."""
+    if not files:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        fd = os.open(run_dir / Path(name).name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def _fetch_kept(config: dict, run_dir: Path) -> None:
+    """On a node that does not hold the run's directory: bring what the sweep's node keeps of it."""
+    import ray
+
+    from ..errors import DPFLError
+
+    try:
+        collector = _find_collector(config["collector"])
+        files = ray.get(collector.kept.remote(config["name"]), timeout=BRING_BACK_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - the run must not start blind to what it released before
+        raise DPFLError(f"cannot ask the sweep's node what run {config['name']} released before "
+                        f"({type(err).__name__}: {err})") from None
+    write_kept(run_dir, files)
+
 
 def collector_name() -> str:
     """A new sweep's collector name, unique in COLLECTOR_NAMESPACE."""
@@ -288,6 +330,8 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     try:
         # an earlier attempt's process may still be ending (its node was lost): it holds the run until it is gone
         held = hold_run(run_dir.parent, run_dir.name, wait_s=RETRY_LOCK_WAIT_SECONDS if run_dir.exists() else 0.0)
+        if _elsewhere(config) and not run_dir.exists():
+            _fetch_kept(config, run_dir)
         earlier = earlier_attempt(run_dir)
         if earlier == FINISHED:  # the attempt that ended had written every file
             return "ok", True

@@ -1,17 +1,21 @@
-"""On a real local Ray: a run that starts where an earlier attempt released rounds (the digests a
-resume keeps in released_rounds.json) releases them again when they come out alike, and stops
-before releasing one that would not -- under central noise (no SecAgg) and under Baek's
-calibration through SecAgg. The earlier release is a real run's rows; "would not" is that run's
-digest of one part changed, which is what a worker that really crashed in one attempt alone
-leaves (docs/sensitivity.md)."""
+"""On a real local Ray: a run that starts where an earlier attempt released rounds (releases.jsonl)
+releases them again when they come out alike, and stops before releasing one that would not --
+under central noise (no SecAgg) and under Baek's calibration through SecAgg -- or that released
+before and would release nothing now. The earlier release is a real run's list; "would not" is
+that run's digest of one part changed, which is what a worker that really crashed in one attempt
+alone leaves (docs/sensitivity.md)."""
 import json
 
 import pytest
 
 from dpfl_ray.data import build_federation
 from dpfl_ray.errors import DPFLError
-from dpfl_ray.runs.record import RELEASED, RunRecord, keep_released
+from dpfl_ray.privacy.randomness import DPRandomness
+from dpfl_ray.privacy.reruns import release_check
+from dpfl_ray.runs.record import RELEASES, RunRecord, read_releases
+from dpfl_ray.runtime.checkpoint import scenario_fingerprint
 from dpfl_ray.runtime.driver import run_scenario
+from dpfl_ray.training.models import initial_theta
 from tests.helpers import tiny_scenario
 
 
@@ -23,17 +27,17 @@ def _figures(rows):
     return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
 
 
-def _again(sc, path, first_rows, change: dict | None = None):
-    """A run in ``path`` after an attempt that released ``first_rows``; ``change``: round -> part
+def _again(sc, path, releases: list[dict], change: dict | None = None):
+    """A run in ``path`` after an attempt that released ``releases``; ``change``: round -> part
     whose digest that attempt had otherwise."""
     path.mkdir()
-    keep_released(path, first_rows)
-    if change:
-        kept = json.loads((path / RELEASED).read_text())
-        for r, part in change.items():
-            kept[str(r)][part] = "0" * 32
-        (path / RELEASED).write_text(json.dumps(kept))
+    lines = [{**r, **({change[r["round"]]: "0" * 32} if change and r["round"] in change else {})} for r in releases]
+    (path / RELEASES).write_text("".join(json.dumps(r) + "\n" for r in lines))
     return run_scenario(sc, build_federation(sc), RunRecord(path))
+
+
+def _releases(path):
+    return [json.loads(line) for line in (path / RELEASES).read_text().splitlines()]
 
 
 def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survivors(ray_session, tmp_path):
@@ -43,17 +47,19 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
                              privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}})
 
     first = run_scenario(scenario(), build_federation(scenario()), RunRecord(tmp_path / "first"))
-    rows = _rows(tmp_path / "first")
-    assert first["stop_reason"] == "completed" and all(set(r["release_check"]) == {"model", "survivors"} for r in rows)
+    rows, releases = _rows(tmp_path / "first"), _releases(tmp_path / "first")
+    assert first["stop_reason"] == "completed" and [r["round"] for r in releases] == [1, 2, 3, 4]
+    sha = scenario_fingerprint(scenario())["scenario_sha256"]
+    assert all(r["scenario_sha256"] == sha and r["epsilon"] == row["epsilon"] for r, row in zip(releases, rows))
 
     # the same releases: the run goes through, row for row the first one's
-    alike = _again(scenario(), tmp_path / "alike", rows)
+    alike = _again(scenario(), tmp_path / "alike", releases)
     assert alike["stop_reason"] == "completed" and _figures(_rows(tmp_path / "alike")) == _figures(rows)
-    assert "released_before_resume" not in alike
+    assert "released_before_resume" not in alike and _releases(tmp_path / "alike") == releases
 
     with pytest.raises(DPFLError, match=r"run failed after 2 rounds .*round 3 ran again after a resume with other "
                                         r"surviving clients .*nothing was released.*dpfl run --resume "):
-        _again(scenario(), tmp_path / "survivors", rows, {3: "survivors"})
+        _again(scenario(), tmp_path / "survivors", releases, {3: "survivors"})
     summary = json.loads((tmp_path / "survivors" / "summary.json").read_text())
     assert summary["stop_reason"] == "error" and summary["rounds_completed"] == 2
     assert _figures(_rows(tmp_path / "survivors")) == _figures(rows[:2])  # round 3 released nothing
@@ -61,9 +67,36 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
     assert summary["released_before_resume"]["rounds"] == [3, 4]
     assert summary["released_before_resume"]["epsilon"] == rows[3]["epsilon"] > summary["epsilon"]
 
+    # checked before the model goes out
     with pytest.raises(DPFLError, match=r"run failed after 1 rounds .*round 2 ran again after a resume with another "
                                         r"model"):
-        _again(scenario(), tmp_path / "model", rows, {2: "model"})
+        _again(scenario(), tmp_path / "model", releases, {2: "model"})
+    # a list another scenario left is refused before anything runs
+    with pytest.raises(DPFLError, match="released by a run of another scenario"):
+        _again(tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 4, "lr": 0.3},
+                             privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}}),
+               tmp_path / "other", releases)
+
+
+def test_a_round_released_before_that_releases_nothing_now_stops_the_run(ray_session, tmp_path):
+    """Every sampled client drops before training, so under Baek no round releases; an earlier
+    attempt that released round 1 (its digest of the same initial model) stops the run at once."""
+    sc = tiny_scenario(data={"num_clients": 40}, training={"algorithm": "baek", "rounds": 2},
+                       sampling={"mode": "fixed", "clients_per_round": 10},
+                       privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp"},
+                       secagg={"enabled": True, "threshold": "majority"},
+                       faults={"dropout": [{"model": "tail", "rate": 1.0, "phase": "training"}]})
+    fed = build_federation(sc)
+    key = DPRandomness.create("reproducible", sc.seed).child("reruns").secret("release_check", -1, -1, 0)
+    theta0 = initial_theta(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    before = {"round": 1, "scenario_sha256": scenario_fingerprint(sc)["scenario_sha256"], "epsilon": 0.5,
+              "model": release_check(key, 1, "model", theta0), "survivors": "0" * 32}
+    with pytest.raises(DPFLError, match=r"run failed after 0 rounds .*round 1 was released before the resume and "
+                                        r"releases nothing this time"):
+        _again(sc, tmp_path / "again", [before])
+    summary = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert summary["released_before_resume"]["rounds"] == [1] and summary["released_before_resume"]["epsilon"] == 0.5
+    assert read_releases(tmp_path / "again") == {1: before}
 
 
 def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session, tmp_path):
@@ -78,10 +111,10 @@ def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session
                                                  {"model": "tail", "rate": 0.3, "phase": "calibration"}]})
 
     run_scenario(scenario(), build_federation(scenario()), RunRecord(tmp_path / "first"))
-    rows = _rows(tmp_path / "first")
-    assert all(set(r["release_check"]) == {"model", "survivors", "calibration"} for r in rows)
+    rows, releases = _rows(tmp_path / "first"), _releases(tmp_path / "first")
+    assert all({"model", "survivors", "calibration"} <= set(r) for r in releases)
     assert all(r["dropped_by_phase"].get("calibration") for r in rows)
     with pytest.raises(DPFLError, match=r"run failed after 1 rounds .*round 2 ran again after a resume with other "
                                         r"clients' calibration terms"):
-        _again(scenario(), tmp_path / "calibration", rows, {2: "calibration"})
+        _again(scenario(), tmp_path / "calibration", releases, {2: "calibration"})
     assert _figures(_rows(tmp_path / "calibration")) == _figures(rows[:1])

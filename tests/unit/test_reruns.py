@@ -1,15 +1,19 @@
 """A round run again after a resume releases the same values or nothing (privacy/reruns.py): the
-digests, the guard's comparison, and the files that carry a cut-back row's digests to the resumed
-run (runs/record.py, released_rounds.json; runs/sweep.py, move_aside)."""
+digests, the guard's comparison, and the files that carry them to the next attempt: releases.jsonl
+(runs/record.py), a sweep trial set aside (runs/sweep.py, move_aside) or run on a node that does
+not see the sweep's directory (runtime/trials.py, the collector's ``kept``)."""
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
 
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.reruns import RerunGuard, release_check
-from dpfl_ray.runs.record import DP_SECRET, RELEASED, RunRecord, keep_released, released_rounds
-from dpfl_ray.runs.sweep import move_aside
+from dpfl_ray.runs.record import DP_SECRET, RELEASES, RunRecord, read_releases
+from dpfl_ray.runs.sweep import move_aside, pack_run, unpack_run
+from dpfl_ray.runtime.trials import _Collector, write_kept
 
 KEY = bytes(range(32))
 
@@ -35,16 +39,17 @@ def test_the_guard_passes_a_round_released_alike_and_names_what_differs():
     first = RerunGuard(KEY)
     first.begin(2)
     assert first.check("model", theta) is None and first.check("survivors", [1, 2, 3]) is None
-    assert first.check("calibration", [1, 3]) is None
-    before = {2: first.row()["release_check"]}
+    assert first.check("calibration", [1, 3]) is None and not first.released_before()
+    before = {2: dict(first.current)}
     assert set(before[2]) == {"model", "survivors", "calibration"}
 
     again = RerunGuard(KEY, before)
     again.begin(2)
     assert again.check("model", theta) is None and again.check("survivors", [3, 2, 1]) is None
-    assert again.check("calibration", [3, 1]) is None
+    assert again.check("calibration", [3, 1]) is None and again.released_before()
+    assert again.nothing_now().startswith("round 2 was released before the resume and releases nothing")
     again.begin(3)  # a round the server never saw released: nothing to compare
-    assert again.check("survivors", [7]) is None
+    assert again.check("survivors", [7]) is None and not again.released_before()
 
     for part, value, what in [("model", theta + 1, "another model"), ("survivors", [1, 2], "other surviving clients"),
                               ("calibration", [1], "other clients' calibration terms")]:
@@ -58,47 +63,83 @@ def test_the_guard_passes_a_round_released_alike_and_names_what_differs():
     assert "calibration terms" in guard.check("calibration", [1, 3])
 
 
-def _row(r, eps, check=True):
-    return {"round": r, "epsilon": eps, **({"release_check": {"model": f"m{r}", "survivors": f"s{r}"}} if check else {})}
+def _release(r, sha="a" * 64, eps=0.1):
+    return {"event": "release", "round": r, "scenario_sha256": sha, "model": f"m{r}", "survivors": f"s{r}",
+            "epsilon": eps * r}
 
 
-def test_a_resume_keeps_the_digests_of_the_rows_it_cuts_back_and_the_first_release_wins(tmp_path):
-    run = tmp_path / "run"
-    record = RunRecord(run)
-    for r in range(1, 6):
-        record.add_round(_row(r, 0.1 * r, check=r != 4))  # round 4 released nothing
+def test_releases_are_listed_as_they_come_and_the_first_of_a_round_wins(tmp_path):
+    record = RunRecord(tmp_path / "run")
+    for r in (1, 2, 3):
+        record.add_release(_release(r))
+    record.add_release({**_release(2), "model": "other"})  # a rerun's line never replaces the first
     record.close()
-    with open(run / "rounds.jsonl", "a") as f:
-        f.write('{"round": 6, "epsi')  # a row cut short by a killed driver
-    RunRecord.reopen(run, 2).close()
-    assert [json.loads(x)["round"] for x in (run / "rounds.jsonl").read_text().splitlines()] == [1, 2]
-    kept = released_rounds(run)
-    assert sorted(kept) == [3, 5] and kept[3] == {"model": "m3", "survivors": "s3", "epsilon": pytest.approx(0.3)}
-    # a second resume cuts rows of a rerun: a round already kept keeps its first release's digests
-    keep_released(run, [{"round": 3, "epsilon": 9.0, "release_check": {"model": "x", "survivors": "y"}},
-                        _row(7, 0.7)])
-    kept = released_rounds(run)
-    assert kept[3]["model"] == "m3" and sorted(kept) == [3, 5, 7]
+    with open(tmp_path / "run" / RELEASES, "a") as f:
+        f.write('{"round": 4, "scen')  # cut short by a killed driver
+    got = read_releases(tmp_path / "run", "a" * 64)
+    assert sorted(got) == [1, 2, 3] and got[2]["model"] == "m2" and "event" not in got[2]
+    assert got[3]["epsilon"] == pytest.approx(0.3)
+    again = RunRecord.reopen(tmp_path / "run", 0)  # a resume cuts rows, never the releases
+    assert sorted(read_releases(tmp_path / "run")) == [1, 2, 3]
+    again.add_release(_release(4))  # the line cut short goes; the next is whole
+    again.add_release(_release(3, eps=9.0))
+    again.close()
+    assert sorted(read_releases(tmp_path / "run")) == [1, 2, 3, 4]
+    assert len((tmp_path / "run" / RELEASES).read_text().splitlines()) == 4
 
 
-def test_a_damaged_list_of_released_rounds_is_one_line(tmp_path):
-    (tmp_path / RELEASED).write_text("[1, 2")
-    with pytest.raises(DPFLError, match=f"cannot read .*{RELEASED}"):
-        released_rounds(tmp_path)
-    (tmp_path / RELEASED).write_text('{"3": 1}')
-    with pytest.raises(DPFLError, match="not a map of round"):
-        released_rounds(tmp_path)
+@pytest.mark.parametrize("text, needle", [
+    ('{"round": 1}\n{"round": 2}\n', "line 1 is not a released round"),
+    ('[1, 2]\n{}\n', "line 1 is not a released round"),
+    ('{"round": true, "model": "m", "survivors": "s", "scenario_sha256": "a"}\n', "line 1"),
+    ('{"round": "3", "model": "m", "survivors": "s", "scenario_sha256": "a"}\n', "line 1"),
+    ('xx\n{"round": 1, "model": "m", "survivors": "s", "scenario_sha256": "a"}\n', "line 1"),
+    ('{"round": 1, "model": "m", "survivors": "s", "scenario_sha256": "b"}\n', "released by a run of another scenario"),
+    (b"\xff\xfe", "cannot read"),
+])
+def test_a_damaged_or_foreign_list_of_releases_is_one_line(tmp_path, text, needle):
+    (tmp_path / RELEASES).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(DPFLError, match=needle):
+        read_releases(tmp_path, "a")
 
 
-def test_a_run_set_aside_leaves_its_digests_and_secret_where_it_starts_again(tmp_path):
-    run = tmp_path / "sweep" / "a"
+def test_a_run_set_aside_leaves_what_it_starts_again_from_and_one_replaced_whole_leaves_nothing(tmp_path):
+    sweep = tmp_path / "sweep"
+    run = sweep / "a"
     record = RunRecord(run)
-    record.add_round(_row(1, 0.5))
-    record.add_round(_row(2, 0.6))
+    record.add_round({"round": 1})
+    record.add_release(_release(1))
     record.close()
     (run / DP_SECRET).write_bytes(bytes(32))
-    moved = move_aside(tmp_path / "sweep", "a")
-    assert (moved / "rounds.jsonl").exists() and sorted(p.name for p in run.iterdir()) == sorted([DP_SECRET, RELEASED])
-    assert sorted(released_rounds(run)) == [1, 2]
+    moved = move_aside(sweep, "a")
+    assert (moved / "rounds.jsonl").exists() and sorted(p.name for p in run.iterdir()) == sorted([DP_SECRET, RELEASES])
+    assert sorted(read_releases(run)) == [1]
     RunRecord.check_new(run)  # the run starts again in it
-    assert move_aside(tmp_path / "sweep", "a") is None  # nothing else to set aside
+    assert move_aside(sweep, "a") is None  # nothing else to set aside
+    # a trial on another node sends its finished directory back: it replaces what was kept here
+    other = tmp_path / "other" / "a"
+    done = RunRecord(other)
+    done.add_round({"round": 1})
+    done.write_json("summary.json", {"stop_reason": "completed"})
+    done.close()
+    assert unpack_run(sweep, "a", pack_run(other))
+    assert sorted(p.name for p in run.iterdir()) == ["rounds.jsonl", "summary.json"]
+
+
+def test_a_trial_on_a_node_without_the_sweep_directory_gets_what_it_starts_again_from(tmp_path):
+    sweep = tmp_path / "sweep"
+    collector = _Collector(str(sweep))
+    assert collector.kept("a") == {}  # no directory
+    record = RunRecord(sweep / "a")
+    record.add_release(_release(1))
+    record.close()
+    (sweep / "a" / DP_SECRET).write_bytes(bytes(range(32)))
+    files = collector.kept("a")
+    assert set(files) == {DP_SECRET, RELEASES} and collector.kept("../sweep/a") == {}
+    there = tmp_path / "node2" / "sweep" / "a"
+    write_kept(there, files)
+    assert (there / DP_SECRET).read_bytes() == bytes(range(32))
+    assert stat.S_IMODE(os.stat(there / DP_SECRET).st_mode) == 0o600
+    assert sorted(read_releases(there)) == [1]
+    (sweep / "a" / "summary.json").write_text(json.dumps({"stop_reason": "completed"}))
+    assert collector.kept("a") == {}  # a finished run is not run again
