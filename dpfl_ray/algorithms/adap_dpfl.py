@@ -153,7 +153,7 @@ class AdapDPFL(Algorithm):
         self.ledgers = ClientLedgers(p.delta, num_clients=len(weights))
         # stop_on: claimed -> the paper's eq. 10 ledger decides the stop (module doc)
         self.claims = claimed_ledgers(p.delta, len(weights)) if a.stop_on == "claimed" else None
-        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = DPRandomness.for_run(scenario, randomness)
         self._sampled: list[int] = []
 
     def _round_event(self, c: int):

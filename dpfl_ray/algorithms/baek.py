@@ -234,7 +234,7 @@ class Baek(Algorithm):
                  randomness: DPRandomness | None = None):
         require_public_weight_cap(scenario, weights)
         p = scenario.privacy
-        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = DPRandomness.for_run(scenario, randomness)
         self.mode = p.calibration
         self.min_fraction = p.min_weight_fraction
         self.clip_norm = float(p.clipping.norm)

@@ -101,7 +101,7 @@ class DPFedAvg(Algorithm):
                  randomness: DPRandomness | None = None):
         require_public_weight_cap(scenario, weights)
         p = scenario.privacy
-        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = DPRandomness.for_run(scenario, randomness)
         self.clipping = p.clipping
         self.denominator = p.denominator or "expected"
         self.z = float(noise_multiplier)

@@ -74,7 +74,7 @@ class Huang2020(Algorithm):
             epsilon_gradient=h.epsilon_gradient, epsilon_selection=h.epsilon_selection, gamma=h.gamma,
             calibration=h.calibration, delta=p.delta if h.calibration == "eq3" else None)
         self.budget_of = budgets_by_size(sizes, h.category_budgets)  # eps_k (Fig. 7)
-        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = DPRandomness.for_run(scenario, randomness)
         self.spent = np.zeros(len(sizes))
         self._sampled: list[int] = []
 

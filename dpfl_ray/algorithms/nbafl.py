@@ -157,7 +157,7 @@ class NbAFL(Algorithm):
     def __init__(self, scenario, weights: np.ndarray, noise_multiplier: float | None = None, sizes=None,
                  randomness: DPRandomness | None = None):
         p, nb = scenario.privacy, scenario.privacy.nbafl
-        self.randomness = randomness or DPRandomness.create(p.randomness, scenario.seed)
+        self.randomness = DPRandomness.for_run(scenario, randomness)
         self.weights = np.asarray(weights, dtype=np.float64)
         self.num_clients = len(weights)
         sizes = np.asarray(sizes if sizes is not None else np.ones(len(weights)), dtype=np.int64)

@@ -127,6 +127,12 @@ class DPRandomness:
             raise ValueError(f"the DP root secret has {len(root)} bytes, not 32")
         return cls(mode, int(seed), os.urandom(32) if root is None else bytes(root))
 
+    @classmethod
+    def for_run(cls, scenario, given: "DPRandomness | None" = None) -> "DPRandomness":
+        """``given`` (the coordinator's, from the run's kept secret), else a source of the scenario's
+        mode and seed: what an algorithm built outside a run (a test, ``dpfl privacy``) draws from."""
+        return given if given is not None else cls.create(scenario.privacy.randomness, scenario.seed)
+
     def child(self, label: str) -> "DPRandomness":
         """An independent source for one part of the run (the client sample, the algorithm's noise):
         in mode 'os' its root is derived from this one; 'reproducible' streams are already told apart
