@@ -57,25 +57,31 @@ class RerunGuard:
         self.current: dict[str, str] = {}
 
     def begin(self, round_number: int) -> None:
-        self.current, self._round = {}, round_number
+        self.current, self.round = {}, round_number
 
     def check(self, part: str, value) -> str | None:
         """Digest ``part`` of the round in flight; why it must not be released when an earlier
-        release of the same round had another one, else None."""
-        digest = self.current[part] = release_check(self.key, self._round, part, value)
-        before = self.released.get(self._round)
-        if before and before.get(part) != digest:
-            return (f"round {self._round} ran again after a resume with {_WHAT[part]} than in the release "
+        attempt of the same round listed another one, else None. An attempt whose line says it
+        released nothing (``released: false``) constrains only the model; one that ended before
+        its commit (no ``released``) only the parts it listed."""
+        digest = self.current[part] = release_check(self.key, self.round, part, value)
+        before = self.released.get(self.round)
+        if not before or (before.get("released") is False and part != "model"):
+            return None
+        if before.get(part, None if before.get("released") else digest) != digest:
+            return (f"round {self.round} ran again after a resume with {_WHAT[part]} than in the release "
                     f"the server saw before; with the same noise a second release would give it their "
                     f"difference, so nothing was released")
         return None
 
     def released_before(self) -> bool:
-        """Did an earlier attempt release the round in flight?"""
-        return self._round in self.released
+        """May an earlier attempt have released the round in flight (it listed the round and did
+        not say it released nothing)?"""
+        before = self.released.get(self.round)
+        return bool(before) and before.get("released") is not False  # runs/record.py, may_have_released
 
     def nothing_now(self) -> str:
         """Why a round released before must not go by without a release now: the ledger would miss
         the release the server saw, and every later round's model would differ from that attempt's."""
-        return (f"round {self._round} was released before the resume and releases nothing this time; the "
+        return (f"round {self.round} was released before the resume and releases nothing this time; the "
                 f"ledger would miss the release the server saw")

@@ -126,18 +126,46 @@ def check_writable(path: str | Path, field: str = "--out") -> None:
 # privacy.randomness: os -- the run's secret root of DP randomness while the run can go on
 # (runtime/checkpoint.py, run_secret); never packed into a bundle that leaves the cluster
 DP_SECRET = "dp_secret"
-# one line per released round, appended as the coordinator commits it: the release's digests
-# (privacy/reruns.py), the scenario's SHA-256 and the epsilon after it. A run that starts again
-# (a resume, a sweep's restart) releases a round listed here again only alike.
+# the rounds the run released, appended before each release is made: its digests (privacy/reruns.py)
+# and the scenario's SHA-256 as the coordinator is about to unmask (model, survivors) and to sum the
+# calibration terms, then whether it released and the epsilon after it as the round commits. A run
+# that starts again (a resume, a sweep's restart) releases a round listed here again only alike.
 RELEASES = "releases.jsonl"
 # what a directory may hold for a run to start in it anew: what an earlier attempt left to go on from
 KEPT_FOR_RESTART = frozenset({DP_SECRET, RELEASES})
 
 
+def _is_release_line(entry) -> bool:
+    """A line :meth:`RunRecord.add_release` writes: round and scenario, then any of the digests,
+    whether the round released, and the epsilon after it (``non_finite``: see :func:`sanitise`)."""
+    if not (isinstance(entry, dict) and type(entry.get("round")) is int and entry["round"] > 0
+            and isinstance(entry.get("scenario_sha256"), str)):
+        return False
+    for k, v in entry.items():
+        if k in ("model", "survivors", "calibration"):
+            ok = isinstance(v, str)
+        elif k == "released":
+            ok = isinstance(v, bool)
+        elif k == "epsilon":
+            ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+        else:
+            ok = k in ("round", "scenario_sha256", "non_finite")
+        if not ok:
+            return False
+    return True
+
+
+def may_have_released(entry: dict) -> bool:
+    """Could the server have seen this listed round released (its attempt did not say otherwise)?"""
+    return entry.get("released") is not False
+
+
 def read_releases(path: str | Path, scenario_sha256: str | None = None) -> dict[int, dict]:
-    """Round number -> its first release's line in :data:`RELEASES` (none: an empty map). A last
-    line cut short (a driver killed mid-write) is left out; any other damage is one DPFLError, as is
-    a line of another scenario than ``scenario_sha256``: that run's DP randomness is not this one's."""
+    """Round number -> what :data:`RELEASES` lists of it, its lines merged (a field's first value
+    wins: the attempt the server saw first), but for an attempt that said it released nothing: the
+    next attempt's listing of the round replaces it (:func:`_supersedes`). A last line cut short (a driver killed mid-write) is
+    left out; any other damage is one DPFLError, as is a line of another scenario than
+    ``scenario_sha256``: that run's DP randomness is not this one's."""
     file = Path(path) / RELEASES
     try:
         lines = file.read_text(encoding="utf-8").splitlines() if file.exists() else []
@@ -151,15 +179,48 @@ def read_releases(path: str | Path, scenario_sha256: str | None = None) -> dict[
             if i == len(lines) - 1:
                 break
             entry = None
-        if not (isinstance(entry, dict) and type(entry.get("round")) is int and entry["round"] > 0
-                and all(isinstance(entry.get(k), str) for k in ("model", "survivors", "scenario_sha256"))):
+        if not _is_release_line(entry):
             raise DPFLError(f"{file} line {i + 1} is not a released round's digests (damaged)", field="--resume")
         if scenario_sha256 is not None and entry["scenario_sha256"] != scenario_sha256:
             raise DPFLError(f"{file} lists rounds released by a run of another scenario; a run of this one would "
                             f"draw that run's DP randomness again: remove it and {DP_SECRET}, or choose another "
                             "--out", field="--out")
-        out.setdefault(entry["round"], entry)
+        merged = out.setdefault(entry["round"], {})
+        if _supersedes(merged, entry):
+            merged.clear()
+        for k, v in entry.items():
+            merged.setdefault(k, v)
     return out
+
+
+def _supersedes(listed: dict, line: dict) -> bool:
+    """Does ``line`` begin a new attempt's listing of a round ``listed`` says released nothing?"""
+    return listed.get("released") is False and any(k in line for k in ("model", "survivors", "calibration"))
+
+
+class ReleaseList:
+    """The :data:`RELEASES` file of one run directory, appended to: what is listed of a round
+    already (by an earlier attempt, which this one matched) is not listed again."""
+
+    def __init__(self, path: str | Path):
+        self.file = Path(path) / RELEASES
+        data = self.file.read_bytes() if self.file.exists() else b""
+        if data and not data.endswith(b"\n"):  # a line cut short by a killed driver: never glued to the next
+            with open(self.file, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+        self.listed = read_releases(path)
+
+    def add(self, event: dict) -> None:
+        listed = self.listed.setdefault(event["round"], {})
+        if _supersedes(listed, event):
+            listed.clear()
+        new = {k: v for k, v in event.items() if k not in ("event", "round", "scenario_sha256") and k not in listed}
+        if not new:
+            return
+        with open(self.file, "a", encoding="utf-8") as f:
+            f.write(dumps({"round": event["round"], "scenario_sha256": event["scenario_sha256"], **new}) + "\n")
+            f.flush()
+        listed.update(new)
 
 
 class RunRecord:
@@ -227,21 +288,12 @@ class RunRecord:
         self.rounds.append(record)
 
     def add_release(self, event: dict) -> None:
-        """Append a released round's digests to :data:`RELEASES`, on its way to disk before its row;
-        a round listed already (by an earlier attempt, which this one matched) is not listed again."""
-        if "_listed" not in self.__dict__:
-            file = self.path / RELEASES
-            data = file.read_bytes() if file.exists() else b""
-            if data and not data.endswith(b"\n"):  # a line cut short by a killed driver: never glued to the next
-                with open(file, "r+b") as f:
-                    f.truncate(data.rfind(b"\n") + 1)
-            self._listed = set(read_releases(self.path))
-        listed = self._listed
-        if event["round"] in listed:
-            return
-        with open(self.path / RELEASES, "a", encoding="utf-8") as f:
-            f.write(dumps({k: v for k, v in event.items() if k != "event"}) + "\n")
-        listed.add(event["round"])
+        """Append what the coordinator lists of a release to :data:`RELEASES`, on its way to disk
+        before the release is made; what an earlier attempt listed of the round already (which this
+        one matched) is not listed again (:class:`ReleaseList`)."""
+        if "_releases" not in self.__dict__:
+            self._releases = ReleaseList(self.path)
+        self._releases.add(event)
 
     def write_json(self, name: str, obj) -> None:
         """Atomically: a reader (or a run killed mid-write) sees the old file or the new, never half."""

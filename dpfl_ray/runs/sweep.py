@@ -30,7 +30,7 @@ from ..errors import DPFLError
 from .load import (MANIFEST, MAX_NAME_BYTES, MAX_RUNS, SweepRun, _safe, check_run_count, expand, load_run,  # noqa: F401
                    sweep_run_dirs)
 from ..scenario import load_scenario
-from .record import KEPT_FOR_RESTART, check_writable
+from .record import DP_SECRET, KEPT_FOR_RESTART, check_writable
 
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
@@ -429,6 +429,8 @@ def move_aside(sweep_dir: Path, name: str, keep: bool = True) -> Path | None:
     n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1
     moved = aside / f"{name}.{n}"
     shutil.move(str(run_dir), str(moved))
+    if not keep:  # the directory that replaces it brings its own secret, if it still needs one
+        (moved / DP_SECRET).unlink(missing_ok=True)
     kept = [f for f in sorted(KEPT_FOR_RESTART) if keep and (moved / f).is_file()]
     if kept:
         run_dir.mkdir()

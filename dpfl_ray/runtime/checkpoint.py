@@ -160,7 +160,7 @@ def resumable(run_dir: Path) -> bool:
 
 def open_for_resume(run_dir: Path):
     """(checkpoint, scenario) of a run directory to continue, every file it rests on checked before
-    Ray starts: the checkpoint whole, the rows it covers whole, the digests of rounds released
+    Ray starts: the checkpoint whole, the rows it covers whole, the list of the rounds it
     released (runs/record.py, read_releases) readable, scenario.yaml unedited. None when
     the run already finished (its summary: :func:`finished`)."""
     from ..runs.record import RunRecord, read_releases

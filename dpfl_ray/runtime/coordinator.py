@@ -41,6 +41,11 @@ from .workers import make_worker_class
 CALL_TIMEOUT_SECONDS = 120.0
 MAX_REPLACEMENTS = 100  # worker deaths a run survives before it stops with an error
 BUDGET_REFUSAL = "releasing this round would take the effective epsilon past privacy.target_epsilon"
+STOPPING = "the run was asked to stop before this round released"
+
+
+class _Halted(Exception):
+    """The round in flight stopped before its release (the run was asked to stop): not committed."""
 
 
 class Coordinator:
@@ -65,7 +70,10 @@ class Coordinator:
         self.sample_randomness = randomness.child("sample")
         self.reruns = RerunGuard(randomness.child("reruns").secret("release_check", -1, -1, 0), released)
         self._scenario_sha256 = scenario_fingerprint(self.sc)["scenario_sha256"]
-        self._diverged: str | None = None
+        self._diverged: str | None = None  # why the round in flight must not be released (privacy/reruns.py)
+        self._halted = False  # the round in flight was asked to stop before it released
+        self._announced = False  # the round in flight is listed as about to release
+        self._secagg_round = False  # the round in flight sums through SecAgg (nothing seen before unmasking)
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
             [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
@@ -233,7 +241,8 @@ class Coordinator:
             return self._events[since:]
 
     def stop(self) -> None:
-        self._stop.set()
+        with self._lock:  # a release is listed (_announce) before this, or never unmasked
+            self._stop.set()
 
     def committed(self) -> dict:
         """The state after the last committed round, read in one piece: the model, the ledger and
@@ -304,6 +313,9 @@ class Coordinator:
             except RerunDiverged as err:
                 stop_reason, error = "error", str(err)
                 break
+            except _Halted:
+                stop_reason = "interrupted"
+                break
         self._settle()
         if stop_reason == "privacy_budget_exhausted":
             self._evaluate_final_model()
@@ -333,6 +345,7 @@ class Coordinator:
         t0 = time.perf_counter()
         sc, alg = self.sc, self.algorithm
         self.reruns.begin(t + 1)
+        self._announced = self._secagg_round = False
         if self.privacy:  # before the model goes out: uploads the server sees may carry the same noise
             why = self.reruns.check("model", self.theta)
             if why is not None:
@@ -363,6 +376,7 @@ class Coordinator:
         if abort is not None:  # e.g. Baek et al. Alg. 3 line 17: the server stops before anyone trains
             outcome, extra, dropped = RoundOutcome(t, aborted=abort.reason), {"round_aborted": abort.reason}, {}
         elif sc.secagg.enabled and active:
+            self._secagg_round = True
             theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
             assignment = self.assign(active)
             res = secagg_round(self, t, theta_ref, active, len(sampled) - len(active), faults, spec,
@@ -375,6 +389,10 @@ class Coordinator:
             if not res.calibrated:  # no calibration ran this round: nobody could drop out of it
                 dropped = {c: p for c, p in dropped.items() if not p.endswith("@calibration")}
         else:
+            # without SecAgg the server sees each upload (under client noise, each a release): listed
+            # before the model goes out, or not sent at all once the run is asked to stop
+            if self.privacy and not self._announce("model"):
+                raise _Halted()
             theta_ref = ray.put(self.theta)
             survivors, total, updates, rejected, reports, worker_s, evals = self._plain_round(
                 t, theta_ref, active, faults, dropped, spec, canaries, evaluate=self._pending is not None)
@@ -387,6 +405,8 @@ class Coordinator:
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
             else:
                 outcome = RoundOutcome(t, survivors=tuple(survivors), updates=updates, total=total, reports=reports)
+        if self._halted:  # asked to stop before it released: the round is not committed
+            raise _Halted()
         if self._diverged is None and self.privacy and not outcome.released and self.reruns.released_before():
             self._diverged = self.reruns.nothing_now()
         if self._diverged is not None:  # the round released nothing; neither may any after it
@@ -431,9 +451,9 @@ class Coordinator:
             record = {"event": "round", "round": t + 1, "sampled": len(sampled), "survived": len(outcome.survivors),
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
                       "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
-            if self.privacy and outcome.released:  # on its way to releases.jsonl before its row
+            if self._announced:  # its line in releases.jsonl says how it ended, before its row
                 self._events.append({"event": "release", "round": t + 1, "scenario_sha256": self._scenario_sha256,
-                                     **self.reruns.current, "epsilon": record.get("epsilon")})
+                                     "released": bool(outcome.released), "epsilon": record.get("epsilon")})
             if self.audit is not None and outcome.released:
                 views = alg.server_views()
                 self.audit.add_round(theta.astype(np.float64) - self.theta,
@@ -461,15 +481,39 @@ class Coordinator:
             return plan
         if not self.privacy.release_fits(self.algorithm.mechanism()):
             return Abort(BUDGET_REFUSAL)
+        if self._secagg_round:  # nothing is seen before the unmask request: a stop may still end the round
+            if not self._announce("model", "survivors"):
+                return Abort(STOPPING)
+        else:  # the uploads are in: the round goes on to its commit
+            self._announce("survivors", may_halt=False)
         return plan
 
     def _before_calibration(self, senders: list[int]) -> str | None:
-        """Why the calibration terms of ``senders`` must not be released (a rerun round whose
-        calibrating clients differ from its release before), else None."""
-        why = self.reruns.check("calibration", senders) if self.privacy else None
+        """Why the calibration terms of ``senders`` must not be summed (a rerun round whose
+        calibrating clients differ from its release before, or a run asked to stop), else None."""
+        if not self.privacy:
+            return None
+        why = self.reruns.check("calibration", senders)
         if why is not None:
             self._diverged = why
-        return why
+            return why
+        self._announce("calibration", may_halt=False)  # A is unmasked: the round goes on to its commit
+        return None
+
+    def _announce(self, *parts: str, may_halt: bool = True) -> bool:
+        """List the round's digests of ``parts`` (releases.jsonl, through the driver) before they are
+        released; with ``may_halt``, False, listing nothing, once the run is asked to stop: the
+        release is then not made, so a driver that read the events after asking never misses one
+        (``stop`` takes the lock)."""
+        with self._lock:
+            if may_halt and self._stop.is_set():
+                self._halted = True
+                return False
+            self._events.append({"event": "release", "round": self.reruns.round,
+                                 "scenario_sha256": self._scenario_sha256,
+                                 **{p: self.reruns.current[p] for p in parts}})
+            self._announced = True
+            return True
 
     def _chaos(self, faults, assignment) -> dict:
         """Each worker's share of the round's planned faults (see messages.WorkerChaos)."""

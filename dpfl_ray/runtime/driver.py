@@ -13,7 +13,7 @@ from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
 from ..faults.plan import FaultPlan
-from ..runs.record import RunRecord, read_releases, versions
+from ..runs.record import RunRecord, may_have_released, read_releases, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
@@ -134,6 +134,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     answered = False  # has the coordinator replied yet (its process may still be starting)?
     last_checkpoint = resume  # the driver's own copy of the committed state
     try:
+        # rounds an earlier attempt released: released again alike, or not at all (privacy/reruns.py)
+        released = read_releases(record.path, scenario_fingerprint(scenario)["scenario_sha256"])
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
@@ -144,8 +146,6 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
             theta0 = Pending(pool[0].initial_model.remote())
         # privacy.randomness: os -- a resumed run draws from the secret its first rounds drew from
         secret = run_secret(record.path, scenario.privacy.randomness)
-        # rounds an earlier attempt released: released again alike, or not at all (privacy/reruns.py)
-        released = read_releases(record.path, scenario_fingerprint(scenario)["scenario_sha256"])
         args = coordinator_args(scenario, data, pool, resume, FaultPlan.from_scenario(scenario), theta0, secret,
                                 released)
         # a coordinator parked by this process's last run (runtime/warm.py), else a fresh one
@@ -174,7 +174,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                 result = _ask(run_ref)
                 stop_reason, error = result["stop_reason"], result.get("error")
                 if error:  # a rerun round that would have released otherwise (privacy/reruns.py)
-                    error += f"; the same survivors release the same values: dpfl run --resume {record.path}"
+                    error += ("; an attempt whose clients survive alike releases the same values: run it again "
+                              f"(dpfl run --resume {record.path}, or the same sweep command)")
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
@@ -208,8 +209,10 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     summary = finish(scenario, fed, record, state, stop_reason, error, wall, timings, () if lost else pool,
                      CALL_TIMEOUT_SECONDS if clean else MODEL_FILE_GRACE_SECONDS)
     # the os secret goes once nothing can run a released round again: the run finished, or it released none.
-    # Rounds released before a first checkpoint keep it: a sweep starts such a run again from it (move_aside).
-    if ended_on_its_own(summary) or not ((record.path / CHECKPOINT).exists() or record.rounds):
+    # Rounds released before a first checkpoint keep it: a sweep starts such a run again from it (move_aside),
+    # and its listed releases are checked with a key drawn from it (privacy/reruns.py).
+    if ended_on_its_own(summary) or not ((record.path / CHECKPOINT).exists() or record.rounds or any(
+            may_have_released(v) for v in read_releases(record.path).values())):
         forget_run_secret(record.path)
     if keep_workers and clean:
         warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)
@@ -280,7 +283,8 @@ def _stop_between_rounds(coord, run_ref) -> None:
     if coord is None:
         return
     with contextlib.suppress(ray.exceptions.RayError):
-        coord.stop.remote()
+        # applied before the events are read: a release is listed by then, or never made (Coordinator._announce)
+        ray.get(coord.stop.remote(), timeout=STOP_GRACE_SECONDS)
         if run_ref is not None:
             ray.wait([run_ref], timeout=STOP_GRACE_SECONDS)
 
@@ -405,7 +409,7 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
     if error:
         summary["error"] = error
     try:
-        again = {r: v for r, v in read_releases(record.path).items() if r > len(rounds)}
+        again = {r: v for r, v in read_releases(record.path).items() if r > len(rounds) and may_have_released(v)}
     except DPFLError as err:
         again, summary["releases_unreadable"] = {}, str(err)
     if again:  # the server saw them, and this run has not released them again: not in its ledger yet

@@ -217,18 +217,43 @@ class _Collector:
 
         return unpack_run(self.sweep_dir, name, blob)
 
-    def kept(self, name: str) -> dict[str, bytes]:
-        """What run ``name``'s unfinished directory here holds for the run to start again from (its
-        'os' secret, the rounds it released: runs/record.py, KEPT_FOR_RESTART), for a trial on a node
-        that does not see this directory: without them it would release those rounds again with
-        other noise or other inputs, which no ledger books (privacy/reruns.py)."""
-        from ..runs.record import KEPT_FOR_RESTART
+    def _run_dir(self, name: str) -> Path | None:
+        """Run ``name``'s directory here, None for a name that is not one (or a run that finished)."""
         from .checkpoint import finished
 
         run_dir = self.sweep_dir / name
-        if run_dir.parent != self.sweep_dir or not run_dir.is_dir() or finished(run_dir) is not None:
-            return {}
+        if run_dir.parent != self.sweep_dir or (run_dir.is_dir() and finished(run_dir) is not None):
+            return None
+        return run_dir
+
+    def kept(self, name: str) -> dict[str, bytes] | None:
+        """What run ``name``'s unfinished directory here holds for the run to start again from (its
+        'os' secret, the rounds it released: runs/record.py, KEPT_FOR_RESTART), for a trial on a node
+        that does not see this directory: without them it would release those rounds again with
+        other noise or other inputs, which no ledger books (privacy/reruns.py). None: the run
+        finished here (an attempt's process ended after sending it back)."""
+        from ..runs.record import KEPT_FOR_RESTART
+
+        run_dir = self._run_dir(name)
+        if run_dir is None:
+            return None
         return {f: (run_dir / f).read_bytes() for f in sorted(KEPT_FOR_RESTART) if (run_dir / f).is_file()}
+
+    def keep(self, name: str, event: dict | None = None, secret: bytes | None = None) -> bool:
+        """From a trial on another node, as it goes: the run's 'os' secret, and each line it lists of
+        a release (runs/record.py, ReleaseList), so that the next attempt, wherever Tune starts it,
+        finds them here (:meth:`kept`)."""
+        from ..runs.record import DP_SECRET, ReleaseList
+
+        run_dir = self._run_dir(name)
+        if run_dir is None:
+            return False
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if secret is not None and not (run_dir / DP_SECRET).exists():
+            write_kept(run_dir, {DP_SECRET: secret})
+        if event is not None:  # read afresh: an unpacked attempt may have replaced the directory
+            ReleaseList(run_dir).add(event)
+        return True
 
 
 def write_kept(run_dir: Path, files: dict[str, bytes]) -> None:
@@ -245,19 +270,30 @@ def write_kept(run_dir: Path, files: dict[str, bytes]) -> None:
             os.close(fd)
 
 
-def _fetch_kept(config: dict, run_dir: Path) -> None:
-    """On a node that does not hold the run's directory: bring what the sweep's node keeps of it."""
+def _ask_sweep_node(config: dict, what: str, method: str, *args):
+    """Call the sweep's collector from a trial on another node (within ASK_TIMEOUT_S, once it is
+    found); a one-line DPFLError naming ``what`` if it cannot answer: the run must not go on blind
+    to, or unheard by, the sweep's node."""
     import ray
 
     from ..errors import DPFLError
 
     try:
         collector = _find_collector(config["collector"])
-        files = ray.get(collector.kept.remote(config["name"]), timeout=BRING_BACK_TIMEOUT_S)
-    except Exception as err:  # noqa: BLE001 - the run must not start blind to what it released before
-        raise DPFLError(f"cannot ask the sweep's node what run {config['name']} released before "
-                        f"({type(err).__name__}: {err})") from None
+        return ray.get(getattr(collector, method).remote(config["name"], *args), timeout=ASK_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - one line: the trial fails and Tune starts it again
+        why = " ".join(str(err).split())[:300]
+        raise DPFLError(f"cannot {what} the sweep's node ({type(err).__name__}: {why})") from None
+
+
+def _fetch_kept(config: dict, run_dir: Path) -> bool:
+    """On a node that does not hold the run's directory: bring what the sweep's node keeps of it.
+    False when the run finished there (nothing to run)."""
+    files = _ask_sweep_node(config, f"ask what run {config['name']} released before from", "kept")
+    if files is None:
+        return False
     write_kept(run_dir, files)
+    return True
 
 
 def collector_name() -> str:
@@ -322,7 +358,7 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     from ..errors import DPFLError
     from ..runs.record import RunRecord
     from ..runs.sweep import hold_run
-    from .checkpoint import rows_covered
+    from .checkpoint import rows_covered, run_secret
     from ..scenario import load_scenario
     from .driver import run_scenario, write_unstarted
 
@@ -330,8 +366,9 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
     try:
         # an earlier attempt's process may still be ending (its node was lost): it holds the run until it is gone
         held = hold_run(run_dir.parent, run_dir.name, wait_s=RETRY_LOCK_WAIT_SECONDS if run_dir.exists() else 0.0)
-        if _elsewhere(config) and not run_dir.exists():
-            _fetch_kept(config, run_dir)
+        elsewhere = _elsewhere(config)
+        if elsewhere and not run_dir.exists() and not _fetch_kept(config, run_dir):
+            return "ok", False  # an attempt before this one finished it and sent it back
         earlier = earlier_attempt(run_dir)
         if earlier == FINISHED:  # the attempt that ended had written every file
             return "ok", True
@@ -339,10 +376,16 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
         fed = build_federation(sc)
         startup = {"load_data": time.time() - t0}
         record = RunRecord(run_dir) if checkpoint is None else RunRecord.reopen(run_dir, rows_covered(checkpoint))
+        if elsewhere:  # the secret the run draws from, kept on the sweep's node too before it releases
+            secret = run_secret(run_dir, sc.privacy.randomness)
+            if secret is not None:
+                _ask_sweep_node(config, "give the run's secret to", "keep", None, secret)
 
         def on_event(ev: dict) -> None:
             if ev.get("event") == "round":
                 report({k: ev.get(k) for k in ROUND_METRICS if ev.get(k) is not None})
+            elif ev.get("event") == "release" and elsewhere:  # listed there as soon as here
+                _ask_sweep_node(config, "list a release on", "keep", ev)
 
         summary = run_scenario(sc, fed, record, on_event=on_event, shutdown=stop, startup=startup,
                                started_at=t0, keep_workers=True, workers=int(config["workers"]), resume=checkpoint)

@@ -27,17 +27,17 @@ def _figures(rows):
     return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
 
 
-def _again(sc, path, releases: list[dict], change: dict | None = None):
-    """A run in ``path`` after an attempt that released ``releases``; ``change``: round -> part
-    whose digest that attempt had otherwise."""
+def _again(sc, path, releases: dict, change: dict | None = None):
+    """A run in ``path`` after an attempt that listed ``releases`` (round -> its entry); ``change``:
+    round -> part whose digest that attempt had otherwise."""
     path.mkdir()
-    lines = [{**r, **({change[r["round"]]: "0" * 32} if change and r["round"] in change else {})} for r in releases]
-    (path / RELEASES).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    lines = [{**e, **({change[r]: "0" * 32} if change and r in change else {})} for r, e in releases.items()]
+    (path / RELEASES).write_text("".join(json.dumps(e) + "\n" for e in lines))
     return run_scenario(sc, build_federation(sc), RunRecord(path))
 
 
 def _releases(path):
-    return [json.loads(line) for line in (path / RELEASES).read_text().splitlines()]
+    return read_releases(path)
 
 
 def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survivors(ray_session, tmp_path):
@@ -48,9 +48,14 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
 
     first = run_scenario(scenario(), build_federation(scenario()), RunRecord(tmp_path / "first"))
     rows, releases = _rows(tmp_path / "first"), _releases(tmp_path / "first")
-    assert first["stop_reason"] == "completed" and [r["round"] for r in releases] == [1, 2, 3, 4]
+    assert first["stop_reason"] == "completed" and sorted(releases) == [1, 2, 3, 4]
     sha = scenario_fingerprint(scenario())["scenario_sha256"]
-    assert all(r["scenario_sha256"] == sha and r["epsilon"] == row["epsilon"] for r, row in zip(releases, rows))
+    # without SecAgg each round is listed before its model goes out, then its survivors, then how it ended
+    lines = [json.loads(x) for x in (tmp_path / "first" / RELEASES).read_text().splitlines()]
+    assert [(x["round"], sorted(set(x) - {"round", "scenario_sha256"})) for x in lines[:3]] == [
+        (1, ["model"]), (1, ["survivors"]), (1, ["epsilon", "released"])]
+    assert all(e["scenario_sha256"] == sha and e["released"] and e["epsilon"] == rows[r - 1]["epsilon"]
+               for r, e in releases.items())
 
     # the same releases: the run goes through, row for row the first one's
     alike = _again(scenario(), tmp_path / "alike", releases)
@@ -66,6 +71,10 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
     # what the server saw before and this run has not released again is in the summary, with its epsilon
     assert summary["released_before_resume"]["rounds"] == [3, 4]
     assert summary["released_before_resume"]["epsilon"] == rows[3]["epsilon"] > summary["epsilon"]
+    # the second attempt listed nothing new of rounds 1-2 (alike) and nothing of round 3 (not released)
+    listed = dict(releases)
+    listed[3] = {**releases[3], "survivors": "0" * 32}
+    assert _releases(tmp_path / "survivors") == listed
 
     # checked before the model goes out
     with pytest.raises(DPFLError, match=r"run failed after 1 rounds .*round 2 ran again after a resume with another "
@@ -76,6 +85,31 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
         _again(tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 4, "lr": 0.3},
                              privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}}),
                tmp_path / "other", releases)
+
+
+def test_a_run_stopped_mid_round_lists_every_round_it_may_have_released(ray_session, tmp_path):
+    """Ctrl-C mid-run: the round in flight either was listed before its release (and is then in the
+    rows or in the summary's released_before_resume) or stops before releasing; none is left out."""
+    import signal
+
+    from dpfl_ray.runtime.shutdown import Shutdown
+
+    sc = tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 8},
+                       privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}},
+                       faults={"stragglers": {"tiers": [{"share": 1.0, "latency": {"distribution": "fixed",
+                                                                                   "seconds": 0.3}}]}})
+    shutdown = Shutdown()
+
+    def on_event(ev):
+        if ev.get("event") == "round" and ev["round"] == 2:
+            shutdown.received.append(signal.SIGINT)
+
+    summary = run_scenario(sc, build_federation(sc), RunRecord(tmp_path / "stopped"), on_event=on_event,
+                           shutdown=shutdown)
+    assert summary["stop_reason"] == "interrupted" and 2 <= summary["rounds_completed"] < 8
+    listed = {r for r, e in _releases(tmp_path / "stopped").items() if e.get("released") is not False}
+    again = set(summary.get("released_before_resume", {}).get("rounds", []))
+    assert listed == set(range(1, summary["rounds_completed"] + 1)) | again and len(again) <= 1
 
 
 def test_a_round_released_before_that_releases_nothing_now_stops_the_run(ray_session, tmp_path):
@@ -93,7 +127,7 @@ def test_a_round_released_before_that_releases_nothing_now_stops_the_run(ray_ses
               "model": release_check(key, 1, "model", theta0), "survivors": "0" * 32}
     with pytest.raises(DPFLError, match=r"run failed after 0 rounds .*round 1 was released before the resume and "
                                         r"releases nothing this time"):
-        _again(sc, tmp_path / "again", [before])
+        _again(sc, tmp_path / "again", {1: before})
     summary = json.loads((tmp_path / "again" / "summary.json").read_text())
     assert summary["released_before_resume"]["rounds"] == [1] and summary["released_before_resume"]["epsilon"] == 0.5
     assert read_releases(tmp_path / "again") == {1: before}
@@ -112,7 +146,7 @@ def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session
 
     run_scenario(scenario(), build_federation(scenario()), RunRecord(tmp_path / "first"))
     rows, releases = _rows(tmp_path / "first"), _releases(tmp_path / "first")
-    assert all({"model", "survivors", "calibration"} <= set(r) for r in releases)
+    assert all({"model", "survivors", "calibration"} <= set(e) for e in releases.values())
     assert all(r["dropped_by_phase"].get("calibration") for r in rows)
     with pytest.raises(DPFLError, match=r"run failed after 1 rounds .*round 2 ran again after a resume with other "
                                         r"clients' calibration terms"):

@@ -57,10 +57,20 @@ def test_the_guard_passes_a_round_released_alike_and_names_what_differs():
         guard.begin(2)
         why = guard.check(part, value)
         assert why.startswith(f"round 2 ran again after a resume with {what}") and "nothing was released" in why
-    # a first release without calibration terms: terms now differ from it too
-    guard = RerunGuard(KEY, {2: {"model": before[2]["model"], "survivors": before[2]["survivors"]}})
+    plain = {"model": before[2]["model"], "survivors": before[2]["survivors"]}
+    # a first attempt that released without calibration terms: terms now differ from it too
+    guard = RerunGuard(KEY, {2: {**plain, "released": True}})
     guard.begin(2)
     assert "calibration terms" in guard.check("calibration", [1, 3])
+    # one that ended before summing any (no commit listed): the terms were never released then
+    guard = RerunGuard(KEY, {2: plain})
+    guard.begin(2)
+    assert guard.check("calibration", [1, 3]) is None and guard.released_before()
+    # one that listed the round and then released nothing: only the model it sent out binds
+    guard = RerunGuard(KEY, {2: {**plain, "released": False}})
+    guard.begin(2)
+    assert guard.check("survivors", [9]) is None and not guard.released_before()
+    assert "another model" in guard.check("model", theta + 1)
 
 
 def _release(r, sha="a" * 64, eps=0.1):
@@ -135,11 +145,39 @@ def test_a_trial_on_a_node_without_the_sweep_directory_gets_what_it_starts_again
     record.close()
     (sweep / "a" / DP_SECRET).write_bytes(bytes(range(32)))
     files = collector.kept("a")
-    assert set(files) == {DP_SECRET, RELEASES} and collector.kept("../sweep/a") == {}
+    assert set(files) == {DP_SECRET, RELEASES} and collector.kept("../sweep/a") is None
     there = tmp_path / "node2" / "sweep" / "a"
     write_kept(there, files)
     assert (there / DP_SECRET).read_bytes() == bytes(range(32))
     assert stat.S_IMODE(os.stat(there / DP_SECRET).st_mode) == 0o600
     assert sorted(read_releases(there)) == [1]
+    # a trial elsewhere hands over its secret and each line as it lists it; a later attempt anywhere gets them
+    assert collector.keep("b", secret=bytes(32)) and collector.keep("b", _release(1))
+    assert collector.keep("b", {**_release(1), "model": "other", "released": True})
+    got = read_releases(sweep / "b")[1]
+    assert got["model"] == "m1" and got["released"] is True and set(collector.kept("b")) == {DP_SECRET, RELEASES}
     (sweep / "a" / "summary.json").write_text(json.dumps({"stop_reason": "completed"}))
-    assert collector.kept("a") == {}  # a finished run is not run again
+    assert collector.kept("a") is None and not collector.keep("a", _release(2))  # a finished run is not run again
+
+
+def test_an_attempt_that_released_nothing_is_replaced_by_the_next_that_lists_the_round(tmp_path):
+    """Attempt 1 listed round 3 and its unmask failed (released: false); attempt 2 releases it with
+    other survivors: the list must hold attempt 2's release, or a third attempt could release the
+    round again unchecked."""
+    record = RunRecord(tmp_path / "run")
+    record.add_release(_release(3))
+    record.add_release({**_release(3), "released": False, "epsilon": None})
+    record.close()
+    assert read_releases(tmp_path / "run")[3]["released"] is False
+    again = RunRecord.reopen(tmp_path / "run", 0)
+    again.add_release({"event": "release", "round": 3, "scenario_sha256": "a" * 64, "model": "m3",
+                       "survivors": "s3-second"})
+    again.add_release({"event": "release", "round": 3, "scenario_sha256": "a" * 64, "released": True, "epsilon": 0.4})
+    again.close()
+    got = read_releases(tmp_path / "run")[3]
+    assert got["survivors"] == "s3-second" and got["released"] is True and got["epsilon"] == 0.4
+    # once released, a later attempt's "nothing" never undoes it
+    third = RunRecord.reopen(tmp_path / "run", 0)
+    third.add_release({"event": "release", "round": 3, "scenario_sha256": "a" * 64, "released": False})
+    third.close()
+    assert read_releases(tmp_path / "run")[3]["released"] is True
