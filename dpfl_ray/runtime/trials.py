@@ -257,17 +257,29 @@ class _Collector:
 
 
 def write_kept(run_dir: Path, files: dict[str, bytes]) -> None:
-    """Write what :meth:`_Collector.kept` sent into a new run directory, each file readable by its
-    owner alone (one is the run's secret)."""
+    """Bring what :meth:`_Collector.kept` sent into a run directory here: the secret where it has
+    none (readable by its owner alone), and the listed releases merged into its own list (a copy
+    an earlier attempt left on this node may lack what another node's attempt listed since)."""
+    import tempfile
+
+    from ..runs.record import DP_SECRET, RELEASES, ReleaseList, read_releases
+
     if not files:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        fd = os.open(run_dir / Path(name).name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    if DP_SECRET in files and not (run_dir / DP_SECRET).exists():
+        fd = os.open(run_dir / DP_SECRET, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, data)
+            os.write(fd, files[DP_SECRET])
         finally:
             os.close(fd)
+    if RELEASES in files:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / RELEASES).write_bytes(files[RELEASES])
+            sent = read_releases(tmp)
+        here = ReleaseList(run_dir)
+        for r in sorted(sent):
+            here.add({"event": "release", "round": r, **sent[r]})
 
 
 def _ask_sweep_node(config: dict, what: str, method: str, *args):
@@ -287,8 +299,8 @@ def _ask_sweep_node(config: dict, what: str, method: str, *args):
 
 
 def _fetch_kept(config: dict, run_dir: Path) -> bool:
-    """On a node that does not hold the run's directory: bring what the sweep's node keeps of it.
-    False when the run finished there (nothing to run)."""
+    """On another node than the sweep's: bring what the sweep's node keeps of the run (the same
+    files where the nodes share the file system). False when the run finished there (nothing to run)."""
     files = _ask_sweep_node(config, f"ask what run {config['name']} released before from", "kept")
     if files is None:
         return False
@@ -367,7 +379,7 @@ def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callab
         # an earlier attempt's process may still be ending (its node was lost): it holds the run until it is gone
         held = hold_run(run_dir.parent, run_dir.name, wait_s=RETRY_LOCK_WAIT_SECONDS if run_dir.exists() else 0.0)
         elsewhere = _elsewhere(config)
-        if elsewhere and not run_dir.exists() and not _fetch_kept(config, run_dir):
+        if elsewhere and not _fetch_kept(config, run_dir):
             return "ok", False  # an attempt before this one finished it and sent it back
         earlier = earlier_attempt(run_dir)
         if earlier == FINISHED:  # the attempt that ended had written every file

@@ -120,3 +120,31 @@ def test_a_sweep_whose_trials_never_get_their_resources_ends_and_says_what_they_
     assert statuses == dict(done) and set(statuses) == {"seed=0"}
     assert statuses["seed=0"].startswith("not run: waited 3 s for 1 CPU, 3 GPU that the cluster does not have (it has 2 GPU)")
     assert not (tmp_path / "sweep" / "seed=0").exists()
+
+
+def test_a_trial_elsewhere_hands_its_releases_and_secret_to_the_sweep_node_for_the_next_attempt(
+        ray_session, tmp_path, monkeypatch):
+    """A private trial on node B lists each release and its 'os' secret on the sweep's node as it
+    goes (privacy/reruns.py); Tune's next attempt, on node C after B is lost, starts from them."""
+    from dpfl_ray.runs.record import DP_SECRET, read_releases
+
+    here = tmp_path / "node_a" / "sweep"
+    collector, name, _ = start_collector(here)
+    config = {"name": "seed=0", "collector": name, "driver_node": "a node that is not this one"}
+    try:
+        assert trials._fetch_kept(config, tmp_path / "node_b" / "sweep" / "seed=0")
+        assert not (tmp_path / "node_b" / "sweep" / "seed=0").exists()  # nothing kept: nothing written
+        trials._ask_sweep_node(config, "give the secret to", "keep", None, bytes(range(32)))
+        trials._ask_sweep_node(config, "list a release on", "keep", {
+            "event": "release", "round": 1, "scenario_sha256": "a" * 64, "model": "m", "survivors": "s"})
+        node_c = tmp_path / "node_c" / "sweep" / "seed=0"
+        assert trials._fetch_kept(config, node_c)
+        assert (node_c / DP_SECRET).read_bytes() == bytes(range(32))
+        assert read_releases(node_c)[1] == {"round": 1, "scenario_sha256": "a" * 64, "model": "m", "survivors": "s"}
+        (here / "seed=0" / "summary.json").write_text('{"stop_reason": "completed"}')
+        assert not trials._fetch_kept(config, tmp_path / "node_d" / "sweep" / "seed=0")  # finished: nothing to run
+    finally:
+        ray.kill(collector)
+    monkeypatch.setattr(trials, "COLLECTOR_WAIT_S", 1.0)
+    with pytest.raises(DPFLError, match=r"^cannot ask what run seed=0 released before from the sweep's node \([^\n]*\)$"):
+        trials._fetch_kept(config, tmp_path / "node_e" / "sweep" / "seed=0")

@@ -151,6 +151,16 @@ def test_a_trial_on_a_node_without_the_sweep_directory_gets_what_it_starts_again
     assert (there / DP_SECRET).read_bytes() == bytes(range(32))
     assert stat.S_IMODE(os.stat(there / DP_SECRET).st_mode) == 0o600
     assert sorted(read_releases(there)) == [1]
+    # a copy an earlier attempt left on that node gains what was listed since; its own lines stay
+    listed = RunRecord(sweep / "c")
+    listed.add_release(_release(1))
+    listed.add_release(_release(2))
+    listed.close()
+    stale = tmp_path / "node2" / "sweep" / "c"
+    stale.mkdir()
+    (stale / RELEASES).write_text(json.dumps({k: v for k, v in _release(1).items() if k != "event"}) + "\n")
+    write_kept(stale, collector.kept("c"))
+    assert sorted(read_releases(stale)) == [1, 2] and len((stale / RELEASES).read_text().splitlines()) == 2
     # a trial elsewhere hands over its secret and each line as it lists it; a later attempt anywhere gets them
     assert collector.keep("b", secret=bytes(32)) and collector.keep("b", _release(1))
     assert collector.keep("b", {**_release(1), "model": "other", "released": True})
