@@ -17,7 +17,7 @@ import typer
 
 # Every dpfl command imports this module to list its options: the accounting library
 # (dp_accounting, and torch through the algorithms: ~3 s) is imported by the commands that use it.
-from dpfl_ray.defaults import DEFAULT_ACCOUNTANT, DEFAULT_MAX_ROUNDS, MAX_NOISE_MULTIPLIER
+from dpfl_ray.defaults import DEFAULT_ACCOUNTANT, DEFAULT_MAX_ROUNDS, MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.dropouts import CALIBRATIONS
 
@@ -140,6 +140,9 @@ def _check_planned_noise(z: float, field: str = "noise_multiplier") -> float:
     if z > MAX_NOISE_MULTIPLIER:
         raise DPFLError(f"must be at most {MAX_NOISE_MULTIPLIER:g} (epsilon is 0 to every printed digit long "
                         f"before), got {z:g}", field=field)
+    if z < MIN_NOISE_MULTIPLIER:
+        raise DPFLError(f"must be at least {MIN_NOISE_MULTIPLIER:g} (epsilon means nothing long before: about "
+                        f"5e17 for one round at q = 0.01), got {z:g}", field=field)
     return z
 
 
@@ -323,6 +326,9 @@ def _nbafl_epsilon(rounds, delta, accountant, paper_epsilon, clip, min_size, exp
         if not z <= MAX_NOISE_MULTIPLIER:
             raise DPFLError(f"{paper_epsilon:g} gives NbAFL a noise multiplier of {z:.3g}, above "
                             f"{MAX_NOISE_MULTIPLIER:g}: epsilon would be 0 to every printed digit", field="nbafl_epsilon")
+        if z < MIN_NOISE_MULTIPLIER:
+            raise DPFLError(f"{paper_epsilon:g} gives NbAFL a noise multiplier of {z:.3g}, below "
+                            f"{MIN_NOISE_MULTIPLIER:g}: no epsilon of it means anything", field="nbafl_epsilon")
         ledger, per_client = PrivacyLedger(accountant, delta), PrivacyLedger(accountant, delta)
         for t in range(rounds):
             ledger.record_round(z, NoSampling(), reason="nbafl", paper_epsilon=paper_epsilon / rounds)

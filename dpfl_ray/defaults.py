@@ -11,3 +11,6 @@ MIN_CLIP_NORM = 1e-6
 #: the largest noise multiplier a scenario or ``dpfl privacy`` takes: above it epsilon is 0 to every
 #: printed digit, and dp_accounting's arithmetic overflows near 1e200
 MAX_NOISE_MULTIPLIER = 1e6
+#: the smallest: epsilon means nothing long before it (about 5e17 for one round at q = 0.01), and
+#: dp_accounting's PLD divides by zero near 1e-150
+MIN_NOISE_MULTIPLIER = 1e-9

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .defaults import MAX_NOISE_MULTIPLIER, MIN_CLIP_NORM
+from .defaults import MAX_NOISE_MULTIPLIER, MIN_CLIP_NORM, MIN_NOISE_MULTIPLIER
 from .errors import DPFLError
 
 
@@ -240,9 +240,9 @@ class PrivacyConfig(_Section):
     """Client-level DP (training.algorithm: dp_fedavg or baek). Every epsilon comes from the ledger."""
 
     noise_multiplier: float | None = Field(
-        None, gt=0, le=MAX_NOISE_MULTIPLIER,
-        description="z: noise std = z * S on the sum (dp_fedavg), z * 2C (baek, replace-one); at most 1e6, where "
-                    "epsilon is 0 to every printed digit")
+        None, ge=MIN_NOISE_MULTIPLIER, le=MAX_NOISE_MULTIPLIER,
+        description="z: noise std = z * S on the sum (dp_fedavg), z * 2C (baek, replace-one); from 1e-9 (below "
+                    "which no epsilon means anything) to 1e6, where epsilon is 0 to every printed digit")
     clipping: ClippingConfig = ClippingConfig()
     denominator: Literal["expected", "bounded", "actual"] | None = Field(
         None, description="dp_fedavg: divide by the expected cohort weight (default), by max(F qW, actual) "

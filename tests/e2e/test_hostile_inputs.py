@@ -347,6 +347,8 @@ def _one_line_in_process(res, needle):
     # an empty category list; an empty --address (it started a private Ray)
     (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=dp_fedavg", "--set",
       "privacy.noise_multiplier=1e308"), "privacy.noise_multiplier: Input should be less than or equal to 1000000"),
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=dp_fedavg", "--set",
+      "privacy.noise_multiplier=1e-300"), "privacy.noise_multiplier: Input should be greater than or equal to 0.000000001"),
     (("scenarios", "validate", "{tiny}", "--no-data", "--set", "secagg.enabled=true", "--set", "secagg.threshold=100"),
      "secagg.threshold=100 exceeds the most clients a round can have (6, sampling.clients_per_round)"),
     (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=huang2020", "--set",
@@ -383,6 +385,11 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     (("privacy", "epsilon", "--noise-multiplier", "1e308", "--sampling-rate", "0.5", "--rounds", "2", "--delta",
       "1e-5"), "noise_multiplier: must be at most 1e+06"),
     (("privacy", "table", "--noise-multiplier", "1e300", "--rounds", "1,10"), "noise_multiplier: must be at most"),
+    # and below its division by zero (an internal ZeroDivisionError under pld)
+    (("privacy", "epsilon", "--noise-multiplier", "1e-300", "--sampling-rate", "0.01", "--rounds", "10", "--delta",
+      "1e-5"), "noise_multiplier: must be at least 1e-09"),
+    (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "nbafl",
+      "--nbafl-epsilon", "1e300"), "nbafl_epsilon: 1e+300 gives NbAFL a noise multiplier of"),
     (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "nbafl",
       "--nbafl-epsilon", "1e-300"), "nbafl_epsilon: 1e-300 gives NbAFL a noise multiplier of"),
     (("privacy", "epsilon", "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp", "--mechanism", "nbafl",
