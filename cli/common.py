@@ -125,10 +125,27 @@ def accounting_plan(sc):
     mech = planned_mechanism(sc)
     if mech is None:
         return None
+    _check_planned_multipliers(sc, mech)
     plan = check_accounting_feasible(sc.privacy.accountant, mech.noise_multipliers, mech.sampling,
                                      sc.training.rounds, sc.privacy.delta)
     _check_one_round_fits(sc, mech)
     return plan
+
+
+def _check_planned_multipliers(sc, mech) -> None:
+    """A multiplier the scenario derives (NbAFL's from its epsilon, a target epsilon's calibration)
+    within the bounds a given one must keep (dpfl_ray.defaults): outside them dp_accounting
+    overflows or divides by zero, an internal error."""
+    from dpfl_ray.defaults import MAX_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER
+    from dpfl_ray.errors import DPFLError
+
+    p = sc.privacy
+    for z in mech.noise_multipliers:
+        if not MIN_NOISE_MULTIPLIER <= z <= MAX_NOISE_MULTIPLIER:
+            field = ("privacy.nbafl.epsilon" if p.nbafl is not None else
+                     "privacy.noise_multiplier" if p.noise_multiplier is not None else "privacy.target_epsilon")
+            raise DPFLError(f"gives a noise multiplier of {z:.3g}, outside [{MIN_NOISE_MULTIPLIER:g}, "
+                            f"{MAX_NOISE_MULTIPLIER:g}]: no epsilon of it means anything", field=field)
 
 
 def _check_one_round_fits(sc, mech) -> None:

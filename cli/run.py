@@ -133,7 +133,7 @@ def _prepare(scenario, set_, out, address, resume):
     if checkpoint is None:
         RunRecord.check_new(run_dir)
         # what an earlier attempt released there must be this scenario's (privacy/reruns.py)
-        read_releases(run_dir, scenario_fingerprint(sc)["scenario_sha256"])
+        read_releases(run_dir, scenario_fingerprint(sc)["scenario_sha256"], field="--out")
     preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
     # A malformed address is one line before anything starts; loopback is read by Ray at import.
     stay_on_loopback(resolve_target(address, recorded=recorded_address))

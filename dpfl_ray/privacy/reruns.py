@@ -9,8 +9,8 @@ terms (Baek et al. Alg. 2 line 22). Two sums with the same noise and other input
 their difference: under central noise the differing clients' updates with no noise at all.
 
 Each released round's :func:`release_check` digests of those three things (keyed, so that they
-tell a reader nothing of the secret sample) go to ``releases.jsonl`` as the round commits
-(runs/record.py, RELEASES), which a resume keeps; :class:`RerunGuard` compares a rerun round's with
+tell a reader nothing of the secret sample) go to ``releases.jsonl`` before the server could see
+what they describe (runs/record.py, RELEASES), which a resume keeps; :class:`RerunGuard` compares a rerun round's with
 them where each is known and nothing new is sent or unmasked, and the coordinator stops the run
 instead of releasing a round that differs, or that released before and would release nothing now
 (docs/sensitivity.md).
@@ -28,6 +28,12 @@ PARTS = ("model", "survivors", "calibration")
 _WHAT = {"model": "another model (an earlier round went otherwise, or this host's CPU computed other bits)",
          "survivors": "other surviving clients",
          "calibration": "other clients' calibration terms"}
+
+
+def rerun_key(randomness) -> bytes:
+    """The digests' key: a secret of the run's DP randomness (privacy/randomness.py), the seed's in
+    mode 'reproducible'."""
+    return randomness.child("reruns").secret("release_check", -1, -1, 0)
 
 
 def release_check(key: bytes, round_number: int, part: str, value: np.ndarray | Iterable[int]) -> str:

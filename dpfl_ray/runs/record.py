@@ -126,9 +126,10 @@ def check_writable(path: str | Path, field: str = "--out") -> None:
 # privacy.randomness: os -- the run's secret root of DP randomness while the run can go on
 # (runtime/checkpoint.py, run_secret); never packed into a bundle that leaves the cluster
 DP_SECRET = "dp_secret"
-# the rounds the run released, appended before each release is made: its digests (privacy/reruns.py)
-# and the scenario's SHA-256 as the coordinator is about to unmask (model, survivors) and to sum the
-# calibration terms, then whether it released and the epsilon after it as the round commits. A run
+# the rounds the run released, appended before each release is made: the scenario's SHA-256 and
+# its digests (privacy/reruns.py) of the model sent out, the survivors and the calibrating clients,
+# each listed before the server could see it, then whether it released and the epsilon after it as
+# the round commits. A run
 # that starts again (a resume, a sweep's restart) releases a round listed here again only alike.
 RELEASES = "releases.jsonl"
 # what a directory may hold for a run to start in it anew: what an earlier attempt left to go on from
@@ -160,17 +161,18 @@ def may_have_released(entry: dict) -> bool:
     return entry.get("released") is not False
 
 
-def read_releases(path: str | Path, scenario_sha256: str | None = None) -> dict[int, dict]:
+def read_releases(path: str | Path, scenario_sha256: str | None = None, field: str = "--resume") -> dict[int, dict]:
     """Round number -> what :data:`RELEASES` lists of it, its lines merged (a field's first value
     wins: the attempt the server saw first), but for an attempt that said it released nothing: the
-    next attempt's listing of the round replaces it (:func:`_supersedes`). A last line cut short (a driver killed mid-write) is
-    left out; any other damage is one DPFLError, as is a line of another scenario than
-    ``scenario_sha256``: that run's DP randomness is not this one's."""
+    next attempt's listing of the round replaces it (:func:`_supersedes`). A last line cut short
+    (a driver killed mid-write) is left out; any other damage is one DPFLError naming ``field``,
+    as is a line of another scenario than ``scenario_sha256`` (a new run's: that run's DP
+    randomness is not this one's; a resumed run's scenario is checked against its checkpoint)."""
     file = Path(path) / RELEASES
     try:
         lines = file.read_text(encoding="utf-8").splitlines() if file.exists() else []
     except (OSError, UnicodeDecodeError) as err:
-        raise DPFLError(f"cannot read {file} ({err}); it lists the rounds the run released", field="--resume")
+        raise DPFLError(f"cannot read {file} ({err}); it lists the rounds the run released", field=field)
     out: dict[int, dict] = {}
     for i, line in enumerate(lines):
         try:
@@ -180,11 +182,11 @@ def read_releases(path: str | Path, scenario_sha256: str | None = None) -> dict[
                 break
             entry = None
         if not _is_release_line(entry):
-            raise DPFLError(f"{file} line {i + 1} is not a released round's digests (damaged)", field="--resume")
+            raise DPFLError(f"{file} line {i + 1} is not a released round's digests (damaged)", field=field)
         if scenario_sha256 is not None and entry["scenario_sha256"] != scenario_sha256:
             raise DPFLError(f"{file} lists rounds released by a run of another scenario; a run of this one would "
                             f"draw that run's DP randomness again: remove it and {DP_SECRET}, or choose another "
-                            "--out", field="--out")
+                            "--out", field=field)
         merged = out.setdefault(entry["round"], {})
         if _supersedes(merged, entry):
             merged.clear()

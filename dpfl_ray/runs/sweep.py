@@ -409,8 +409,11 @@ def set_aside(sweep_dir: Path, runs: Sequence[SweepRun], resumable: Callable[[Pa
 
 def resumed(sweep_dir: Path, todo: Sequence[SweepRun]) -> int:
     """How many of ``todo`` (after :func:`set_aside`) go on from a checkpoint: those whose
-    directory was left in place."""
-    return sum(1 for run in todo if (Path(sweep_dir) / run.name).exists())
+    directory was left in place with more in it than what a fresh start keeps (move_aside)."""
+    def goes_on(run_dir: Path) -> bool:
+        return run_dir.is_dir() and any(p.name not in KEPT_FOR_RESTART for p in run_dir.iterdir())
+
+    return sum(1 for run in todo if goes_on(Path(sweep_dir) / run.name))
 
 
 def move_aside(sweep_dir: Path, name: str, keep: bool = True) -> Path | None:
@@ -418,8 +421,9 @@ def move_aside(sweep_dir: Path, name: str, keep: bool = True) -> Path | None:
     earlier one); returns where it went, or None when there was none. What the run starts again
     from stays: the rounds it committed before its first checkpoint, which the server may have seen,
     are drawn again as they were (its 'os' secret: runtime/checkpoint.py, run_secret) and released
-    again only alike (their digests: runs/record.py, RELEASES). ``keep=False``: all of it goes aside,
-    for a directory about to be replaced whole (:func:`unpack_run`)."""
+    again only alike (their digests: runs/record.py, RELEASES). ``keep=False``: for a directory
+    about to be replaced whole (:func:`unpack_run`): all of it goes aside but the secret, which is
+    deleted (the directory that replaces it brings its own where it still needs one)."""
     run_dir = Path(sweep_dir) / name
     names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else None
     if not run_dir.exists() or (keep and names and names <= KEPT_FOR_RESTART):

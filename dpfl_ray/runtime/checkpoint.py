@@ -173,7 +173,7 @@ def open_for_resume(run_dir: Path):
     RunRecord.committed_rows(run_dir, rows_covered(checkpoint))
     scenario = load_scenario(run_dir / "scenario.yaml")
     check_same_scenario(checkpoint, scenario, run_dir / "scenario.yaml")
-    read_releases(run_dir, scenario_fingerprint(scenario)["scenario_sha256"])
+    read_releases(run_dir)
     if scenario.privacy.randomness == "os":
         if not (run_dir / DP_SECRET).exists():
             raise DPFLError(f"{run_dir} has no {DP_SECRET}, the secret its DP noise came from (privacy.randomness: "

@@ -23,7 +23,7 @@ from ..algorithms import Abort, Aggregate, RoundOutcome, algorithm_class, make_a
 from ..faults.plan import CRASH, REJECTED, STRAGGLER, FaultPlan, overcommitted, tally
 from ..training.evaluation import combine_shards, eval_shards
 from ..privacy.randomness import DPRandomness
-from ..privacy.reruns import RerunDiverged, RerunGuard
+from ..privacy.reruns import RerunDiverged, RerunGuard, rerun_key
 from ..privacy.client_sampling import sample_clients
 from ..scenario import Scenario
 from ..runs.record import client_accuracy_summary
@@ -68,7 +68,7 @@ class Coordinator:
         # the client sample is a DP draw too (amplification by sampling): 'os' draws it from a secret
         randomness = DPRandomness.create(self.sc.privacy.randomness, self.sc.seed, dp_secret)
         self.sample_randomness = randomness.child("sample")
-        self.reruns = RerunGuard(randomness.child("reruns").secret("release_check", -1, -1, 0), released)
+        self.reruns = RerunGuard(rerun_key(randomness), released)
         self._scenario_sha256 = scenario_fingerprint(self.sc)["scenario_sha256"]
         self._diverged: str | None = None  # why the round in flight must not be released (privacy/reruns.py)
         self._halted = False  # the round in flight was asked to stop before it released

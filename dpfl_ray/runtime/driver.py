@@ -135,7 +135,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     last_checkpoint = resume  # the driver's own copy of the committed state
     try:
         # rounds an earlier attempt released: released again alike, or not at all (privacy/reruns.py)
-        released = read_releases(record.path, scenario_fingerprint(scenario)["scenario_sha256"])
+        released = read_releases(record.path, None if resume else scenario_fingerprint(scenario)["scenario_sha256"],
+                                 field="--resume" if resume else "--out")
         audit = scenario.privacy.audit
         data = put_federation(fed, audit.canaries if audit else 0)
         timings.mark("data_in_object_store")
@@ -174,8 +175,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                 result = _ask(run_ref)
                 stop_reason, error = result["stop_reason"], result.get("error")
                 if error:  # a rerun round that would have released otherwise (privacy/reruns.py)
-                    error += ("; an attempt whose clients survive alike releases the same values: run it again "
-                              f"(dpfl run --resume {record.path}, or the same sweep command)")
+                    error += _rerun_hint(record.path)
                 break
     except KeyboardInterrupt:
         stop_reason = "interrupted"
@@ -211,8 +211,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     # the os secret goes once nothing can run a released round again: the run finished, or it released none.
     # Rounds released before a first checkpoint keep it: a sweep starts such a run again from it (move_aside),
     # and its listed releases are checked with a key drawn from it (privacy/reruns.py).
-    if ended_on_its_own(summary) or not ((record.path / CHECKPOINT).exists() or record.rounds or any(
-            may_have_released(v) for v in read_releases(record.path).values())):
+    if ended_on_its_own(summary) or not ((record.path / CHECKPOINT).exists() or record.rounds
+                                         or _lists_a_release(record.path)):
         forget_run_secret(record.path)
     if keep_workers and clean:
         warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)
@@ -277,6 +277,21 @@ def _lost(err: Exception) -> str:
     return f"the coordinator was lost ({type(err).__name__}: {_one_line(err)})"
 
 
+def _rerun_hint(run_dir) -> str:
+    """What a run stopped by a rerun check can do: go again, where another attempt can go alike."""
+    again = (f"dpfl run --resume {run_dir}, or the same sweep command" if (run_dir / CHECKPOINT).exists()
+             else "the same sweep command; without a checkpoint dpfl run cannot go on")
+    return f"; an attempt whose clients survive alike releases the same values: run it again ({again})"
+
+
+def _lists_a_release(run_dir) -> bool:
+    """Does the run's list hold a round the server may have seen (an unreadable list: assume so)?"""
+    try:
+        return any(may_have_released(v) for v in read_releases(run_dir).values())
+    except DPFLError:
+        return True
+
+
 def _stop_between_rounds(coord, run_ref) -> None:
     """Ask the coordinator (if it exists yet) to stop after the round in flight, and give that
     round (if the run has begun) a moment."""
@@ -285,6 +300,7 @@ def _stop_between_rounds(coord, run_ref) -> None:
     with contextlib.suppress(ray.exceptions.RayError):
         # applied before the events are read: a release is listed by then, or never made (Coordinator._announce)
         ray.get(coord.stop.remote(), timeout=STOP_GRACE_SECONDS)
+    with contextlib.suppress(ray.exceptions.RayError):
         if run_ref is not None:
             ray.wait([run_ref], timeout=STOP_GRACE_SECONDS)
 
@@ -416,8 +432,10 @@ def finish(scenario, fed, record, state: dict | None, stop_reason, error, wall, 
         summary["released_before_resume"] = {
             "rounds": sorted(again), "epsilon": max((v["epsilon"] for v in again.values()
                                                       if isinstance(v.get("epsilon"), (int, float))), default=None),
-            "note": "released by an earlier attempt of this run (releases.jsonl); epsilon is the ledger's after "
-                    "them then, a bound on everything released until these rounds run again alike"}
+            "note": "listed as released, by an earlier attempt of this run or by this one after its last committed "
+                    "round (releases.jsonl), and not in this run's ledger; epsilon is the ledger's after them where "
+                    "that attempt committed them (null where none did), a bound on everything released until "
+                    "these rounds run again alike"}
     missed = not_carried_out(rounds)
     if missed:
         summary["faults_not_carried_out"] = missed

@@ -364,8 +364,9 @@ class _LazyCollector:
 
 def _run(config: dict, run_dir: Path, stop: TrialStop, t0: float, report: Callable[[dict], None]
          ) -> tuple[str, bool]:
-    """The run's status, and whether this trial held the run's lock (runs.sweep.hold_run): a trial
-    refused the lock must not send back a directory another attempt is writing."""
+    """The run's status, and whether this trial sends its directory back (it held the run's lock:
+    runs.sweep.hold_run): a trial refused the lock must not send back a directory another attempt is
+    writing, nor one that found the run finished on the sweep's node."""
     from ..data import build_federation
     from ..errors import DPFLError
     from ..runs.record import RunRecord

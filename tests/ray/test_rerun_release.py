@@ -11,7 +11,7 @@ import pytest
 from dpfl_ray.data import build_federation
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.privacy.randomness import DPRandomness
-from dpfl_ray.privacy.reruns import release_check
+from dpfl_ray.privacy.reruns import release_check, rerun_key
 from dpfl_ray.runs.record import RELEASES, RunRecord, read_releases
 from dpfl_ray.runtime.checkpoint import scenario_fingerprint
 from dpfl_ray.runtime.driver import run_scenario
@@ -36,10 +36,6 @@ def _again(sc, path, releases: dict, change: dict | None = None):
     return run_scenario(sc, build_federation(sc), RunRecord(path))
 
 
-def _releases(path):
-    return read_releases(path)
-
-
 def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survivors(ray_session, tmp_path):
     def scenario():
         return tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 4},
@@ -47,7 +43,7 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
                              privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}})
 
     first = run_scenario(scenario(), build_federation(scenario()), RunRecord(tmp_path / "first"))
-    rows, releases = _rows(tmp_path / "first"), _releases(tmp_path / "first")
+    rows, releases = _rows(tmp_path / "first"), read_releases(tmp_path / "first")
     assert first["stop_reason"] == "completed" and sorted(releases) == [1, 2, 3, 4]
     sha = scenario_fingerprint(scenario())["scenario_sha256"]
     # without SecAgg each round is listed before its model goes out, then its survivors, then how it ended
@@ -60,7 +56,7 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
     # the same releases: the run goes through, row for row the first one's
     alike = _again(scenario(), tmp_path / "alike", releases)
     assert alike["stop_reason"] == "completed" and _figures(_rows(tmp_path / "alike")) == _figures(rows)
-    assert "released_before_resume" not in alike and _releases(tmp_path / "alike") == releases
+    assert "released_before_resume" not in alike and read_releases(tmp_path / "alike") == releases
 
     with pytest.raises(DPFLError, match=r"run failed after 2 rounds .*round 3 ran again after a resume with other "
                                         r"surviving clients .*nothing was released.*dpfl run --resume "):
@@ -74,7 +70,7 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
     # the second attempt listed nothing new of rounds 1-2 (alike) and nothing of round 3 (not released)
     listed = dict(releases)
     listed[3] = {**releases[3], "survivors": "0" * 32}
-    assert _releases(tmp_path / "survivors") == listed
+    assert read_releases(tmp_path / "survivors") == listed
 
     # checked before the model goes out
     with pytest.raises(DPFLError, match=r"run failed after 1 rounds .*round 2 ran again after a resume with another "
@@ -107,7 +103,7 @@ def test_a_run_stopped_mid_round_lists_every_round_it_may_have_released(ray_sess
     summary = run_scenario(sc, build_federation(sc), RunRecord(tmp_path / "stopped"), on_event=on_event,
                            shutdown=shutdown)
     assert summary["stop_reason"] == "interrupted" and 2 <= summary["rounds_completed"] < 8
-    listed = {r for r, e in _releases(tmp_path / "stopped").items() if e.get("released") is not False}
+    listed = {r for r, e in read_releases(tmp_path / "stopped").items() if e.get("released") is not False}
     again = set(summary.get("released_before_resume", {}).get("rounds", []))
     assert listed == set(range(1, summary["rounds_completed"] + 1)) | again and len(again) <= 1
 
@@ -121,7 +117,7 @@ def test_a_round_released_before_that_releases_nothing_now_stops_the_run(ray_ses
                        secagg={"enabled": True, "threshold": "majority"},
                        faults={"dropout": [{"model": "tail", "rate": 1.0, "phase": "training"}]})
     fed = build_federation(sc)
-    key = DPRandomness.create("reproducible", sc.seed).child("reruns").secret("release_check", -1, -1, 0)
+    key = rerun_key(DPRandomness.create("reproducible", sc.seed))
     theta0 = initial_theta(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
     before = {"round": 1, "scenario_sha256": scenario_fingerprint(sc)["scenario_sha256"], "epsilon": 0.5,
               "model": release_check(key, 1, "model", theta0), "survivors": "0" * 32}
@@ -145,7 +141,7 @@ def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session
                                                  {"model": "tail", "rate": 0.3, "phase": "calibration"}]})
 
     run_scenario(scenario(), build_federation(scenario()), RunRecord(tmp_path / "first"))
-    rows, releases = _rows(tmp_path / "first"), _releases(tmp_path / "first")
+    rows, releases = _rows(tmp_path / "first"), read_releases(tmp_path / "first")
     assert all({"model", "survivors", "calibration"} <= set(e) for e in releases.values())
     assert all(r["dropped_by_phase"].get("calibration") for r in rows)
     with pytest.raises(DPFLError, match=r"run failed after 1 rounds .*round 2 ran again after a resume with other "

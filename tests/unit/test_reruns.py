@@ -191,3 +191,15 @@ def test_an_attempt_that_released_nothing_is_replaced_by_the_next_that_lists_the
     third.add_release({"event": "release", "round": 3, "scenario_sha256": "a" * 64, "released": False})
     third.close()
     assert read_releases(tmp_path / "run")[3]["released"] is True
+
+
+def test_a_directory_holding_only_what_a_fresh_start_keeps_does_not_go_on_from_a_checkpoint(tmp_path):
+    from dpfl_ray.runs.load import SweepRun
+    from dpfl_ray.runs.sweep import resumed
+
+    runs = [SweepRun(name, (), None, ()) for name in ("kept", "going", "none")]
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / RELEASES).write_text("")
+    (tmp_path / "going").mkdir()
+    (tmp_path / "going" / "checkpoint.npz").write_bytes(b"")
+    assert resumed(tmp_path, runs) == 1
