@@ -1,5 +1,5 @@
 """What Baek's calibration costs late in training at z = 1.5 and 10% dropout (docs/reproductions.md,
-Baek et al. 2021, experiments 8 and 9): python docs/experiments/baek2021_late_gap.py FIRST LAST RUN_DIR...
+Baek et al. 2021, experiments 8 to 10): python docs/experiments/baek2021_late_gap.py [--level P] FIRST LAST RUN_DIR...
 
 The run directories are runs of the same seeds, of three kinds told apart by their scenario.yaml: the
 calibrated run at z = 1.5 with 10% tail dropout; the run without dropout at z / 0.9 = 1.6667, the noise
@@ -9,7 +9,8 @@ one table, the runs paired by seed: D = z / 0.9 minus calibrated (experiment 8),
 calibrated (the claim's loss, experiment 9) and C = z = 1.5 minus z / 0.9 (what z / 0.9 costs). For each
 seed a table gives the mean over those rounds of one kind's accuracy minus the other's, and the gaps at
 the window's first round, at round 100 and at its last round; below it, the mean over the seeds with
-its standard error and t-based 95% interval, and the mean gap at round 100 and at the last round alone.
+its standard error and t-based interval (95%, or P: experiment 10's second look uses 0.975), and the
+mean gap at round 100 and at the last round alone.
 A seed whose two runs do not both cover the window is listed and not counted.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def read(dirs: list[Path]) -> dict[int, dict[str, dict[int, float]]]:
 
 
 def table(first: int, last: int, dirs: list[Path], name: str = "D", ahead: str = Z_OVER_09,
-          behind: str = CALIBRATED, runs: dict | None = None) -> list[str]:
+          behind: str = CALIBRATED, runs: dict | None = None, level: float = 0.95) -> list[str]:
     runs = read(dirs) if runs is None else runs
     window = range(first, last + 1)
     lines = [f"| seed | mean gap, rounds {first}-{last} | round {first} | round 100 | round {last} |",
@@ -84,26 +85,33 @@ def table(first: int, last: int, dirs: list[Path], name: str = "D", ahead: str =
     if len(means) < 2:
         raise SystemExit(f"{name}: fewer than two seeds with both runs over rounds {first}-{last}")
     mean, se = statistics.fmean(means), stats.sem(means)
-    low, high = stats.t.interval(0.95, len(means) - 1, loc=mean, scale=se)
-    lines += ["", f"{name} = {mean:+.4f} over {len(means)} seeds (SE {se:.4f}, 95% {low:+.4f} to {high:+.4f})"]
+    low, high = stats.t.interval(level, len(means) - 1, loc=mean, scale=se)
+    lines += ["", f"{name} = {mean:+.4f} over {len(means)} seeds (SE {se:.4f}, {level:.1%} {low:+.4f} to {high:+.4f})"
+              .replace(".0%", "%")]
     for label, values in ((100, at_100), (last, at_last)):
         if len(values) >= 2:
             lines.append(f"round {label} alone: {statistics.fmean(values):+.4f} (SE {stats.sem(values):.4f})")
     return lines
 
 
-def tables(first: int, last: int, dirs: list[Path]) -> list[str]:
+def tables(first: int, last: int, dirs: list[Path], level: float = 0.95) -> list[str]:
     runs = read(dirs)
     kinds = {kind for pair in runs.values() for kind in pair}
     out: list[str] = []
     for name, ahead, behind in COMPARISONS:
         if {ahead, behind} <= kinds:
             out += ([""] if out else []) + [f"{name} = {ahead} minus {behind}:", ""]
-            out += table(first, last, dirs, name, ahead, behind, runs)
+            out += table(first, last, dirs, name, ahead, behind, runs, level)
     if not out:
         raise SystemExit("no two kinds of run to compare")
     return out
 
 
 if __name__ == "__main__":
-    print("\n".join(tables(int(sys.argv[1]), int(sys.argv[2]), [Path(d) for d in sys.argv[3:]])))
+    args = sys.argv[1:]
+    level = 0.95
+    if args[:1] == ["--level"]:
+        level, args = float(args[1]), args[2:]
+        if not 0.5 < level < 1.0:
+            raise SystemExit(f"--level: an interval's coverage in (0.5, 1), got {level:g}")
+    print("\n".join(tables(int(args[0]), int(args[1]), [Path(d) for d in args[2:]], level)))

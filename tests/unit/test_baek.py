@@ -707,3 +707,6 @@ def test_the_late_gap_script_pairs_runs_by_seed_and_averages_the_window(tmp_path
                                     "| 2 | +0.0050 | +0.0100 | -0.0100 | +0.0100 |"]
     assert lines[at + 8].startswith("C = +0.0075 over 2 seeds (SE 0.0025")
     assert module.tables(99, 102, runs) == ["D = z/0.9 minus calibrated:", ""] + module.table(99, 102, runs)
+    # experiment 10's second look: a 97.5% interval
+    low, high = stats.t.interval(0.975, 1, loc=0.02, scale=0.01)
+    assert f"L = +0.0200 over 2 seeds (SE 0.0100, 97.5% {low:+.4f} to {high:+.4f})" in module.tables(99, 102, both, 0.975)
