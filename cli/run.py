@@ -87,7 +87,9 @@ def run(
         shutdown.done()
     _print_summary(summary, record)
     if summary["stop_reason"] == "interrupted":
-        if sc.output.checkpoint_every:
+        from dpfl_ray.runtime.checkpoint import CHECKPOINT
+
+        if (record.path / CHECKPOINT).exists():  # not before the first round's checkpoint: nothing to resume
             console.print(f"resume with: dpfl run --resume {record.path}", highlight=False, soft_wrap=True,
                           markup=False)
         raise typer.Exit(shutdown.exit_code)

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from dpfl_ray.data import build_federation
+from dpfl_ray.runs.record import read_releases
 from dpfl_ray.training.models import build_model, evaluate, get_flat
 from dpfl_ray.scenario import load_scenario
 from tests.helpers import long_dp_fedavg
@@ -122,6 +123,12 @@ def test_a_signal_leaves_a_consistent_run_and_no_process(tmp_path, kind, moment)
     ledger = json.loads((out / "ledger.json").read_text())
     assert summary["stop_reason"] == "interrupted"
     assert summary["rounds_completed"] == len(rows) == ledger["num_rounds"]
+    # the resume command only where there is a checkpoint to resume from
+    assert ("dpfl run --resume" in stdout.replace("\n", "")) == (out / "checkpoint.npz").exists(), stdout[-2000:]
+    # every round the server may have seen is in the rows or named by the summary (privacy/reruns.py)
+    listed = {r for r, e in read_releases(out).items() if e.get("released") is not False}
+    again = set(summary.get("released_before_resume", {}).get("rounds", []))
+    assert listed == {r["round"] for r in rows} | again and len(again) <= 1, (listed, again)
     assert [r["round"] for r in ledger["rounds"]] == [r["round"] for r in rows]
     assert summary["epsilon"] == (rows[-1]["epsilon"] if rows else None)
     if rows:
