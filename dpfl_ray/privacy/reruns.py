@@ -10,10 +10,10 @@ their difference: under central noise the differing clients' updates with no noi
 
 Each released round's :func:`release_check` digests of those three things (keyed, so that they
 tell a reader nothing of the secret sample) go to ``releases.jsonl`` before the server could see
-what they describe (runs/record.py, RELEASES), which a resume keeps; :class:`RerunGuard` compares a rerun round's with
-them where each is known and nothing new is sent or unmasked, and the coordinator stops the run
-instead of releasing a round that differs, or that released before and would release nothing now
-(docs/sensitivity.md).
+what they describe (runs/record.py, RELEASES), which a resume keeps; :class:`RerunGuard` compares
+a rerun round's with them where each is known and nothing new is sent or unmasked, and the
+coordinator stops the run instead of releasing a round that differs, or that released before and
+would release nothing now (docs/sensitivity.md).
 """
 from __future__ import annotations
 

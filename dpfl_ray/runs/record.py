@@ -129,8 +129,8 @@ DP_SECRET = "dp_secret"
 # the rounds the run released, appended before each release is made: the scenario's SHA-256 and
 # its digests (privacy/reruns.py) of the model sent out, the survivors and the calibrating clients,
 # each listed before the server could see it, then whether it released and the epsilon after it as
-# the round commits. A run
-# that starts again (a resume, a sweep's restart) releases a round listed here again only alike.
+# the round commits. A run that starts again (a resume, a sweep's restart) releases a round listed
+# here again only alike.
 RELEASES = "releases.jsonl"
 # what a directory may hold for a run to start in it anew: what an earlier attempt left to go on from
 KEPT_FOR_RESTART = frozenset({DP_SECRET, RELEASES})

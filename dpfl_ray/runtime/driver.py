@@ -17,8 +17,8 @@ from ..runs.record import RunRecord, may_have_released, read_releases, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
-from .checkpoint import (CHECKPOINT, ended_on_its_own, forget_run_secret, rows_covered, run_secret, scenario_fingerprint,
-                         write_checkpoint)
+from .checkpoint import (CHECKPOINT, ended_on_its_own, forget_run_secret, rows_covered, run_secret,
+                         scenario_fingerprint, write_checkpoint)
 from .messages import Pending
 from .recovery import add_pending_row, committed_from_checkpoint, head_unreachable, row_of
 from .shutdown import Shutdown, kill_descendants, stop_autoscaler_monitor
