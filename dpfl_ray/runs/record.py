@@ -156,6 +156,11 @@ def _is_release_line(entry) -> bool:
     return True
 
 
+def holds_only_kept(path: Path) -> bool:
+    """Is ``path`` a directory holding nothing but what a fresh start of its run keeps (or nothing)?"""
+    return path.is_dir() and all(p.name in KEPT_FOR_RESTART for p in path.iterdir())
+
+
 def may_have_released(entry: dict) -> bool:
     """Could the server have seen this listed round released (its attempt did not say otherwise)?"""
     return entry.get("released") is not False
@@ -232,7 +237,7 @@ class RunRecord:
         an earlier attempt of the same run left for it (runs/sweep.py, move_aside): the secret to draw
         from again, and the list of the rounds it released."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(p.name not in KEPT_FOR_RESTART for p in path.iterdir())):
+        if path.exists() and not holds_only_kept(path):
             raise DPFLError(f"{path} already holds files; choose another --out", field="--out")
         check_writable(path)
 
@@ -241,6 +246,7 @@ class RunRecord:
         self.check_new(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.rounds: list[dict] = []
+        self._releases: ReleaseList | None = None
         self._rounds_file = open(self.path / "rounds.jsonl", "w")
 
     @classmethod
@@ -251,6 +257,7 @@ class RunRecord:
         self = cls.__new__(cls)
         self.path = Path(path)
         self.rounds = cls.committed_rows(self.path, rounds)
+        self._releases = None
         tmp = self.path / "rounds.jsonl.tmp"
         tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rounds))
         os.replace(tmp, self.path / "rounds.jsonl")
@@ -293,7 +300,7 @@ class RunRecord:
         """Append what the coordinator lists of a release to :data:`RELEASES`, on its way to disk
         before the release is made; what an earlier attempt listed of the round already (which this
         one matched) is not listed again (:class:`ReleaseList`)."""
-        if "_releases" not in self.__dict__:
+        if self._releases is None:
             self._releases = ReleaseList(self.path)
         self._releases.add(event)
 

@@ -30,7 +30,7 @@ from ..errors import DPFLError
 from .load import (MANIFEST, MAX_NAME_BYTES, MAX_RUNS, SweepRun, _safe, check_run_count, expand, load_run,  # noqa: F401
                    sweep_run_dirs)
 from ..scenario import load_scenario
-from .record import DP_SECRET, KEPT_FOR_RESTART, check_writable
+from .record import DP_SECRET, KEPT_FOR_RESTART, check_writable, holds_only_kept
 
 # The lock files start with the manifest's name: prepare() takes them for part of a sweep directory.
 LOCK = MANIFEST + ".lock"
@@ -410,10 +410,8 @@ def set_aside(sweep_dir: Path, runs: Sequence[SweepRun], resumable: Callable[[Pa
 def resumed(sweep_dir: Path, todo: Sequence[SweepRun]) -> int:
     """How many of ``todo`` (after :func:`set_aside`) go on from a checkpoint: those whose
     directory was left in place with more in it than what a fresh start keeps (move_aside)."""
-    def goes_on(run_dir: Path) -> bool:
-        return run_dir.is_dir() and any(p.name not in KEPT_FOR_RESTART for p in run_dir.iterdir())
-
-    return sum(1 for run in todo if goes_on(Path(sweep_dir) / run.name))
+    return sum(1 for run in todo if (Path(sweep_dir) / run.name).is_dir()
+               and not holds_only_kept(Path(sweep_dir) / run.name))
 
 
 def move_aside(sweep_dir: Path, name: str, keep: bool = True) -> Path | None:

@@ -36,7 +36,13 @@ def run_secret(run_dir: Path, mode: str) -> bytes | None:
     path = Path(run_dir) / DP_SECRET
     if path.exists():
         return read_secret(path)
-    secret = os.urandom(32)
+    return write_secret(run_dir, os.urandom(32))
+
+
+def write_secret(run_dir: Path, secret: bytes) -> bytes:
+    """Put ``secret`` in the run directory as its DP_SECRET, readable by its owner alone and whole
+    (written beside it, synced, then renamed)."""
+    path = Path(run_dir) / DP_SECRET
     tmp = path.with_name(DP_SECRET + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

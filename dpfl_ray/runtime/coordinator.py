@@ -73,7 +73,6 @@ class Coordinator:
         self._diverged: str | None = None  # why the round in flight must not be released (privacy/reruns.py)
         self._halted = False  # the round in flight was asked to stop before it released
         self._announced = False  # the round in flight is listed as about to release
-        self._secagg_round = False  # the round in flight sums through SecAgg (nothing seen before unmasking)
         self._data = data
         self.x_test, self.y_test, offsets, self.weights = ray.get(
             [data[k] for k in ("x_test", "y_test", "offsets", "weights")], timeout=CALL_TIMEOUT_SECONDS)
@@ -345,7 +344,7 @@ class Coordinator:
         t0 = time.perf_counter()
         sc, alg = self.sc, self.algorithm
         self.reruns.begin(t + 1)
-        self._announced = self._secagg_round = False
+        self._announced = False
         if self.privacy:  # before the model goes out: uploads the server sees may carry the same noise
             why = self.reruns.check("model", self.theta)
             if why is not None:
@@ -376,11 +375,11 @@ class Coordinator:
         if abort is not None:  # e.g. Baek et al. Alg. 3 line 17: the server stops before anyone trains
             outcome, extra, dropped = RoundOutcome(t, aborted=abort.reason), {"round_aborted": abort.reason}, {}
         elif sc.secagg.enabled and active:
-            self._secagg_round = True
             theta_ref = ray.put(self.theta)  # the broadcast: one object, read by every worker
             assignment = self.assign(active)
             res = secagg_round(self, t, theta_ref, active, len(sampled) - len(active), faults, spec,
-                               self._after_upload, self._chaos(faults, assignment),
+                               lambda survivors: self._after_upload(survivors, secagg=True),
+                               self._chaos(faults, assignment),
                                lambda phase: self._strike(faults, phase), canaries, self._before_calibration)
             dropped.update(res.lost)
             rejected = res.rejected
@@ -400,7 +399,7 @@ class Coordinator:
                 self._settle(*evals)
             if worker_s is not None:  # the slowest worker's own compute: the rest of the round is overhead
                 extra["worker_seconds"] = worker_s
-            plan = self._after_upload(survivors)
+            plan = self._after_upload(survivors, secagg=False)
             if isinstance(plan, Abort):
                 outcome, extra = RoundOutcome(t, aborted=plan.reason), {"round_aborted": plan.reason}
             else:
@@ -467,10 +466,11 @@ class Coordinator:
                 self._events.append(record)
         return record
 
-    def _after_upload(self, survivors: list[int]):
+    def _after_upload(self, survivors: list[int], secagg: bool):
         """What the unmask request carries, or why nothing is released -- the mechanism's own
         reasons, a release that would take the effective epsilon past the budget, or a rerun round
-        that would release otherwise than the server saw before (privacy/reruns.py)."""
+        that would release otherwise than the server saw before (privacy/reruns.py). ``secagg``: the
+        round sums through SecAgg, so the server has seen nothing of it yet."""
         if self.privacy:
             why = self.reruns.check("survivors", survivors)
             if why is not None:
@@ -481,7 +481,7 @@ class Coordinator:
             return plan
         if not self.privacy.release_fits(self.algorithm.mechanism()):
             return Abort(BUDGET_REFUSAL)
-        if self._secagg_round:  # nothing is seen before the unmask request: a stop may still end the round
+        if secagg:  # nothing is seen before the unmask request: a stop may still end the round
             if not self._announce("model", "survivors"):
                 return Abort(STOPPING)
         else:  # the uploads are in: the round goes on to its commit

@@ -263,16 +263,13 @@ def write_kept(run_dir: Path, files: dict[str, bytes]) -> None:
     import tempfile
 
     from ..runs.record import DP_SECRET, RELEASES, ReleaseList, read_releases
+    from .checkpoint import write_secret
 
     if not files:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     if DP_SECRET in files and not (run_dir / DP_SECRET).exists():
-        fd = os.open(run_dir / DP_SECRET, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, files[DP_SECRET])
-        finally:
-            os.close(fd)
+        write_secret(run_dir, files[DP_SECRET])
     if RELEASES in files:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / RELEASES).write_bytes(files[RELEASES])
