@@ -68,6 +68,8 @@ def parse_rounds(rounds: list[dict]) -> dict:
         out["worker_seconds"] = sum(float(r.get("worker_seconds") or 0.0) for r in rounds)
     if any("account_seconds" in r for r in rounds):  # the ledger's dp_accounting work, also server-side
         out["account_seconds"] = sum(float(r.get("account_seconds") or 0.0) for r in rounds)
+    if any("listing_seconds" in r for r in rounds):  # the waits for releases.jsonl to hold each listing
+        out["listing_seconds"] = sum(float(r.get("listing_seconds") or 0.0) for r in rounds)
     secagg = [r["secagg_seconds"] for r in rounds if r.get("secagg_seconds")]
     if secagg:
         protocol = sum(v for s in secagg for k, v in s.items() if k != "advertise")

@@ -272,6 +272,7 @@ def run_workloads(
 _ROWS = (  # (label, stats key, scale, digits)
     ("training s", "train_seconds", 1, 2), ("  of which evaluation s", "eval_seconds", 1, 2),
     ("  of which accounting s", "account_seconds", 1, 2),
+    ("  of which release listing s", "listing_seconds", 1, 2),
     ("  of which slowest worker s", "worker_seconds", 1, 2),
     ("whole process s", "process_seconds", 1, 2),
     ("  imports + data s", "imports_and_data_seconds", 1, 2), ("  Ray start-up s", "ray_startup_seconds", 1, 2),

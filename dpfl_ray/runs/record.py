@@ -227,6 +227,7 @@ class ReleaseList:
         with open(self.file, "a", encoding="utf-8") as f:
             f.write(dumps({"round": event["round"], "scenario_sha256": event["scenario_sha256"], **new}) + "\n")
             f.flush()
+            os.fsync(f.fileno())  # the release goes ahead once this returns: the line outlives this host too
         listed.update(new)
 
 

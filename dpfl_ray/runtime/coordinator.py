@@ -42,6 +42,9 @@ CALL_TIMEOUT_SECONDS = 120.0
 MAX_REPLACEMENTS = 100  # worker deaths a run survives before it stops with an error
 BUDGET_REFUSAL = "releasing this round would take the effective epsilon past privacy.target_epsilon"
 STOPPING = "the run was asked to stop before this round released"
+# How long a round waits for the driver to have written what it lists of a release (_await_listings)
+# before it releases nothing and stops the run: the driver's calls are bounded by a minute as well.
+LISTING_TIMEOUT_SECONDS = 60.0
 
 
 class _Halted(Exception):
@@ -116,6 +119,13 @@ class Coordinator:
         # Guards what the driver may read while a round runs: a round's ledger entry, the model it
         # produced and its event are committed together, so a reader never sees one without the others.
         self._lock = threading.Lock()
+        # Wakes a driver waiting for a listing to write (``events``), and a release waiting until it
+        # is written (``_await_listings``); held through ``_lock``.
+        self._listed = threading.Condition(self._lock)
+        self._written = 0  # events the driver has written: it asks for those after them
+        self._to_write = 0  # events up to the last listing (_list): written before what it lists is released
+        self._listing_s = 0.0
+        self._over = False  # run() has returned: a waiting driver reads at once
         self._stop = threading.Event()
         # A committed round whose test evaluation rides on the next round's training calls, and the
         # model to evaluate: (its record, theta). Its event is emitted once it is evaluated
@@ -233,14 +243,28 @@ class Coordinator:
     # -- what the driver reads -------------------------------------------------------------------
     def _emit(self, event: dict) -> None:
         with self._lock:
-            self._events.append(event)
+            self._append(event)
 
-    def events(self, since: int = 0) -> list[dict]:
-        with self._lock:
+    def _append(self, event: dict) -> None:
+        """With ``_lock`` held: one more event, and a waiting reader woken for it."""
+        self._events.append(event)
+        self._listed.notify_all()
+
+    def events(self, since: int = 0, wait_s: float = 0.0) -> list[dict]:
+        """The events from number ``since`` on. Asking for them says the caller has written every
+        event before ``since`` to disk (the driver, runtime/driver.py): a release listed among those
+        may be made (``_await_listings``). ``wait_s``: return within that long, at once when a
+        listing waits to be written or the run is over."""
+        with self._listed:
+            if since > self._written:
+                self._written = since
+                self._listed.notify_all()
+            if wait_s > 0:
+                self._listed.wait_for(lambda: self._to_write > since or self._over, timeout=wait_s)
             return self._events[since:]
 
     def stop(self) -> None:
-        with self._lock:  # a release is listed (_announce) before this, or never unmasked
+        with self._lock:  # a release is listed (_list) before this, or not made
             self._stop.set()
 
     def committed(self) -> dict:
@@ -283,7 +307,7 @@ class Coordinator:
             acc, loss = combine_shards(sums, len(self.y_test))
         record.update(test_accuracy=acc, test_loss=loss, eval_seconds=seconds)
         with self._lock:
-            self._events.append(record)
+            self._append(record)
             self._pending = None
 
     # -- the loop --------------------------------------------------------------------------------
@@ -293,6 +317,9 @@ class Coordinator:
             return self._run()
         finally:
             self._running = False
+            with self._listed:
+                self._over = True
+                self._listed.notify_all()
 
     def _run(self) -> dict:
         infos = self.start_pool()
@@ -345,8 +372,11 @@ class Coordinator:
         sc, alg = self.sc, self.algorithm
         self.reruns.begin(t + 1)
         self._announced = False
+        self._listing_s = 0.0  # this round's waits for the driver to write its listings (_await_listings)
         if self.privacy:  # before the model goes out: uploads the server sees may carry the same noise
             why = self.reruns.check("model", self.theta)
+            if why is None and not self._await_listings():  # the last round's, before its model goes out
+                why = self._diverged
             if why is not None:
                 raise RerunDiverged(why)
         sampled = sample_clients(self.sampling, len(self.sizes), sc.seed, t, self.sample_randomness)
@@ -389,8 +419,9 @@ class Coordinator:
                 dropped = {c: p for c, p in dropped.items() if not p.endswith("@calibration")}
         else:
             # without SecAgg the server sees each upload (under client noise, each a release): listed
-            # before the model goes out, or not sent at all once the run is asked to stop
-            if self.privacy and not self._announce("model"):
+            # before the model goes out (written before an upload is read: _plain_round), or not
+            # sent at all once the run is asked to stop
+            if self.privacy and not self._list("model"):
                 raise _Halted()
             theta_ref = ray.put(self.theta)
             survivors, total, updates, rejected, reports, worker_s, evals = self._plain_round(
@@ -437,6 +468,8 @@ class Coordinator:
         dropped.update({c: f"{REJECTED}@upload" for c in rejected})
         if self._missed:
             extra["faults_not_carried_out"] = sorted(set(self._missed))
+        if self._announced:
+            extra["listing_seconds"] = self._listing_s
         tallied = tally(dropped)
         if rejected:
             tallied["rejected"] = {str(c): why for c, why in sorted(rejected.items())}
@@ -451,8 +484,8 @@ class Coordinator:
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
                       "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
             if self._announced:  # its line in releases.jsonl says how it ended, before its row
-                self._events.append({"event": "release", "round": t + 1, "scenario_sha256": self._scenario_sha256,
-                                     "released": bool(outcome.released), "epsilon": record.get("epsilon")})
+                self._append({"event": "release", "round": t + 1, "scenario_sha256": self._scenario_sha256,
+                              "released": bool(outcome.released), "epsilon": record.get("epsilon")})
             if self.audit is not None and outcome.released:
                 views = alg.server_views()
                 self.audit.add_round(theta.astype(np.float64) - self.theta,
@@ -463,7 +496,7 @@ class Coordinator:
             if deferred:  # its event waits for its evaluation (_settle)
                 self._pending = (record, theta)
             else:
-                self._events.append(record)
+                self._append(record)
         return record
 
     def _after_upload(self, survivors: list[int], secagg: bool):
@@ -483,9 +516,10 @@ class Coordinator:
             return Abort(BUDGET_REFUSAL)
         if secagg:  # nothing is seen before the unmask request: a stop may still end the round
             if not self._announce("model", "survivors"):
-                return Abort(STOPPING)
-        else:  # the uploads are in: the round goes on to its commit
-            self._announce("survivors", may_halt=False)
+                return Abort(self._diverged or STOPPING)
+        else:  # the uploads are in: the round goes on to its commit, and the sum it releases leaves
+            # this actor with the commit's events, after this listing, or in the next broadcast, once written
+            self._list("survivors", may_halt=False)
         return plan
 
     def _before_calibration(self, senders: list[int]) -> str | None:
@@ -498,23 +532,45 @@ class Coordinator:
         if why is not None:
             self._diverged = why
             return why
-        self._announce("calibration", may_halt=False)  # A is unmasked: the round goes on to its commit
+        if not self._announce("calibration", may_halt=False):  # A is unmasked: on to the commit, once listed
+            return self._diverged
         return None
 
     def _announce(self, *parts: str, may_halt: bool = True) -> bool:
-        """List the round's digests of ``parts`` (releases.jsonl, through the driver) before they are
-        released; with ``may_halt``, False, listing nothing, once the run is asked to stop: the
-        release is then not made, so a driver that read the events after asking never misses one
-        (``stop`` takes the lock)."""
-        with self._lock:
+        """List ``parts`` (``_list``) and wait until the driver has written them (``_await_listings``)."""
+        return self._list(*parts, may_halt=may_halt) and self._await_listings()
+
+    def _list(self, *parts: str, may_halt: bool = True) -> bool:
+        """List the round's digests of ``parts`` for releases.jsonl, which the driver writes; what
+        they describe is released only once it has (``_await_listings``), so a coordinator lost at
+        any moment leaves every release it made listed on disk. With ``may_halt``, False, listing
+        nothing, once the run is asked to stop: the release is then not made, so a driver that reads
+        the events after asking never misses one (``stop`` takes the lock)."""
+        with self._listed:
             if may_halt and self._stop.is_set():
                 self._halted = True
                 return False
-            self._events.append({"event": "release", "round": self.reruns.round,
-                                 "scenario_sha256": self._scenario_sha256,
-                                 **{p: self.reruns.current[p] for p in parts}})
+            self._append({"event": "release", "round": self.reruns.round, "scenario_sha256": self._scenario_sha256,
+                          **{p: self.reruns.current[p] for p in parts}})
             self._announced = True
+            self._to_write = len(self._events)
+            self._listed.notify_all()
             return True
+
+    def _await_listings(self) -> bool:
+        """Wait until the driver has written every listing made so far (it says so by asking for
+        the events after them). False, releasing nothing, after LISTING_TIMEOUT_SECONDS: the run
+        stops (``_diverged`` says why)."""
+        with self._listed:
+            if self._written >= self._to_write:
+                return True
+            t0 = time.perf_counter()
+            written = self._listed.wait_for(lambda: self._written >= self._to_write, timeout=LISTING_TIMEOUT_SECONDS)
+            self._listing_s += time.perf_counter() - t0
+        if not written:
+            self._diverged = (f"the driver did not write the release list (releases.jsonl) within "
+                              f"{LISTING_TIMEOUT_SECONDS:.0f} s: round {self.reruns.round} released nothing")
+        return written
 
     def _chaos(self, faults, assignment) -> dict:
         """Each worker's share of the round's planned faults (see messages.WorkerChaos)."""
@@ -562,6 +618,8 @@ class Coordinator:
         ready, late = ray.wait(list(calls), num_returns=len(calls),
                                timeout=real_deadline(self.sc.training)) if calls else ([], [])
         unplanned_wait(self.sc.training, t + 1, "training", [calls[ref][0] for ref in late])
+        if not self._await_listings():  # the round's listing is written (meanwhile) before an upload is read
+            raise RerunDiverged(self._diverged)
         survivors, sums, updates, rejected, reports = [], {}, {} if spec.per_client else None, {}, {}
         worker_s, dead, evals, eval_s = None, [], {}, 0.0
         for ref in ready:

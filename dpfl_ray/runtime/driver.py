@@ -160,8 +160,10 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         while True:
             if shutdown.requested:  # signals are only recorded (runtime/shutdown.py): this is where a run stops
                 raise KeyboardInterrupt("signal received earlier")
-            done, _ = ray.wait([run_ref], timeout=poll_seconds)
-            events = _ask(coord.events.remote(seen), shutdown=shutdown)
+            done, _ = ray.wait([run_ref], timeout=0)
+            # returns at once when a release is listed, else within poll_seconds; asking again after
+            # writing the events is what lets a listed release go ahead (Coordinator._await_listings)
+            events = _ask(coord.events.remote(seen, 0.0 if done else poll_seconds), shutdown=shutdown)
             answered = True
             with shutdown.defer():
                 before = len(record.rounds)
@@ -180,7 +182,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         if answered:  # else its process may still be starting: nothing to wait for
-            _stop_between_rounds(coord, run_ref)
+            seen = _stop_between_rounds(coord, run_ref, seen, record, on_event)
     except LOST as err:  # asking the coordinator for its state would fail too, or wait for minutes
         stop_reason, error, lost = "error", _lost(err), err
     except ray.exceptions.RayError as err:
@@ -188,7 +190,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     except Exception as err:  # noqa: BLE001 - e.g. an OSError writing a row: the summary still gets written
         stop_reason = "error"
         error = _one_line(err) if isinstance(err, DPFLError) else f"{type(err).__name__}: {_one_line(err)}"
-        _stop_between_rounds(coord, run_ref)
+        seen = _stop_between_rounds(coord, run_ref, seen, record, on_event)
     if shutdown.requested:
         stop_reason = shutdown.stop_reason
     # A coordinator that is lost, or has not answered yet, is not asked (that would wait for it):
@@ -292,17 +294,25 @@ def _lists_a_release(run_dir) -> bool:
         return True
 
 
-def _stop_between_rounds(coord, run_ref) -> None:
+def _stop_between_rounds(coord, run_ref, seen: int, record: RunRecord, on_event=None) -> int:
     """Ask the coordinator (if it exists yet) to stop after the round in flight, and give that
-    round (if the run has begun) a moment."""
+    round (if the run has begun) a moment, writing its events meanwhile: a release it listed
+    before the stop waits for its line on disk (Coordinator._await_listings), and is handed to
+    ``on_event`` as in the run (rows are not). Returns the events read."""
     if coord is None:
-        return
+        return seen
     with contextlib.suppress(ray.exceptions.RayError):
-        # applied before the events are read: a release is listed by then, or never made (Coordinator._announce)
+        # applied before the events are read: a release is listed by then, or never made (Coordinator._list)
         ray.get(coord.stop.remote(), timeout=STOP_GRACE_SECONDS)
-    with contextlib.suppress(ray.exceptions.RayError):
-        if run_ref is not None:
-            ray.wait([run_ref], timeout=STOP_GRACE_SECONDS)
+    end = time.monotonic() + STOP_GRACE_SECONDS
+    releases = (lambda ev: on_event(ev) if ev.get("event") == "release" else None) if on_event else None
+    with contextlib.suppress(Exception):  # noqa: BLE001 - what is not written is not released
+        while run_ref is not None and time.monotonic() < end:
+            if ray.wait([run_ref], timeout=0)[0]:
+                break
+            events = ray.get(coord.events.remote(seen, min(0.2, end - time.monotonic())), timeout=STOP_GRACE_SECONDS)
+            seen = _write_events(events, seen, record, releases)
+    return seen
 
 
 def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up_to: int | None = None) -> int:

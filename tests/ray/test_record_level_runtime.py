@@ -133,8 +133,11 @@ def test_a_checkpoint_read_while_rounds_run_is_the_state_of_one_committed_round(
                                "output": sc.output.model_copy(update={"eval_every": 100})})
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     run_ref = coord.run.remote()
-    seen = set()
+    seen, events = set(), 0
     while not ray.wait([run_ref], timeout=0)[0]:
+        # as the driver does: asking for the events after those read says they are written, which
+        # lets each round's listed releases go ahead (Coordinator._await_listings)
+        events += len(ray.get(coord.events.remote(events), timeout=120))
         state = ray.get(coord.checkpoint.remote(), timeout=120)
         ledgers = state["algorithm"]["ledgers"]["clients"]
         assert all(max(entry["rounds"], default=-1) < state["round"] for entry in ledgers.values()), state["round"]

@@ -125,7 +125,10 @@ def test_parse_rounds_counts_trained_clients_and_the_secagg_share():
     assert timed["eval_seconds"] == pytest.approx(0.2) and timed["train_seconds_without_eval"] == pytest.approx(0.8)
     assert "account_seconds" not in timed
     booked = parse_rounds([{"sampled": 10, "seconds": 0.5, "account_seconds": 0.15}, {"sampled": 10, "seconds": 0.5}])
-    assert booked["account_seconds"] == pytest.approx(0.15)
+    assert booked["account_seconds"] == pytest.approx(0.15) and "listing_seconds" not in booked
+    listed = parse_rounds([{"sampled": 10, "seconds": 0.5, "listing_seconds": 0.01}, {"sampled": 10, "seconds": 0.5,
+                                                                                     "listing_seconds": 0.005}])
+    assert listed["listing_seconds"] == pytest.approx(0.015)
     assert "worker_seconds" not in booked
     worked = parse_rounds([{"sampled": 10, "seconds": 0.5, "worker_seconds": 0.3}, {"sampled": 10, "seconds": 0.5,
                                                                                     "worker_seconds": 0.25}])
