@@ -224,10 +224,17 @@ class ReleaseList:
         new = {k: v for k, v in event.items() if k not in ("event", "round", "scenario_sha256") and k not in listed}
         if not new:
             return
+        created = not self.file.exists()
         with open(self.file, "a", encoding="utf-8") as f:
             f.write(dumps({"round": event["round"], "scenario_sha256": event["scenario_sha256"], **new}) + "\n")
             f.flush()
-            os.fsync(f.fileno())  # the release goes ahead once this returns: the line outlives this host too
+            os.fsync(f.fileno())  # the release goes ahead once this returns: the line survives a crash of the host
+        if created:  # and so does the file's name
+            fd = os.open(self.file.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         listed.update(new)
 
 

@@ -125,6 +125,7 @@ class Coordinator:
         self._written = 0  # events the driver has written: it asks for those after them
         self._to_write = 0  # events up to the last listing (_list): written before what it lists is released
         self._listing_s = 0.0
+        self._late = False  # a listing was not written in time: nothing more is released
         self._over = False  # run() has returned: a waiting driver reads at once
         self._stop = threading.Event()
         # A committed round whose test evaluation rides on the next round's training calls, and the
@@ -256,12 +257,21 @@ class Coordinator:
         may be made (``_await_listings``). ``wait_s``: return within that long, at once when a
         listing waits to be written or the run is over."""
         with self._listed:
-            if since > self._written:
-                self._written = since
-                self._listed.notify_all()
+            self._note_written(since)
             if wait_s > 0:
                 self._listed.wait_for(lambda: self._to_write > since or self._over, timeout=wait_s)
             return self._events[since:]
+
+    def written(self, count: int) -> None:
+        """The driver has written the first ``count`` events (it says so as soon as their listings
+        are on disk, before it goes on to the rest of what it does with them)."""
+        with self._listed:
+            self._note_written(count)
+
+    def _note_written(self, count: int) -> None:
+        if count > self._written:
+            self._written = count
+            self._listed.notify_all()
 
     def stop(self) -> None:
         with self._lock:  # a release is listed (_list) before this, or not made
@@ -289,11 +299,11 @@ class Coordinator:
         self._settle_now(here=True)
         return self._lock
 
-    def _settle(self, sums: list | None = None, seconds: float = 0.0) -> None:
+    def _settle(self, sums: list | None = None, seconds: float = 0.0, here: bool = False) -> None:
         """Emit the round awaiting its evaluation, if any: with ``sums``, the workers' (correct,
-        summed loss) per test range, in range order, else evaluated here and now."""
+        summed loss) per test range, in range order, else evaluated now (``here``: in this actor)."""
         with self._settle_lock:
-            self._settle_now(sums, seconds)
+            self._settle_now(sums, seconds, here)
 
     def _settle_now(self, sums: list | None = None, seconds: float = 0.0, here: bool = False) -> None:
         if self._pending is None:
@@ -342,19 +352,21 @@ class Coordinator:
             except _Halted:
                 stop_reason = "interrupted"
                 break
-        self._settle()
+        # the last models go to the workers to be evaluated once their listings are written, else here
+        here = self.privacy is not None and not self._await_listings()
+        self._settle(here=here)
         if stop_reason == "privacy_budget_exhausted":
-            self._evaluate_final_model()
+            self._evaluate_final_model(here)
         self._record_stack_padding()
         return {"stop_reason": stop_reason, **({"error": error} if error else {})}
 
-    def _evaluate_final_model(self) -> None:
+    def _evaluate_final_model(self, here: bool = False) -> None:
         """A budget that ends the run between two evaluations (output.eval_every) leaves the final
         model unevaluated: its accuracy, not the last evaluated round's, is the run's result."""
         done, every = self.rounds_done, self.sc.output.eval_every
         if done == 0 or done % every == 0 or done == self.sc.training.rounds:
             return
-        acc, loss = self._evaluate(self.theta)
+        acc, loss = self._evaluate(self.theta, here=here)
         with self._lock:
             self.final_eval = {"final_accuracy": acc, "final_loss": loss, "final_evaluated_round": done}
 
@@ -453,10 +465,13 @@ class Coordinator:
         scheduled = (t + 1) % sc.output.eval_every == 0 or t + 1 == sc.training.rounds
         # evaluated in the next round's training calls: not the last round, nor one the algorithm reads
         deferred = scheduled and self.overlap_eval and t + 1 < sc.training.rounds
+        validate = self.has_validation and (scheduled or alg.reads_validation_every_round())
+        if self.privacy and ((scheduled and not deferred) or validate) and not self._await_listings():
+            raise RerunDiverged(self._diverged)  # the new model goes to the workers once its listings are written
         if scheduled and not deferred:
             acc, loss = self._evaluate(theta)
             metrics = {"test_accuracy": acc, "test_loss": loss}
-        if self.has_validation and (scheduled or alg.reads_validation_every_round()):
+        if validate:
             metrics["validation_loss"] = extra["validation_loss"] = self._evaluate(theta, "validation")[1]
         if metrics:
             extra["eval_seconds"] = time.perf_counter() - t_eval
@@ -468,7 +483,7 @@ class Coordinator:
         dropped.update({c: f"{REJECTED}@upload" for c in rejected})
         if self._missed:
             extra["faults_not_carried_out"] = sorted(set(self._missed))
-        if self._announced:
+        if self.privacy:
             extra["listing_seconds"] = self._listing_s
         tallied = tally(dropped)
         if rejected:
@@ -564,9 +579,12 @@ class Coordinator:
         with self._listed:
             if self._written >= self._to_write:
                 return True
+            if self._late:
+                return False
             t0 = time.perf_counter()
             written = self._listed.wait_for(lambda: self._written >= self._to_write, timeout=LISTING_TIMEOUT_SECONDS)
             self._listing_s += time.perf_counter() - t0
+            self._late = not written
         if not written:
             self._diverged = (f"the driver did not write the release list (releases.jsonl) within "
                               f"{LISTING_TIMEOUT_SECONDS:.0f} s: round {self.reruns.round} released nothing")

@@ -167,7 +167,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
             answered = True
             with shutdown.defer():
                 before = len(record.rounds)
-                seen = _write_events(events, seen, record, on_event)
+                seen = _write_events(events, seen, record, on_event, written=_tell_written(coord))
                 if len(record.rounds) > before:
                     timings.rounds_seen()
                 if next_checkpoint is not None and len(record.rounds) >= next_checkpoint:
@@ -306,31 +306,49 @@ def _stop_between_rounds(coord, run_ref, seen: int, record: RunRecord, on_event=
         ray.get(coord.stop.remote(), timeout=STOP_GRACE_SECONDS)
     end = time.monotonic() + STOP_GRACE_SECONDS
     releases = (lambda ev: on_event(ev) if ev.get("event") == "release" else None) if on_event else None
-    with contextlib.suppress(Exception):  # noqa: BLE001 - what is not written is not released
-        while run_ref is not None and time.monotonic() < end:
+    while run_ref is not None and time.monotonic() < end:
+        try:
             if ray.wait([run_ref], timeout=0)[0]:
                 break
             events = ray.get(coord.events.remote(seen, min(0.2, end - time.monotonic())), timeout=STOP_GRACE_SECONDS)
-            seen = _write_events(events, seen, record, releases)
+            seen = _write_events(events, seen, record, releases, written=_tell_written(coord))
+        except Exception:  # noqa: BLE001 - what is not written is not released; the round may still end
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.wait([run_ref], timeout=max(0.0, end - time.monotonic()))
+            break
     return seen
 
 
-def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up_to: int | None = None) -> int:
-    """Write the round events to rounds.jsonl (up to round ``up_to``); returns how many events have
-    been read in all. A round already in ``record`` is not written again (a batch cut short by a
-    failed write is read again from its start)."""
-    for ev in events:
-        if ev.get("event") == "round":
-            if up_to is not None and ev["round"] > up_to:
-                break
-            if not record.rounds or ev["round"] > record.rounds[-1]["round"]:
-                record.add_round(row_of(ev))
-        elif ev.get("event") == "release":  # a round the server saw, whatever becomes of its row
-            record.add_release(ev)
-        seen += 1
+def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up_to: int | None = None,
+                  written: Callable[[int], object] | None = None) -> int:
+    """Write the events to releases.jsonl and rounds.jsonl (up to round ``up_to``); returns how
+    many events have been read in all. The batch's listings go first: once they are on disk and
+    handed to ``on_event`` (which may send them on), ``written(count)`` tells the coordinator, whose
+    releases wait for that (Coordinator._await_listings), before the rows go to ``on_event`` (a
+    sweep trial's report to Tune may wait). Nothing is written twice: a batch cut short by a failed
+    write is read again from its start."""
+    end = len(events)
+    if up_to is not None:
+        end = next((i for i, ev in enumerate(events) if ev.get("event") == "round" and ev["round"] > up_to), end)
+    listings = [i for i in range(end) if events[i].get("event") == "release"]
+    for i in listings:  # a round the server saw, whatever becomes of its row
+        record.add_release(events[i])
         if on_event:
+            on_event(events[i])
+    if listings and written is not None:
+        written(seen + listings[-1] + 1)
+    for ev in events[:end]:
+        if ev.get("event") == "round" and (not record.rounds or ev["round"] > record.rounds[-1]["round"]):
+            record.add_round(row_of(ev))
+        seen += 1
+        if on_event and ev.get("event") != "release":
             on_event(ev)
     return seen
+
+
+def _tell_written(coord) -> Callable[[int], object]:
+    """How the driver tells ``coord`` that events are written (no reply awaited)."""
+    return lambda count: coord.written.remote(count)
 
 
 def _checkpoint(coord, seen: int, record: RunRecord, on_event) -> tuple[int, dict]:
@@ -338,7 +356,7 @@ def _checkpoint(coord, seen: int, record: RunRecord, on_event) -> tuple[int, dic
     returns the events read so far and the state."""
     state = _ask(coord.checkpoint.remote())
     events = _ask(coord.events.remote(seen))
-    seen = _write_events(events, seen, record, on_event, up_to=state["round"])
+    seen = _write_events(events, seen, record, on_event, up_to=state["round"], written=_tell_written(coord))
     write_checkpoint(record.path, state)
     return seen, state
 
@@ -352,8 +370,11 @@ def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | Non
         events = _ask(coord.events.remote(seen))
     except (ray.exceptions.RayError, HeadLost):
         return None
-    with contextlib.suppress(OSError):  # rows that still cannot be written: the summary says why
+    try:
         _write_events(events, seen, record, None, up_to=state["rounds"])
+    except OSError:  # rows that still cannot be written: the summary says why
+        if any(ev.get("event") == "release" for ev in events):
+            return None  # a release whose listing may not be on disk: its model is not published
     return state
 
 

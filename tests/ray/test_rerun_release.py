@@ -154,34 +154,37 @@ def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session
 
 def test_a_release_waits_until_the_driver_has_written_its_listing(ray_session, tmp_path):
     """A coordinator makes a release only once the driver has written what it lists of it (the
-    driver says so by asking for the events after it): lost at any moment, it leaves no release
-    unlisted on disk. Here nobody writes: round 1 lists its model and reads no upload (its
-    survivors, listed once the uploads are read, never are); written, the round goes on; when the
-    list is not written within the deadline, the next round releases nothing and the run stops."""
+    driver says so by asking for the events after it, or by ``written``). Here the test is the
+    driver: round 1 lists its model and reads no upload until that listing is acknowledged (its
+    survivors, listed once the uploads are read, are not); acknowledged, the round commits; round
+    1's survivors, never acknowledged, hold round 2 until the deadline, which then releases nothing,
+    and round 1's model is evaluated in the coordinator rather than sent to the workers."""
     sc = tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 3},
                        privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}})
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
-    run = coord.run.remote()
-    end = time.monotonic() + 120
-    while not [e for e in ray_session.get(coord.events.remote(0, 0.2), timeout=60) if e["event"] == "release"]:
-        assert time.monotonic() < end, "round 1 listed nothing"
-    time.sleep(1.5)  # ample for a round of this scenario
-    events = ray_session.get(coord.events.remote(0), timeout=60)
-    assert [sorted(set(e) - {"event", "scenario_sha256"}) for e in events if e["event"] == "release"] == [
-        ["model", "round"]]
-    assert not [e for e in events if e["event"] == "round"] and ray_session.wait([run], timeout=0)[0] == []
+    try:
+        run = coord.run.remote()
+        end = time.monotonic() + 120
+        while not [e for e in ray_session.get(coord.events.remote(0, 0.2), timeout=60) if e["event"] == "release"]:
+            assert time.monotonic() < end, "round 1 listed nothing"
+        time.sleep(3.0)  # far longer than the round's training takes
+        events = ray_session.get(coord.events.remote(0), timeout=60)
+        assert [sorted(set(e) - {"event", "scenario_sha256"}) for e in events if e["event"] == "release"] == [
+            ["model", "round"]]
+        assert not [e for e in events if e["event"] == "round"] and ray_session.wait([run], timeout=0)[0] == []
 
-    # written from here on, with a one-second deadline: round 1 goes through, round 2 finds its list unwritten
-    ray_session.get(coord.__ray_call__.remote(lambda self: setattr(
-        __import__("dpfl_ray.runtime.coordinator", fromlist=["_"]), "LISTING_TIMEOUT_SECONDS", 1.0)), timeout=60)
-    seen = len(events)
-    while not [e for e in ray_session.get(coord.events.remote(seen, 0.2), timeout=60) if e["event"] == "round"]:
-        assert time.monotonic() < end, "round 1 did not commit once its listing was written"
-    result = ray_session.get(run, timeout=60)
-    assert result == {"stop_reason": "error", "error": "the driver did not write the release list (releases.jsonl) "
-                                                      "within 1 s: round 2 released nothing"}
-    events = ray_session.get(coord.events.remote(0), timeout=60)
-    assert [e["round"] for e in events if e["event"] == "round"] == [1]
-    assert [(e["round"], sorted(set(e) - {"event", "round", "scenario_sha256"})) for e in events
-            if e["event"] == "release"] == [(1, ["model"]), (1, ["survivors"]), (1, ["epsilon", "released"])]
-    ray_session.kill(coord)
+        # the model's listing acknowledged, and from here on a one-second deadline
+        ray_session.get(coord.__ray_call__.remote(lambda self: setattr(
+            __import__("dpfl_ray.runtime.coordinator", fromlist=["_"]), "LISTING_TIMEOUT_SECONDS", 1.0)), timeout=60)
+        coord.written.remote(len(events))
+        result = ray_session.get(run, timeout=120)
+        assert result == {"stop_reason": "error", "error": "the driver did not write the release list "
+                                                          "(releases.jsonl) within 1 s: round 2 released nothing"}
+        events = ray_session.get(coord.events.remote(0), timeout=60)
+        rows = [e for e in events if e["event"] == "round"]
+        assert [r["round"] for r in rows] == [1] and rows[0]["test_accuracy"] is not None
+        assert rows[0]["listing_seconds"] > 2.0  # round 1 waited for its model's listing, then read the uploads
+        assert [(e["round"], sorted(set(e) - {"event", "round", "scenario_sha256"})) for e in events
+                if e["event"] == "release"] == [(1, ["model"]), (1, ["survivors"]), (1, ["epsilon", "released"])]
+    finally:
+        ray_session.kill(coord)
