@@ -216,6 +216,7 @@ class ReleaseList:
             with open(self.file, "r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
         self.listed = read_releases(path)
+        self._named = bool(data)  # the file's name is on disk (synced with its folder) before a release
 
     def add(self, event: dict) -> None:
         listed = self.listed.setdefault(event["round"], {})
@@ -224,17 +225,17 @@ class ReleaseList:
         new = {k: v for k, v in event.items() if k not in ("event", "round", "scenario_sha256") and k not in listed}
         if not new:
             return
-        created = not self.file.exists()
         with open(self.file, "a", encoding="utf-8") as f:
             f.write(dumps({"round": event["round"], "scenario_sha256": event["scenario_sha256"], **new}) + "\n")
             f.flush()
             os.fsync(f.fileno())  # the release goes ahead once this returns: the line survives a crash of the host
-        if created:  # and so does the file's name
+        if not self._named:  # and so does the file's name
             fd = os.open(self.file.parent, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            self._named = True
         listed.update(new)
 
 

@@ -125,7 +125,7 @@ class Coordinator:
         self._written = 0  # events the driver has written: it asks for those after them
         self._to_write = 0  # events up to the last listing (_list): written before what it lists is released
         self._listing_s = 0.0
-        self._late = False  # a listing was not written in time: nothing more is released
+        self._late = ""  # why listings are no longer written (one was not in time): nothing more is released
         self._over = False  # run() has returned: a waiting driver reads at once
         self._stop = threading.Event()
         # A committed round whose test evaluation rides on the next round's training calls, and the
@@ -268,6 +268,13 @@ class Coordinator:
         with self._listed:
             self._note_written(count)
 
+    def abandon(self) -> None:
+        """The driver writes no more events (a stopped run, past its grace): a release waiting for
+        its listing is not made, and the run ends now rather than at LISTING_TIMEOUT_SECONDS."""
+        with self._listed:
+            self._late = self._late or "the driver stopped writing the release list (releases.jsonl)"
+            self._listed.notify_all()
+
     def _note_written(self, count: int) -> None:
         if count > self._written:
             self._written = count
@@ -353,7 +360,7 @@ class Coordinator:
                 stop_reason = "interrupted"
                 break
         # the last models go to the workers to be evaluated once their listings are written, else here
-        here = self.privacy is not None and not self._await_listings()
+        here = self.privacy is not None and not self._await_listings(stops=False)
         self._settle(here=here)
         if stop_reason == "privacy_budget_exhausted":
             self._evaluate_final_model(here)
@@ -466,13 +473,15 @@ class Coordinator:
         # evaluated in the next round's training calls: not the last round, nor one the algorithm reads
         deferred = scheduled and self.overlap_eval and t + 1 < sc.training.rounds
         validate = self.has_validation and (scheduled or alg.reads_validation_every_round())
-        if self.privacy and ((scheduled and not deferred) or validate) and not self._await_listings():
-            raise RerunDiverged(self._diverged)  # the new model goes to the workers once its listings are written
+        # the new model goes to the workers to be evaluated once its listings are written; else it
+        # is evaluated here, and the round, released, commits (the next one stops)
+        here = bool(self.privacy) and ((scheduled and not deferred) or validate) and not self._await_listings(
+            stops=False)
         if scheduled and not deferred:
-            acc, loss = self._evaluate(theta)
+            acc, loss = self._evaluate(theta, here=here)
             metrics = {"test_accuracy": acc, "test_loss": loss}
         if validate:
-            metrics["validation_loss"] = extra["validation_loss"] = self._evaluate(theta, "validation")[1]
+            metrics["validation_loss"] = extra["validation_loss"] = self._evaluate(theta, "validation", here=here)[1]
         if metrics:
             extra["eval_seconds"] = time.perf_counter() - t_eval
         alg.observe(t, metrics)
@@ -548,6 +557,9 @@ class Coordinator:
             self._diverged = why
             return why
         if not self._announce("calibration", may_halt=False):  # A is unmasked: on to the commit, once listed
+            self._diverged = (f"{self._late}: round {self.reruns.round}'s sum without calibration was unmasked and "
+                              "its calibration terms were not summed; the round is listed as released and is not in "
+                              "the ledger (the summary's released_before_resume)")
             return self._diverged
         return None
 
@@ -572,23 +584,24 @@ class Coordinator:
             self._listed.notify_all()
             return True
 
-    def _await_listings(self) -> bool:
-        """Wait until the driver has written every listing made so far (it says so by asking for
-        the events after them). False, releasing nothing, after LISTING_TIMEOUT_SECONDS: the run
-        stops (``_diverged`` says why)."""
+    def _await_listings(self, stops: bool = True) -> bool:
+        """Wait until the driver has written every listing made so far (it says so with
+        ``written``, or by asking for the events after them). False, releasing nothing more, when
+        it has not within LISTING_TIMEOUT_SECONDS, or no longer writes (``abandon``): then, with
+        ``stops``, the run stops at the caller's release (``_diverged`` says why)."""
         with self._listed:
             if self._written >= self._to_write:
                 return True
-            if self._late:
-                return False
             t0 = time.perf_counter()
-            written = self._listed.wait_for(lambda: self._written >= self._to_write, timeout=LISTING_TIMEOUT_SECONDS)
+            self._listed.wait_for(lambda: self._written >= self._to_write or self._late, timeout=LISTING_TIMEOUT_SECONDS)
             self._listing_s += time.perf_counter() - t0
-            self._late = not written
-        if not written:
-            self._diverged = (f"the driver did not write the release list (releases.jsonl) within "
-                              f"{LISTING_TIMEOUT_SECONDS:.0f} s: round {self.reruns.round} released nothing")
-        return written
+            if self._written >= self._to_write:
+                return True
+            self._late = self._late or (f"the driver did not write the release list (releases.jsonl) within "
+                                        f"{LISTING_TIMEOUT_SECONDS:.0f} s")
+        if stops and self._diverged is None:
+            self._diverged = f"{self._late}: round {self.reruns.round} released nothing"
+        return False
 
     def _chaos(self, faults, assignment) -> dict:
         """Each worker's share of the round's planned faults (see messages.WorkerChaos)."""

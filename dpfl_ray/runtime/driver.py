@@ -195,7 +195,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
         stop_reason = shutdown.stop_reason
     # A coordinator that is lost, or has not answered yet, is not asked (that would wait for it):
     # the state is then the driver's last checkpoint, or the initial one if no round was seen.
-    state = _committed(coord, scenario, fed, seen, record) if coord is not None and answered and not lost else None
+    state = (_committed(coord, scenario, fed, seen, record, on_event) if coord is not None and answered and not lost
+             else None)
     if state is None and last_checkpoint is not None:
         state = committed_from_checkpoint(scenario, fed, last_checkpoint)
         record.close()
@@ -305,7 +306,7 @@ def _stop_between_rounds(coord, run_ref, seen: int, record: RunRecord, on_event=
         # applied before the events are read: a release is listed by then, or never made (Coordinator._list)
         ray.get(coord.stop.remote(), timeout=STOP_GRACE_SECONDS)
     end = time.monotonic() + STOP_GRACE_SECONDS
-    releases = (lambda ev: on_event(ev) if ev.get("event") == "release" else None) if on_event else None
+    releases = _releases_only(on_event)
     while run_ref is not None and time.monotonic() < end:
         try:
             if ray.wait([run_ref], timeout=0)[0]:
@@ -316,6 +317,9 @@ def _stop_between_rounds(coord, run_ref, seen: int, record: RunRecord, on_event=
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.wait([run_ref], timeout=max(0.0, end - time.monotonic()))
             break
+    with contextlib.suppress(ray.exceptions.RayError):  # a release still waiting for its listing is not made
+        if run_ref is not None and not ray.wait([run_ref], timeout=0)[0]:
+            coord.abandon.remote()
     return seen
 
 
@@ -327,16 +331,9 @@ def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up
     releases wait for that (Coordinator._await_listings), before the rows go to ``on_event`` (a
     sweep trial's report to Tune may wait). Nothing is written twice: a batch cut short by a failed
     write is read again from its start."""
-    end = len(events)
-    if up_to is not None:
-        end = next((i for i, ev in enumerate(events) if ev.get("event") == "round" and ev["round"] > up_to), end)
-    listings = [i for i in range(end) if events[i].get("event") == "release"]
-    for i in listings:  # a round the server saw, whatever becomes of its row
-        record.add_release(events[i])
-        if on_event:
-            on_event(events[i])
-    if listings and written is not None:
-        written(seen + listings[-1] + 1)
+    end, last = _write_listings(events, record, on_event, up_to)
+    if last is not None and written is not None:
+        written(seen + last + 1)
     for ev in events[:end]:
         if ev.get("event") == "round" and (not record.rounds or ev["round"] > record.rounds[-1]["round"]):
             record.add_round(row_of(ev))
@@ -344,6 +341,30 @@ def _write_events(events: list[dict], seen: int, record: RunRecord, on_event, up
         if on_event and ev.get("event") != "release":
             on_event(ev)
     return seen
+
+
+def _write_listings(events: list[dict], record: RunRecord, on_event, up_to: int | None = None
+                    ) -> tuple[int, int | None]:
+    """Write the listings among ``events`` (up to round ``up_to``'s row) to releases.jsonl and hand
+    each to ``on_event``; returns where the events up to ``up_to`` end and the last listing's index
+    (None if none)."""
+    end = len(events)
+    if up_to is not None:
+        end = next((i for i, ev in enumerate(events) if ev.get("event") == "round" and ev["round"] > up_to), end)
+    last = None
+    for i in range(end):
+        if events[i].get("event") == "release":  # a round the server saw, whatever becomes of its row
+            record.add_release(events[i])
+            if on_event:
+                on_event(events[i])
+            last = i
+    return end, last
+
+
+def _releases_only(on_event) -> Callable[[dict], None] | None:
+    """``on_event`` for listings alone: where a run that stops hands them on (a sweep trial on
+    another node sends them to the sweep's node), but shows no more rows."""
+    return (lambda ev: on_event(ev) if ev.get("event") == "release" else None) if on_event else None
 
 
 def _tell_written(coord) -> Callable[[int], object]:
@@ -361,8 +382,10 @@ def _checkpoint(coord, seen: int, record: RunRecord, on_event) -> tuple[int, dic
     return seen, state
 
 
-def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | None:
-    """The coordinator's committed state, with every row it covers written; None if it is gone."""
+def _committed(coord, scenario, fed, seen: int, record: RunRecord, on_event=None) -> dict | None:
+    """The coordinator's committed state, with every row it covers written; None if it is gone, or
+    if a listing of a release in it cannot be written (or handed to ``on_event``): its model is
+    then not published."""
     if coord is None:
         return None
     try:
@@ -371,10 +394,11 @@ def _committed(coord, scenario, fed, seen: int, record: RunRecord) -> dict | Non
     except (ray.exceptions.RayError, HeadLost):
         return None
     try:
+        _write_listings(events, record, _releases_only(on_event), up_to=state["rounds"])
+    except Exception:  # noqa: BLE001 - an OSError, or the sweep's node not answering
+        return None
+    with contextlib.suppress(OSError):  # rows that still cannot be written: the summary says why
         _write_events(events, seen, record, None, up_to=state["rounds"])
-    except OSError:  # rows that still cannot be written: the summary says why
-        if any(ev.get("event") == "release" for ev in events):
-            return None  # a release whose listing may not be on disk: its model is not published
     return state
 
 

@@ -203,3 +203,42 @@ def test_a_directory_holding_only_what_a_fresh_start_keeps_does_not_go_on_from_a
     (tmp_path / "going").mkdir()
     (tmp_path / "going" / "checkpoint.npz").write_bytes(b"")
     assert resumed(tmp_path, runs) == 1
+
+
+def test_the_driver_writes_a_batchs_listings_then_says_so_then_hands_on_its_rows(tmp_path):
+    """runtime/driver.py: every listing of a batch of events is on disk, and handed on (a sweep trial
+    on another node sends it to the sweep's node), before the coordinator hears it is written; the
+    rows go on after that (a sweep trial's report to Tune may wait). Up to a round, nothing from
+    the next round's row on is written or acknowledged; a listing that cannot be written is
+    acknowledged to nobody, and no row of its batch is written."""
+    from dpfl_ray.runtime.driver import _write_events
+
+    def listing(r, **parts):
+        return {"event": "release", "round": r, "scenario_sha256": "a" * 64, **parts}
+
+    events = [listing(1, model="m1"), listing(1, survivors="s1"), listing(1, released=True, epsilon=0.5),
+              {"event": "round", "round": 1, "sampled": 3}, listing(2, model="m2"),
+              {"event": "round", "round": 2, "sampled": 3}]
+    record = RunRecord(tmp_path / "run")
+    log = []
+
+    def on_event(ev):
+        if ev["event"] == "release":  # on disk by the time it is handed on
+            assert ev["round"] in read_releases(tmp_path / "run")
+        log.append((ev["event"], ev["round"]))
+
+    assert _write_events(events, 10, record, on_event, written=lambda n: log.append(("written", n))) == 16
+    assert log == [("release", 1)] * 3 + [("release", 2), ("written", 15), ("round", 1), ("round", 2)]
+    assert [r["round"] for r in record.rounds] == [1, 2] and sorted(read_releases(tmp_path / "run")) == [1, 2]
+
+    cut, log = RunRecord(tmp_path / "cut"), []
+    # up to round 1: round 2's listing came before round 1's state was read, so it is written; its row is not
+    assert _write_events(events, 0, cut, on_event, up_to=1, written=lambda n: log.append(("written", n))) == 5
+    assert log == [("release", 1)] * 3 + [("release", 2), ("written", 5), ("round", 1)]
+    assert [r["round"] for r in cut.rounds] == [1]
+
+    broken, log = RunRecord(tmp_path / "broken"), []
+    (tmp_path / "broken" / RELEASES).mkdir()  # a list that cannot be written
+    with pytest.raises(OSError):
+        _write_events(events, 0, broken, None, written=lambda n: log.append(("written", n)))
+    assert log == [] and broken.rounds == [] and (tmp_path / "broken" / "rounds.jsonl").read_text() == ""
