@@ -216,7 +216,7 @@ class ReleaseList:
             with open(self.file, "r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
         self.listed = read_releases(path)
-        self._named = bool(data)  # the file's name is on disk (synced with its folder) before a release
+        self._named = False  # the file's name is synced (its folder) once per process, before a release
 
     def add(self, event: dict) -> None:
         listed = self.listed.setdefault(event["round"], {})

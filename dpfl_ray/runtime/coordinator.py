@@ -364,6 +364,9 @@ class Coordinator:
         self._settle(here=here)
         if stop_reason == "privacy_budget_exhausted":
             self._evaluate_final_model(here)
+        if self._late and error is None and stop_reason != "interrupted":  # the last round's listing came late
+            stop_reason, error = "error", (f"{self._late}: round {self.rounds_done} was released, evaluated here "
+                                           "and committed, and the run stopped")
         self._record_stack_padding()
         return {"stop_reason": stop_reason, **({"error": error} if error else {})}
 
@@ -590,15 +593,17 @@ class Coordinator:
         it has not within LISTING_TIMEOUT_SECONDS, or no longer writes (``abandon``): then, with
         ``stops``, the run stops at the caller's release (``_diverged`` says why)."""
         with self._listed:
-            if self._written >= self._to_write:
+            if not self._late and self._written >= self._to_write:
                 return True
-            t0 = time.perf_counter()
-            self._listed.wait_for(lambda: self._written >= self._to_write or self._late, timeout=LISTING_TIMEOUT_SECONDS)
-            self._listing_s += time.perf_counter() - t0
-            if self._written >= self._to_write:
-                return True
-            self._late = self._late or (f"the driver did not write the release list (releases.jsonl) within "
-                                        f"{LISTING_TIMEOUT_SECONDS:.0f} s")
+            if not self._late:  # once late, late for good: the run stops at its next release
+                t0 = time.perf_counter()
+                self._listed.wait_for(lambda: self._written >= self._to_write or self._late,
+                                      timeout=LISTING_TIMEOUT_SECONDS)
+                self._listing_s += time.perf_counter() - t0
+                if not self._late and self._written >= self._to_write:
+                    return True
+                self._late = self._late or (f"the driver did not write the release list (releases.jsonl) within "
+                                            f"{LISTING_TIMEOUT_SECONDS:.0f} s")
         if stops and self._diverged is None:
             self._diverged = f"{self._late}: round {self.reruns.round} released nothing"
         return False
@@ -694,12 +699,12 @@ class Coordinator:
 
     def _evaluate(self, theta: np.ndarray, split: str = "test", here: bool = False) -> tuple[float, float]:
         """On the workers, idle at this point of the round, each taking its share of the split's
-        fixed row ranges (the coordinator reserves no CPU); the test split here if the pool does
-        not answer, or ``here`` (the pool may be busy with a round). Either way the same ranges are
-        added in the same order."""
+        fixed row ranges (the coordinator reserves no CPU); here if the pool does not answer, or
+        ``here`` (the pool may be busy with a round, or the model may not go out yet). Either way the
+        same ranges are added in the same order."""
         n = len(self.y_test) if split == "test" else int(self._data["num_validation"])
         shards = eval_shards(n)
-        share = [] if here and split == "test" else deal(shards, len(self.workers))
+        share = [] if here else deal(shards, len(self.workers))
         try:
             if not share:
                 raise IndexError("no worker")
@@ -708,8 +713,6 @@ class Coordinator:
                             timeout=CALL_TIMEOUT_SECONDS)
             sums = undeal(parts)
         except (RayActorError, GetTimeoutError, IndexError):
-            if split != "test":
-                raise
             from ..training.models import allow_read_only_arrays, build_model, set_flat, shard_sums
 
             if self.model is None:
@@ -718,7 +721,9 @@ class Coordinator:
                                          self.sc.seed)
                 _one_torch_thread()
             set_flat(self.model, theta)
-            sums = shard_sums(self.model, self.x_test, self.y_test, shards)
+            x, y = (self.x_test, self.y_test) if split == "test" else ray.get(
+                [self._data["x_val"], self._data["y_val"]], timeout=CALL_TIMEOUT_SECONDS)
+            sums = shard_sums(self.model, x, y, shards)
         return combine_shards(sums, n)
 
     def _replace(self, dead: list) -> None:

@@ -196,3 +196,46 @@ def test_a_release_waits_until_the_driver_has_written_its_listing(ray_session, t
                 if e["event"] == "release"] == [(1, ["model"]), (1, ["survivors"]), (1, ["epsilon", "released"])]
     finally:
         ray_session.kill(coord)
+
+
+def test_a_listing_late_after_the_release_has_the_model_evaluated_here_and_the_round_booked(ray_session, tmp_path):
+    """A round whose uploads were read (its release made) and whose survivors' listing is then late
+    is not undone: its new model is evaluated in the coordinator, on the test and the validation
+    split, rather than sent to the workers; the round commits, booked; and the run stops with an
+    error that says so (here the last round: no next round to stop at)."""
+    sc = tiny_scenario(data={"validation_fraction": 0.2}, training={"algorithm": "dp_fedavg", "rounds": 1},
+                       privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}})
+    coord = make_coordinator(sc, put_federation(build_federation(sc)))
+
+    def spy(self):  # where each evaluation ran: here (in the coordinator) or on the workers
+        calls, evaluate = [], self._evaluate
+        self.evaluated_here = calls
+        self._evaluate = lambda theta, split="test", here=False: calls.append((split, here)) or evaluate(
+            theta, split, here)
+
+    try:
+        ray_session.get(coord.__ray_call__.remote(spy), timeout=60)
+        ray_session.get(coord.__ray_call__.remote(lambda self: setattr(
+            __import__("dpfl_ray.runtime.coordinator", fromlist=["_"]), "LISTING_TIMEOUT_SECONDS", 1.0)), timeout=60)
+        run = coord.run.remote()
+        end = time.monotonic() + 120
+        while True:  # the model's listing is written (acknowledged while the clients train); no later one is
+            events = ray_session.get(coord.events.remote(0, 0.2), timeout=60)
+            if [e for e in events if e["event"] == "release"]:
+                break
+            assert time.monotonic() < end, "round 1 listed nothing"
+        coord.written.remote(len(events))
+        result = ray_session.get(run, timeout=120)
+        assert result == {"stop_reason": "error", "error": "the driver did not write the release list (releases.jsonl) "
+                                                          "within 1 s: round 1 was released, evaluated here and "
+                                                          "committed, and the run stopped"}
+        events = ray_session.get(coord.events.remote(0), timeout=60)
+        rows = [e for e in events if e["event"] == "round"]
+        assert [r["round"] for r in rows] == [1] and rows[0]["epsilon"] > 0 and rows[0]["listing_seconds"] >= 1.0
+        assert rows[0]["test_accuracy"] is not None and rows[0]["validation_loss"] is not None
+        assert ray_session.get(coord.__ray_call__.remote(lambda self: self.evaluated_here), timeout=60) == [
+            ("test", True), ("validation", True)]
+        assert [(e["round"], sorted(set(e) - {"event", "round", "scenario_sha256"})) for e in events
+                if e["event"] == "release"] == [(1, ["model"]), (1, ["survivors"]), (1, ["epsilon", "released"])]
+    finally:
+        ray_session.kill(coord)

@@ -218,7 +218,7 @@ def test_the_driver_writes_a_batchs_listings_then_says_so_then_hands_on_its_rows
 
     events = [listing(1, model="m1"), listing(1, survivors="s1"), listing(1, released=True, epsilon=0.5),
               {"event": "round", "round": 1, "sampled": 3}, listing(2, model="m2"),
-              {"event": "round", "round": 2, "sampled": 3}]
+              {"event": "round", "round": 2, "sampled": 3}, listing(3, model="m3")]
     record = RunRecord(tmp_path / "run")
     log = []
 
@@ -227,15 +227,15 @@ def test_the_driver_writes_a_batchs_listings_then_says_so_then_hands_on_its_rows
             assert ev["round"] in read_releases(tmp_path / "run")
         log.append((ev["event"], ev["round"]))
 
-    assert _write_events(events, 10, record, on_event, written=lambda n: log.append(("written", n))) == 16
-    assert log == [("release", 1)] * 3 + [("release", 2), ("written", 15), ("round", 1), ("round", 2)]
-    assert [r["round"] for r in record.rounds] == [1, 2] and sorted(read_releases(tmp_path / "run")) == [1, 2]
+    assert _write_events(events, 10, record, on_event, written=lambda n: log.append(("written", n))) == 17
+    assert log == [("release", 1)] * 3 + [("release", 2), ("release", 3), ("written", 17), ("round", 1), ("round", 2)]
+    assert [r["round"] for r in record.rounds] == [1, 2] and sorted(read_releases(tmp_path / "run")) == [1, 2, 3]
 
     cut, log = RunRecord(tmp_path / "cut"), []
     # up to round 1: round 2's listing came before round 1's state was read, so it is written; its row is not
     assert _write_events(events, 0, cut, on_event, up_to=1, written=lambda n: log.append(("written", n))) == 5
     assert log == [("release", 1)] * 3 + [("release", 2), ("written", 5), ("round", 1)]
-    assert [r["round"] for r in cut.rounds] == [1]
+    assert [r["round"] for r in cut.rounds] == [1] and sorted(read_releases(tmp_path / "cut")) == [1, 2]
 
     broken, log = RunRecord(tmp_path / "broken"), []
     (tmp_path / "broken" / RELEASES).mkdir()  # a list that cannot be written
