@@ -1,5 +1,5 @@
 """What Baek's calibration costs late in training at z = 1.5 and 10% dropout (docs/reproductions.md,
-Baek et al. 2021, experiments 8 to 10): python docs/experiments/baek2021_late_gap.py [--level P] FIRST LAST RUN_DIR...
+Baek et al. 2021, experiments 8 to 11): python docs/experiments/baek2021_late_gap.py [--level P] FIRST LAST RUN_DIR...
 
 The run directories are runs of the same seeds, of three kinds told apart by their scenario.yaml: the
 calibrated run at z = 1.5 with 10% tail dropout; the run without dropout at z / 0.9 = 1.6667, the noise
@@ -9,8 +9,8 @@ one table, the runs paired by seed: D = z / 0.9 minus calibrated (experiment 8),
 calibrated (the claim's loss, experiment 9) and C = z = 1.5 minus z / 0.9 (what z / 0.9 costs). For each
 seed a table gives the mean over those rounds of one kind's accuracy minus the other's, and the gaps at
 the window's first round, at round 100 and at its last round; below it, the mean over the seeds with
-its standard error and t-based interval (95%, or P: experiment 10's second look uses 0.975), and the
-mean gap at round 100 and at the last round alone.
+its standard error and t-based interval (95%, or P: experiment 10's second look uses 0.975, experiment
+11's third 0.98333), and the mean gap at round 100 and at the last round alone.
 A seed whose two runs do not both cover the window is listed and not counted.
 """
 from __future__ import annotations
