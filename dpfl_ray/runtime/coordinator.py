@@ -244,12 +244,7 @@ class Coordinator:
     # -- what the driver reads -------------------------------------------------------------------
     def _emit(self, event: dict) -> None:
         with self._lock:
-            self._append(event)
-
-    def _append(self, event: dict) -> None:
-        """With ``_lock`` held: one more event, and a waiting reader woken for it."""
-        self._events.append(event)
-        self._listed.notify_all()
+            self._events.append(event)
 
     def events(self, since: int = 0, wait_s: float = 0.0) -> list[dict]:
         """The events from number ``since`` on. Asking for them says the caller has written every
@@ -324,7 +319,7 @@ class Coordinator:
             acc, loss = combine_shards(sums, len(self.y_test))
         record.update(test_accuracy=acc, test_loss=loss, eval_seconds=seconds)
         with self._lock:
-            self._append(record)
+            self._events.append(record)
             self._pending = None
 
     # -- the loop --------------------------------------------------------------------------------
@@ -511,8 +506,8 @@ class Coordinator:
                       **tallied, "weight_sum": agg.weight_sum, "test_accuracy": acc,
                       "test_loss": loss, "seconds": time.perf_counter() - t0, **agg.info, **extra}
             if self._announced:  # its line in releases.jsonl says how it ended, before its row
-                self._append({"event": "release", "round": t + 1, "scenario_sha256": self._scenario_sha256,
-                              "released": bool(outcome.released), "epsilon": record.get("epsilon")})
+                self._events.append({"event": "release", "round": t + 1, "scenario_sha256": self._scenario_sha256,
+                                     "released": bool(outcome.released), "epsilon": record.get("epsilon")})
             if self.audit is not None and outcome.released:
                 views = alg.server_views()
                 self.audit.add_round(theta.astype(np.float64) - self.theta,
@@ -523,7 +518,7 @@ class Coordinator:
             if deferred:  # its event waits for its evaluation (_settle)
                 self._pending = (record, theta)
             else:
-                self._append(record)
+                self._events.append(record)
         return record
 
     def _after_upload(self, survivors: list[int], secagg: bool):
@@ -580,8 +575,8 @@ class Coordinator:
             if may_halt and self._stop.is_set():
                 self._halted = True
                 return False
-            self._append({"event": "release", "round": self.reruns.round, "scenario_sha256": self._scenario_sha256,
-                          **{p: self.reruns.current[p] for p in parts}})
+            self._events.append({"event": "release", "round": self.reruns.round,
+                                 "scenario_sha256": self._scenario_sha256, **{p: self.reruns.current[p] for p in parts}})
             self._announced = True
             self._to_write = len(self._events)
             self._listed.notify_all()
@@ -593,10 +588,8 @@ class Coordinator:
         it has not within LISTING_TIMEOUT_SECONDS, or no longer writes (``abandon``): then, with
         ``stops``, the run stops at the caller's release (``_diverged`` says why)."""
         with self._listed:
-            if not self._late and self._written >= self._to_write:
-                return True
             if not self._late:  # once late, late for good: the run stops at its next release
-                t0 = time.perf_counter()
+                t0 = time.perf_counter()  # wait_for returns at once when the listings are written
                 self._listed.wait_for(lambda: self._written >= self._to_write or self._late,
                                       timeout=LISTING_TIMEOUT_SECONDS)
                 self._listing_s += time.perf_counter() - t0
