@@ -117,8 +117,8 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     from that worker too: the driver loads no torch (about 2 s of CPU per run), except for a pool
     that waits for resources and for the model of a run whose workers are gone or busy.
     ``started_at``: when the caller began (before Ray started, and any second try of that start):
-    the summary's wall time counts from there. ``keep_workers``: park the workers of a clean run for
-    this process's next run (runtime/warm.py). ``workers``: the pool's size, where the caller
+    the summary's wall time counts from there. ``keep_workers``: park the workers of a run whose
+    coordinator returned, not interrupted, for this process's next run (runtime/warm.py). ``workers``: the pool's size, where the caller
     reserved it (a sweep trial's placement group); else as many as the cluster fits.
 
     When the coordinator is lost (its actor died, or the Ray head stopped answering), the files
@@ -132,6 +132,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     coord, run_ref, seen, stop_reason, error, lost = None, None, 0, "completed", None, None
     pool, shape = [], (0.0, 0.0)
     answered = False  # has the coordinator replied yet (its process may still be starting)?
+    returned = False  # has the coordinator's run() returned (then nothing of the run is in flight there)?
     last_checkpoint = resume  # the driver's own copy of the committed state
     try:
         # rounds an earlier attempt released: released again alike, or not at all (privacy/reruns.py)
@@ -175,6 +176,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                     next_checkpoint = (last_checkpoint["round"] // every + 1) * every
             if done:
                 result = _ask(run_ref)
+                returned = True
                 stop_reason, error = result["stop_reason"], result.get("error")
                 if error:  # a rerun round that would have released otherwise (privacy/reruns.py)
                     error += _rerun_hint(record.path)
@@ -217,9 +219,12 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     if ended_on_its_own(summary) or not ((record.path / CHECKPOINT).exists() or record.rounds
                                          or _lists_a_release(record.path)):
         forget_run_secret(record.path)
-    if keep_workers and clean:
-        warm.park(*shape, pool)  # for this driver's next run (runtime/warm.py)
-        warm.park_coordinator(coord)
+    if keep_workers and returned and stop_reason != "interrupted" and not shutdown.requested:
+        # for this driver's next run (runtime/warm.py); after a run the coordinator ended with an
+        # error, a worker may still be in a call the round gave up on: it is not waited for
+        release_s = warm.RELEASE_SECONDS if clean else warm.ERROR_RELEASE_SECONDS
+        warm.park(*shape, pool, release_s)
+        warm.park_coordinator(coord, release_s)
     if lost is not None and last_checkpoint is not None:
         raise DPFLError(f"{error}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json "
                         f"and summary.json are for that round; resume with: dpfl run --resume {record.path}")

@@ -110,25 +110,59 @@ def test_a_run_stopped_mid_round_lists_every_round_it_may_have_released(ray_sess
     assert listed == set(range(1, summary["rounds_completed"] + 1)) | again and len(again) <= 1
 
 
-def test_a_round_released_before_that_releases_nothing_now_stops_the_run(ray_session, tmp_path):
-    """Every sampled client drops before training, so under Baek no round releases; an earlier
-    attempt that released round 1 (its digest of the same initial model) stops the run at once."""
-    sc = tiny_scenario(data={"num_clients": 40}, training={"algorithm": "baek", "rounds": 2},
-                       sampling={"mode": "fixed", "clients_per_round": 10},
-                       privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp"},
-                       secagg={"enabled": True, "threshold": "majority"},
-                       faults={"dropout": [{"model": "tail", "rate": 1.0, "phase": "training"}]})
+def _baek(**faults):
+    return tiny_scenario(data={"num_clients": 40}, training={"algorithm": "baek", "rounds": 2},
+                         sampling={"mode": "fixed", "clients_per_round": 10},
+                         privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp"},
+                         secagg={"enabled": True, "threshold": "majority"}, faults=faults)
+
+
+def _released_before_round_1(sc) -> dict:
+    """What an earlier attempt listed of round 1, released from the same initial model."""
     fed = build_federation(sc)
     key = rerun_key(DPRandomness.create("reproducible", sc.seed))
     theta0 = initial_theta(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
-    before = {"round": 1, "scenario_sha256": scenario_fingerprint(sc)["scenario_sha256"], "epsilon": 0.5,
-              "model": release_check(key, 1, "model", theta0), "survivors": "0" * 32}
+    return {"round": 1, "scenario_sha256": scenario_fingerprint(sc)["scenario_sha256"], "epsilon": 0.5,
+            "model": release_check(key, 1, "model", theta0), "survivors": "0" * 32}
+
+
+def test_a_round_released_before_that_releases_nothing_now_stops_the_run(ray_session, tmp_path):
+    """Every sampled client drops before training, so under Baek no round releases; an earlier
+    attempt that released round 1 (its digest of the same initial model) stops the run at once."""
+    sc = _baek(dropout=[{"model": "tail", "rate": 1.0, "phase": "training"}])
+    before = _released_before_round_1(sc)
     with pytest.raises(DPFLError, match=r"run failed after 0 rounds .*round 1 was released before the resume and "
                                         r"releases nothing this time"):
         _again(sc, tmp_path / "again", {1: before})
     summary = json.loads((tmp_path / "again" / "summary.json").read_text())
     assert summary["released_before_resume"]["rounds"] == [1] and summary["released_before_resume"]["epsilon"] == 0.5
     assert read_releases(tmp_path / "again") == {1: before}
+
+
+def test_the_actors_of_a_run_its_coordinator_stopped_with_an_error_serve_the_next_run_as_fresh_ones(
+        ray_session, tmp_path):
+    """runtime/warm.py: a run that the coordinator itself ends with an error (here: a round released
+    before that releases nothing now) leaves its worker and coordinator idle; they are parked, and
+    the driver's next run on them is, to the bit, the run they served before the error."""
+    from dpfl_ray.runtime import warm
+
+    def parked():
+        return ([h._actor_id.hex() for handles in warm._parked.values() for h in handles],
+                [h._actor_id.hex() for h in warm._coordinators.values()])
+
+    warm.clear()
+    run_scenario(_baek(), build_federation(_baek()), RunRecord(tmp_path / "first"))
+    first = parked()
+    assert [len(ids) for ids in first] == [1, 1]
+    failing = _baek(dropout=[{"model": "tail", "rate": 1.0, "phase": "training"}])
+    with pytest.raises(DPFLError, match="releases nothing this time"):
+        _again(failing, tmp_path / "failed", {1: _released_before_round_1(failing)})
+    assert parked() == first  # the failed run ran on them, and they were parked again
+    run_scenario(_baek(), build_federation(_baek()), RunRecord(tmp_path / "after"))
+    assert parked() == first
+    assert _figures(_rows(tmp_path / "after")) == _figures(_rows(tmp_path / "first"))
+    assert (tmp_path / "after" / "model.pt").read_bytes() == (tmp_path / "first" / "model.pt").read_bytes()
+    assert (tmp_path / "after" / "ledger.json").read_bytes() == (tmp_path / "first" / "ledger.json").read_bytes()
 
 
 def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session, tmp_path):
