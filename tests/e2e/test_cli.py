@@ -35,11 +35,22 @@ def tiny(tmp_path):
     return path
 
 
-def test_run_writes_the_run_directory(tiny, tmp_path):
+def test_run_writes_the_run_directory_and_its_driver_loads_no_torch(tiny, tmp_path):
+    """A private run end to end. The first worker builds the initial model and makes model.pt's
+    bytes, which are those any process makes for the same model; the `dpfl run` process itself
+    never imports torch (-X importtime: every import of the driver, on its stderr)."""
+    import torch
+
+    from dpfl_ray.training.models import model_file
+
     out = tmp_path / "run"
-    res = dpfl("run", tiny, "--out", out, "--set", "faults.dropout.model=tail", "--set", "faults.dropout.rate=0.5")
-    assert res.returncode == 0, res.stderr
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "cli.main", "run", str(tiny), "--out", str(out),
+                          "--set", "faults.dropout.model=tail", "--set", "faults.dropout.rate=0.5"], cwd=ROOT,
+                         env=dict(os.environ, COLUMNS="200"), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
     assert "completed: 3 rounds" in res.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert "matplotlib" in imported and "torch" not in imported
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [(r["round"], r["sampled"], r["survived"]) for r in rounds] == [(1, 6, 3), (2, 6, 3), (3, 6, 3)]
     for key in ("test_accuracy", "test_loss", "seconds"):
@@ -49,29 +60,12 @@ def test_run_writes_the_run_directory(tiny, tmp_path):
     assert summary["final_accuracy"] == rounds[-1]["test_accuracy"] and summary["versions"]["torch"]
     resolved = yaml.safe_load((out / "scenario.yaml").read_text())
     assert resolved["faults"]["dropout"] == {"model": "tail", "rate": 0.5, "phase": "upload"}
-    assert (out / "model.pt").stat().st_size > 0 and (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    state = torch.load(out / "model.pt")
+    assert (out / "model.pt").read_bytes() == model_file(state)
     # an existing run directory is never overwritten
     again = dpfl("run", tiny, "--out", out)
     assert again.returncode == 2 and "already holds files" in again.stderr
-
-
-def test_a_runs_driver_loads_no_torch_and_its_worker_makes_the_model_file(tiny, tmp_path, ray_address):
-    """The first worker builds the initial model and makes model.pt's bytes, which are those any
-    process makes for the same model; the `dpfl run` process itself never imports torch."""
-    import torch
-
-    from dpfl_ray.training.models import model_file
-
-    out = tmp_path / "run"
-    env = dict(os.environ, COLUMNS="200", PYTHONPROFILEIMPORTTIME="1")  # every import of the driver, on its stderr
-    res = subprocess.run([sys.executable, "-m", "cli.main", "run", str(tiny), "--out", str(out), "--address",
-                          ray_address], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
-    assert "matplotlib" in imported and "torch" not in imported
-    state = torch.load(out / "model.pt")
-    assert (out / "model.pt").read_bytes() == model_file(state)
-    assert json.loads((out / "summary.json").read_text())["rounds_completed"] == 3
 
 
 @pytest.mark.parametrize("override, field", [

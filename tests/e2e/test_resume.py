@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from dpfl_ray.runtime.checkpoint import read_checkpoint
+from tests.helpers import every_client_straggles
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,15 +102,17 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(ray_address, tmp_pat
     assert res.exit_code == 0 and "already finished" in res.stdout and _snapshot(cut) == before
 
 
-ROUNDS = 200
+ROUNDS = 30
 
 
 def test_ctrl_c_prints_the_resume_command_and_resume_finishes(ray_address, tmp_path):
     """Without SecAgg: the stop, and any checkpoint, may fall while a round awaits its evaluation.
-    Its rounds take tens of milliseconds: enough of them that the stop comes first (60 were not, once,
-    in a suite on a loaded machine: the run ended before the signal was handled)."""
+    Every client straggles 0.2 s, so a round takes at least that: the stop after round 2 comes
+    seconds before the last round (flat out, 60 rounds of tens of milliseconds were not enough once,
+    in a suite on a loaded machine), and the run sleeps rather than trains while it waits."""
     scenario = tmp_path / "plain.yaml"
-    scenario.write_text(yaml.safe_dump({**DP_FEDAVG, "training": {**DP_FEDAVG["training"], "rounds": ROUNDS}}))
+    scenario.write_text(yaml.safe_dump({**DP_FEDAVG, "training": {**DP_FEDAVG["training"], "rounds": ROUNDS},
+                                        "faults": {**DP_FEDAVG["faults"], **every_client_straggles(0.2)}}))
     run = tmp_path / "run"
     proc = _dpfl(ray_address, "run", scenario, "--out", run)
     end = time.monotonic() + 300
