@@ -85,6 +85,41 @@ def test_central_noise_releases_a_round_again_only_with_the_same_model_and_survi
                tmp_path / "other", releases)
 
 
+def test_the_final_read_publishes_no_model_whose_listing_cannot_be_written(ray_session, tmp_path):
+    """driver._committed, a run's last read of its coordinator: a listing the driver has not written
+    yet (a round the stop caught after its listing) is written, and handed to ``on_event``, before
+    the committed model may be published; if either fails the model is given up (None), never
+    published beside an unlisted release. A stand-in actor plays the coordinator whose run is over."""
+    from dpfl_ray.runtime.driver import _committed
+
+    listing = {"event": "release", "round": 2, "scenario_sha256": "ab" * 32, "model": "1" * 32}
+
+    @ray_session.remote(num_cpus=0)
+    class Over:
+        def committed(self):
+            return {"rounds": 1, "theta": [0.5], "summary": {}}
+
+        def events(self, since, wait_s=0.0):
+            return [listing][since:]
+
+    coord, sc = Over.remote(), tiny_scenario()
+    handed = []
+    record = RunRecord(tmp_path / "ok")
+    assert _committed(coord, sc, None, 0, record, handed.append) == {"rounds": 1, "theta": [0.5], "summary": {}}
+    assert read_releases(tmp_path / "ok") == {2: {k: v for k, v in listing.items() if k != "event"}}
+    assert handed == [listing]
+
+    unwritable = RunRecord(tmp_path / "unwritable")
+    (tmp_path / "unwritable" / RELEASES).mkdir()  # open() for appending fails
+    assert _committed(coord, sc, None, 0, unwritable) is None
+
+    def unreachable(event):
+        raise ConnectionError("the sweep's node does not answer")
+
+    assert _committed(coord, sc, None, 0, RunRecord(tmp_path / "not_handed"), unreachable) is None
+    ray_session.kill(coord)
+
+
 def test_a_run_stopped_mid_round_lists_every_round_it_may_have_released(ray_session, tmp_path):
     """Ctrl-C mid-run: the round in flight either was listed before its release (and is then in the
     rows or in the summary's released_before_resume) or stops before releasing; none is left out."""
