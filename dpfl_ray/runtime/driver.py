@@ -117,9 +117,10 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     from that worker too: the driver loads no torch (about 2 s of CPU per run), except for a pool
     that waits for resources and for the model of a run whose workers are gone or busy.
     ``started_at``: when the caller began (before Ray started, and any second try of that start):
-    the summary's wall time counts from there. ``keep_workers``: park the workers of a run whose
-    coordinator returned, not interrupted, for this process's next run (runtime/warm.py). ``workers``: the pool's size, where the caller
-    reserved it (a sweep trial's placement group); else as many as the cluster fits.
+    the summary's wall time counts from there. ``keep_workers``: park the workers and coordinator
+    of a run whose coordinator returned (an error of its own included), neither interrupted nor
+    asked to stop, for this process's next run (runtime/warm.py). ``workers``: the pool's size,
+    where the caller reserved it (a sweep trial's placement group); else as many as the cluster fits.
 
     When the coordinator is lost (its actor died, or the Ray head stopped answering), the files
     are written for the round of the last checkpoint the driver holds, ``rounds.jsonl`` is cut back
@@ -133,6 +134,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     pool, shape = [], (0.0, 0.0)
     answered = False  # has the coordinator replied yet (its process may still be starting)?
     returned = False  # has the coordinator's run() returned (then nothing of the run is in flight there)?
+    sent = _Sent()
     last_checkpoint = resume  # the driver's own copy of the committed state
     try:
         # rounds an earlier attempt released: released again alike, or not at all (privacy/reruns.py)
@@ -168,11 +170,11 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
             answered = True
             with shutdown.defer():
                 before = len(record.rounds)
-                seen = _write_events(events, seen, record, on_event, written=_tell_written(coord))
+                seen = _write_events(events, seen, record, on_event, written=_tell_written(coord, sent))
                 if len(record.rounds) > before:
                     timings.rounds_seen()
                 if next_checkpoint is not None and len(record.rounds) >= next_checkpoint:
-                    seen, last_checkpoint = _checkpoint(coord, seen, record, on_event)
+                    seen, last_checkpoint = _checkpoint(coord, seen, record, on_event, sent)
                     next_checkpoint = (last_checkpoint["round"] // every + 1) * every
             if done:
                 result = _ask(run_ref)
@@ -220,11 +222,12 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
                                          or _lists_a_release(record.path)):
         forget_run_secret(record.path)
     if keep_workers and returned and stop_reason != "interrupted" and not shutdown.requested:
-        # for this driver's next run (runtime/warm.py); after a run the coordinator ended with an
-        # error, a worker may still be in a call the round gave up on: it is not waited for
-        release_s = warm.RELEASE_SECONDS if clean else warm.ERROR_RELEASE_SECONDS
-        warm.park(*shape, pool, release_s)
-        warm.park_coordinator(coord, release_s)
+        # for this driver's next run (runtime/warm.py): a run() that returned has nothing in flight
+        # in the coordinator, and its last call to the workers (their stack padding) queued behind
+        # every other; one that does not answer release in time is killed
+        warm.park(*shape, pool)
+        if sent.done(warm.RELEASE_SECONDS):
+            warm.park_coordinator(coord)
     if lost is not None and last_checkpoint is not None:
         raise DPFLError(f"{error}: the run stopped after round {summary['rounds_completed']}; model.pt, ledger.json "
                         f"and summary.json are for that round; resume with: dpfl run --resume {record.path}")
@@ -372,17 +375,39 @@ def _releases_only(on_event) -> Callable[[dict], None] | None:
     return (lambda ev: on_event(ev) if ev.get("event") == "release" else None) if on_event else None
 
 
-def _tell_written(coord) -> Callable[[int], object]:
-    """How the driver tells ``coord`` that events are written (no reply awaited)."""
-    return lambda count: coord.written.remote(count)
+class _Sent:
+    """The driver's calls to its coordinator that await no reply (``written``). A threaded actor
+    may run calls out of order, so one still pending when a run ends could land in the next run the
+    coordinator serves, parked (runtime/warm.py), and acknowledge a listing of that run before it is
+    written: the coordinator is parked only once every one of them has run."""
+
+    def __init__(self):
+        self.refs: list = []
+
+    def __call__(self, ref) -> None:
+        self.refs.append(ref)
+        if len(self.refs) >= 64:  # keep those still pending
+            self.refs = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[1]
+
+    def done(self, timeout_s: float) -> bool:
+        return not self.refs or not ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)[1]
 
 
-def _checkpoint(coord, seen: int, record: RunRecord, on_event) -> tuple[int, dict]:
+def _tell_written(coord, sent: _Sent | None = None) -> Callable[[int], None]:
+    """How the driver tells ``coord`` that events are written (no reply awaited; kept in ``sent``)."""
+    def tell(count: int) -> None:
+        ref = coord.written.remote(count)
+        if sent is not None:
+            sent(ref)
+    return tell
+
+
+def _checkpoint(coord, seen: int, record: RunRecord, on_event, sent: _Sent | None = None) -> tuple[int, dict]:
     """Write checkpoint.npz for the coordinator's committed state, after every row it covers;
     returns the events read so far and the state."""
     state = _ask(coord.checkpoint.remote())
     events = _ask(coord.events.remote(seen))
-    seen = _write_events(events, seen, record, on_event, up_to=state["round"], written=_tell_written(coord))
+    seen = _write_events(events, seen, record, on_event, up_to=state["round"], written=_tell_written(coord, sent))
     write_checkpoint(record.path, state)
     return seen, state
 

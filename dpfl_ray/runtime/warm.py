@@ -3,22 +3,21 @@
 A worker's start is mostly its process and torch's import (about 1.7 s of CPU, several seconds of
 wall time on a loaded machine); its run-specific work (the scenario, the data refs, the model) is a
 few milliseconds. A driver that runs several scenarios in one Ray session (the test suite, a grid
-run in-process) parks the workers of a run that ended cleanly and hands them to the next run of the
-same worker shape, which rebinds them (``ClientWorker.rebind``: every attribute is set anew, so a
-rebound worker trains exactly as a fresh one; tests/ray compare runs on fresh and rebound workers).
-The run's Coordinator is parked too (``Coordinator.rebind`` runs its ``__init__`` anew): its start
-is a process and the imports of the runtime, dp_accounting and scipy (about 2 s of CPU), and it
-reserves no CPU, so a parked one holds nothing another run needs.
+run in-process) parks the workers of a run whose coordinator returned and hands them to the next run
+of the same worker shape, which rebinds them (``ClientWorker.rebind``: every attribute is set anew,
+so a rebound worker trains exactly as a fresh one; tests/ray compare runs on fresh and rebound
+workers). The run's Coordinator is parked too (``Coordinator.rebind`` runs its ``__init__`` anew):
+its start is a process and the imports of the runtime, dp_accounting and scipy (about 2 s of CPU),
+and it reserves no CPU, so a parked one holds nothing another run needs.
 
 What is never reused: the workers and coordinator of a run that was interrupted, or whose
 coordinator did not return (lost, or stopped by a failure of the driver: either may be mid-call);
-one that does not answer ``release`` within RELEASE_SECONDS (ERROR_RELEASE_SECONDS after a run its
-coordinator ended with an error: a worker may still be in a call the round gave up on) or
-``rebind`` within REBIND_SECONDS (hung, or dead: the coordinator kills the stragglers it replaces);
-a coordinator whose ``run`` is still going (its ``release`` says so); and workers of another Ray
-session (``stop_ray`` forgets them before ``ray.shutdown``). Parked workers hold their CPU and GPU
-reservation, so a run that needs another shape first kills every parked worker, and an idle driver
-gives them (and the coordinator) back after IDLE_SECONDS. ``dpfl run``, one run per process, parks nothing
+one that does not answer ``release`` within RELEASE_SECONDS or ``rebind`` within REBIND_SECONDS
+(hung, or dead: the coordinator kills the stragglers it replaces); a coordinator whose ``run`` is
+still going (its ``release`` says so); and workers of another Ray session (``stop_ray`` forgets them
+before ``ray.shutdown``). Parked workers hold their CPU and GPU reservation, so a run that needs
+another shape first kills every parked worker, and an idle driver gives them (and the coordinator)
+back after IDLE_SECONDS. ``dpfl run``, one run per process, parks nothing
 (``run_scenario(keep_workers=False)``); ``DPFL_WARM_WORKERS=0`` turns parking off everywhere.
 """
 from __future__ import annotations
@@ -31,7 +30,6 @@ import ray
 import ray.exceptions
 
 RELEASE_SECONDS = 5.0
-ERROR_RELEASE_SECONDS = 1.0
 REBIND_SECONDS = 10.0  # a rebind is milliseconds of work: a worker that takes longer is not reused
 # Parked workers hold their CPUs: another driver on the same Ray waits for them at most this long.
 IDLE_SECONDS = 30.0
@@ -136,24 +134,24 @@ def take(num_cpus: float, num_gpus: float, count: int, scenario: dict, data: dic
     return _answering(mine, [h.rebind.remote(scenario, data) for h in mine], REBIND_SECONDS)
 
 
-def park(num_cpus: float, num_gpus: float, handles: list, timeout_s: float = RELEASE_SECONDS) -> None:
+def park(num_cpus: float, num_gpus: float, handles: list) -> None:
     """Keep the workers of a run whose coordinator returned for the next run; those that do not
-    answer ``release`` within ``timeout_s`` are killed."""
+    answer ``release`` in time are killed."""
     if not enabled() or not handles:
         return
     # one the coordinator replaced (killed), that died, or that is still busy is killed
-    keep = _answering(handles, [h.release.remote() for h in handles], timeout_s)
+    keep = _answering(handles, [h.release.remote() for h in handles], RELEASE_SECONDS)
     if keep:
         with _lock:
             _parked.setdefault(_key(num_cpus, num_gpus), []).extend(keep)
             _restart_idle()
 
 
-def park_coordinator(handle, timeout_s: float = RELEASE_SECONDS) -> None:
+def park_coordinator(handle) -> None:
     """Keep the coordinator of a run whose ``run`` returned for the next run."""
     if not enabled() or handle is None:
         return
-    if _answering([handle], [handle.release.remote()], timeout_s):
+    if _answering([handle], [handle.release.remote()], RELEASE_SECONDS):
         with _lock:
             session = _session()
             earlier = _coordinators.get(session)

@@ -110,7 +110,7 @@ def test_the_final_read_publishes_no_model_whose_listing_cannot_be_written(ray_s
     assert handed == [listing]
 
     unwritable = RunRecord(tmp_path / "unwritable")
-    (tmp_path / "unwritable" / RELEASES).mkdir()  # open() for appending fails
+    (tmp_path / "unwritable" / RELEASES).mkdir()  # reading or appending to it fails
     assert _committed(coord, sc, None, 0, unwritable) is None
 
     def unreachable(event):
@@ -118,6 +118,28 @@ def test_the_final_read_publishes_no_model_whose_listing_cannot_be_written(ray_s
 
     assert _committed(coord, sc, None, 0, RunRecord(tmp_path / "not_handed"), unreachable) is None
     ray_session.kill(coord)
+
+
+def test_a_coordinator_is_parked_only_once_every_acknowledgement_sent_to_it_has_run(ray_session):
+    """driver._Sent: the driver's ``written`` calls await no reply, and a threaded actor may run
+    them out of order; one still pending must not land in the next run a parked coordinator serves.
+    A slow call stands for it: not done within 0.2 s, done once it has run; the list keeps only
+    the calls still pending."""
+    from dpfl_ray.runtime.driver import _Sent
+
+    @ray_session.remote(num_cpus=0, max_concurrency=4)
+    class Slow:
+        def written(self, seconds):
+            time.sleep(seconds)
+
+    actor, sent = Slow.remote(), _Sent()
+    sent(actor.written.remote(1.5))
+    assert not sent.done(0.2)
+    assert sent.done(30)
+    for _ in range(64):
+        sent(actor.written.remote(0.0))
+    assert len(sent.refs) < 65 and sent.done(30)
+    ray_session.kill(actor)
 
 
 def test_a_run_stopped_mid_round_lists_every_round_it_may_have_released(ray_session, tmp_path):
