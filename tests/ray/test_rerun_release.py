@@ -116,7 +116,10 @@ def test_the_final_read_publishes_no_model_whose_listing_cannot_be_written(ray_s
     def unreachable(event):
         raise ConnectionError("the sweep's node does not answer")
 
-    assert _committed(coord, sc, None, 0, RunRecord(tmp_path / "not_handed"), unreachable) is None
+    not_handed = RunRecord(tmp_path / "not_handed")
+    assert _committed(coord, sc, None, 0, not_handed, unreachable) is None
+    for r in (record, unwritable, not_handed):
+        r.close()
     ray_session.kill(coord)
 
 
