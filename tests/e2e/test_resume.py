@@ -108,8 +108,8 @@ ROUNDS = 30
 def test_ctrl_c_prints_the_resume_command_and_resume_finishes(ray_address, tmp_path):
     """Without SecAgg: the stop, and any checkpoint, may fall while a round awaits its evaluation.
     Every client straggles 0.2 s, so a round takes at least that: the stop after round 2 comes
-    seconds before the last round (flat out, 60 rounds of tens of milliseconds were not enough once,
-    in a suite on a loaded machine), and the run sleeps rather than trains while it waits."""
+    seconds before the last round, where rounds of tens of milliseconds could end the run before a
+    loaded machine handles the signal, and the run sleeps rather than trains while it waits."""
     scenario = tmp_path / "plain.yaml"
     scenario.write_text(yaml.safe_dump({**DP_FEDAVG, "training": {**DP_FEDAVG["training"], "rounds": ROUNDS},
                                         "faults": {**DP_FEDAVG["faults"], **every_client_straggles(0.2)}}))

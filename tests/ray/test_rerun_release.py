@@ -21,6 +21,14 @@ from dpfl_ray.training.models import initial_theta
 from tests.helpers import tiny_scenario
 
 
+def _spy_on_evaluations(self):
+    """Run in a Coordinator (``__ray_call__``): each evaluation's split and whether it ran here (in
+    the coordinator) rather than on the workers, in ``evaluated_here``."""
+    calls, evaluate = [], self._evaluate
+    self.evaluated_here = calls
+    self._evaluate = lambda theta, split="test", here=False: calls.append((split, here)) or evaluate(theta, split, here)
+
+
 def _rows(path):
     return [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines()]
 
@@ -257,14 +265,8 @@ def test_a_release_waits_until_the_driver_has_written_its_listing(ray_session, t
     sc = tiny_scenario(training={"algorithm": "dp_fedavg", "rounds": 3},
                        privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}})
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
-
-    def spy(self):  # where each evaluation ran: here (in the coordinator) or on the workers
-        calls, evaluate = [], self._evaluate
-        self.evaluated_here = calls
-        self._evaluate = lambda theta, split="test", here=False: calls.append(here) or evaluate(theta, split, here)
-
     try:
-        ray_session.get(coord.__ray_call__.remote(spy), timeout=60)
+        ray_session.get(coord.__ray_call__.remote(_spy_on_evaluations), timeout=60)
         run = coord.run.remote()
         end = time.monotonic() + 120
         while not [e for e in ray_session.get(coord.events.remote(0, 0.2), timeout=60) if e["event"] == "release"]:
@@ -287,7 +289,8 @@ def test_a_release_waits_until_the_driver_has_written_its_listing(ray_session, t
         events = ray_session.get(coord.events.remote(0), timeout=60)
         rows = [e for e in events if e["event"] == "round"]
         assert [r["round"] for r in rows] == [1] and rows[0]["test_accuracy"] is not None
-        assert ray_session.get(coord.__ray_call__.remote(lambda self: self.evaluated_here), timeout=60) == [True]
+        assert ray_session.get(coord.__ray_call__.remote(lambda self: self.evaluated_here), timeout=60) == [
+            ("test", True)]
         assert rows[0]["listing_seconds"] > 2.0  # round 1 waited for its model's listing, then read the uploads
         assert [(e["round"], sorted(set(e) - {"event", "round", "scenario_sha256"})) for e in events
                 if e["event"] == "release"] == [(1, ["model"]), (1, ["survivors"]), (1, ["epsilon", "released"])]
@@ -303,15 +306,8 @@ def test_a_listing_late_after_the_release_has_the_model_evaluated_here_and_the_r
     sc = tiny_scenario(data={"validation_fraction": 0.2}, training={"algorithm": "dp_fedavg", "rounds": 1},
                        privacy={"noise_multiplier": 1.0, "accountant": "rdp", "clipping": {"norm": 0.5}})
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
-
-    def spy(self):  # where each evaluation ran: here (in the coordinator) or on the workers
-        calls, evaluate = [], self._evaluate
-        self.evaluated_here = calls
-        self._evaluate = lambda theta, split="test", here=False: calls.append((split, here)) or evaluate(
-            theta, split, here)
-
     try:
-        ray_session.get(coord.__ray_call__.remote(spy), timeout=60)
+        ray_session.get(coord.__ray_call__.remote(_spy_on_evaluations), timeout=60)
         ray_session.get(coord.__ray_call__.remote(lambda self: setattr(
             __import__("dpfl_ray.runtime.coordinator", fromlist=["_"]), "LISTING_TIMEOUT_SECONDS", 1.0)), timeout=60)
         run = coord.run.remote()
