@@ -152,13 +152,15 @@ def test_same_seed_same_model_for_any_pool_size(one_worker_run, tmp_path):
 def test_the_cnn_gives_the_same_model_on_one_worker_and_on_three_half_cpu_workers(ray_session, tmp_path):
     """The run-level form of the batch-invariance promise, on the model whose stacked kernels
     depend on the stack on some CPUs: ten equal clients a round split 10 / 4+3+3 over the pools,
-    so stacks of 3 (the size oneDNN's AVX2 kernels treat apart) meet stacks of 10 and 4."""
+    so stacks of 3 (the size oneDNN's AVX2 kernels treat apart) meet stacks of 10 and 4. Every worker
+    has the same half CPU (a worker's torch threads are fixed, not its CPUs'): the second run takes
+    the first's parked worker and starts two."""
     def cnn(resources):
         return tiny_scenario(data={"source": "mnist5k", "num_clients": 20, "examples_per_client": 10},
                              model={"name": "cnn"}, training={"rounds": 2, "batch_size": 5, "lr": 0.1},
                              resources=resources)
 
-    summary_1, _, state_1 = _run(cnn({"workers": 1, "num_cpus_per_worker": 1}), tmp_path, "w1")
+    summary_1, _, state_1 = _run(cnn({"workers": 1, "num_cpus_per_worker": 0.5}), tmp_path, "w1")
     summary_3, _, state_3 = _run(cnn({"workers": 3, "num_cpus_per_worker": 0.5}), tmp_path, "w3")
     assert all(torch.equal(state_1[k], state_3[k]) for k in state_1)
     for summary in (summary_1, summary_3):  # what each host had to pad is on record
