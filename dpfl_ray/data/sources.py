@@ -107,6 +107,9 @@ def _synthetic(seed: int, n: int, features: int, classes: int) -> Dataset:
     return Dataset("synthetic", *_stratified_split(x, y.astype(np.int64)), classes)
 
 
+_IDX_MAX_DIMS = 4
+
+
 def read_idx(path: Path) -> np.ndarray:
     """Read one IDX file (the MNIST/FashionMNIST format), gzipped or not."""
     opener = gzip.open if path.suffix == ".gz" else open
@@ -121,6 +124,9 @@ def read_idx(path: Path) -> np.ndarray:
     if raw[2] not in dtypes:
         raise DPFLError(f"{path}: unknown IDX element type 0x{raw[2]:02x}", field="data.path")
     ndim = raw[3]
+    if ndim > _IDX_MAX_DIMS:
+        raise DPFLError(f"{path}: its header declares {ndim} dimensions; an IDX file of images or labels has "
+                        f"at most {_IDX_MAX_DIMS}", field="data.path")
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     dtype = np.dtype(dtypes[raw[2]])
     body = raw[4 + 4 * ndim:]
@@ -274,14 +280,40 @@ def _file_names(stems) -> str:
     return ", ".join(f"{stem}[.gz]" for stem in stems)
 
 
+def _check_idx_arrays(folder: Path, files: list[Path], xtr, ytr, xte, yte, field: str) -> None:
+    """What the loader assumes of the four arrays, each failure one line naming its file: images of
+    unsigned bytes (scaled by 1/255), N x H x W, the same H x W in both splits; labels one per image,
+    non-negative integers; neither split empty."""
+    images, labels = ((files[0], xtr), (files[2], xte)), ((files[1], ytr, xtr), (files[3], yte, xte))
+    for path, x in images:
+        if x.ndim != 3:
+            raise DPFLError(f"{path}: images must be N x H x W, the file holds shape {x.shape}", field=field)
+        if x.dtype != np.uint8:
+            raise DPFLError(f"{path}: images must be unsigned bytes (IDX type 0x08, read as values 0-255), "
+                            f"the file holds {x.dtype.name}", field=field)
+        if len(x) == 0:
+            raise DPFLError(f"{path}: holds no image", field=field)
+    if xtr.shape[1:] != xte.shape[1:]:
+        raise DPFLError(f"{files[2]}: {xte.shape[1]}x{xte.shape[2]} images, but the training images in {files[0]} "
+                        f"are {xtr.shape[1]}x{xtr.shape[2]}", field=field)
+    for path, y, x in labels:
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise DPFLError(f"{path}: labels must be one integer per image, the file holds {y.dtype.name} of shape "
+                            f"{y.shape}", field=field)
+        if len(y) != len(x):
+            raise DPFLError(f"{path}: {len(y)} labels for {len(x)} images", field=field)
+        if int(y.min()) < 0:
+            raise DPFLError(f"{path}: a label is negative ({int(y.min())}); labels are classes 0, 1, ...",
+                            field=field)
+
+
 def _read_idx_folder(folder: Path, name: str, num_classes: int | None = None, field: str = "data.path") -> Dataset:
     files = [_find_idx(folder, s) for s in _IDX_STEMS]
     missing = [s for s, f in zip(_IDX_STEMS, files) if f is None]
     if missing:
         raise DPFLError(f"missing {_file_names(missing)} in {folder}", field="data.path")
     xtr, ytr, xte, yte = (read_idx_cached(f) for f in files)
-    if xtr.ndim != 3 or xte.ndim != 3 or len(xtr) != len(ytr) or len(xte) != len(yte):
-        raise DPFLError(f"IDX files in {folder} have inconsistent shapes", field=field)
+    _check_idx_arrays(folder, files, xtr, ytr, xte, yte, field)
     classes = int(max(ytr.max(), yte.max())) + 1
     if num_classes is not None and (xtr.shape[1:] != (28, 28) or xte.shape[1:] != (28, 28) or classes > num_classes):
         raise DPFLError(f"{folder} does not hold {name}: {xtr.shape[1]}x{xtr.shape[2]} images in {classes} classes "

@@ -258,3 +258,52 @@ def test_a_normalize_that_divides_by_zero_is_one_error_line(tmp_path):
     res = dpfl("run", scenario, "--set", "data.normalize=[0.5, 0]")
     assert_one_error_line(res, "data.normalize")
     assert not (tmp_path / "runs").exists()
+
+
+def write_raw_idx(path: Path, array: np.ndarray, type_code: int) -> Path:
+    """Any IDX element type (0x08 unsigned byte, 0x09 signed byte, 0x0D float32), values big-endian."""
+    body = struct.pack(">BBBB", 0, 0, type_code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    path.write_bytes(body + array.astype(array.dtype.newbyteorder(">")).tobytes())
+    return path
+
+
+def _damage(folder: Path, kind: str) -> str:
+    """Break one file of a good IDX folder as ``kind`` says; the file's stem, which the error must name."""
+    images, labels, test_images = folder / STEMS[0], folder / STEMS[1], folder / STEMS[2]
+    if kind == "empty_training_set":
+        write_idx(images, np.zeros((0, 28, 28), np.uint8)), write_idx(labels, np.zeros(0, np.uint8))
+        return STEMS[0]
+    if kind == "255_dimensions":
+        images.write_bytes(b"\x00\x00\x08\xff" + bytes(10))
+        return STEMS[0]
+    if kind == "negative_label":
+        write_raw_idx(labels, np.full(20, -1, np.int8), 0x09)
+        return STEMS[1]
+    if kind == "two_labels_per_image":
+        write_idx(labels, np.zeros((20, 2), np.uint8))
+        return STEMS[1]
+    if kind == "float_images_with_nan":
+        write_raw_idx(images, np.full((20, 28, 28), np.nan, np.float32), 0x0D)
+        return STEMS[0]
+    if kind == "other_test_image_size":
+        write_idx(test_images, np.zeros((10, 27, 27), np.uint8))
+        return STEMS[2]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("empty_training_set", "holds no image"),
+    ("255_dimensions", "its header declares 255 dimensions"),
+    ("negative_label", "a label is negative (-1)"),
+    ("two_labels_per_image", "labels must be one integer per image, the file holds uint8 of shape (20, 2)"),
+    ("float_images_with_nan", "images must be unsigned bytes"),
+    ("other_test_image_size", "27x27 images, but the training images"),
+])
+def test_idx_files_the_loader_cannot_take_are_one_line_naming_the_file(tmp_path, kind, needle):
+    """Each was an internal error or a run that failed in torch (or trained on NaN) without naming
+    data.path: now refused as the data is read, before any client exists."""
+    folder = idx_folder(tmp_path / "data")
+    stem = _damage(folder, kind)
+    with pytest.raises(DPFLError) as err:
+        load_source(DataConfig(source="idx", path=str(folder)), 0)
+    assert err.value.field == "data.path" and needle in str(err.value) and str(folder / stem) in str(err.value)
