@@ -14,3 +14,6 @@ MAX_NOISE_MULTIPLIER = 1e6
 #: the smallest: epsilon means nothing long before it (about 5e17 for one round at q = 0.01), and
 #: dp_accounting's PLD divides by zero near 1e-150
 MIN_NOISE_MULTIPLIER = 1e-9
+#: a straggler's delay, at most a day (faults.stragglers): the clock's deadlines overflow long before
+#: 1e308 s; a lognormal draw beyond it is cut to it
+MAX_LATENCY_S = 86_400.0

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .defaults import MAX_NOISE_MULTIPLIER, MIN_CLIP_NORM, MIN_NOISE_MULTIPLIER
+from .defaults import MAX_LATENCY_S, MAX_NOISE_MULTIPLIER, MIN_CLIP_NORM, MIN_NOISE_MULTIPLIER
 from .errors import DPFLError
 
 
@@ -39,6 +39,12 @@ MAX_SYNTHETIC_VALUES = 100_000_000  # synthetic examples x features, float32: 40
 MAX_HIDDEN_UNITS = 16_384
 MAX_HIDDEN_LAYERS = 16
 MAX_CANARIES = 10_000
+# A lognormal size's sigma of 10 already puts a factor of e^20 between a typical client and one two
+# deviations up; beyond that the draw overflows a float before any size exists.
+MAX_SIZE_SIGMA = 10.0
+# data.normalize's std: inputs are float32, and a std below this makes them overflow or divide by zero
+# there (a value of 1e-320 is above 0 as a float64 and 0 as a float32).
+MIN_NORMALIZE_STD = 1e-6
 
 
 class PartitionConfig(_Section):
@@ -49,7 +55,7 @@ class PartitionConfig(_Section):
         "equal", description="dirichlet: 'unbalanced' draws client sizes like kind: unbalanced (FEMNIST-like writers)")
     size_distribution: Literal["lognormal", "uniform", "zipf"] = "lognormal"
     size_mean: float = Field(100.0, gt=0, le=MAX_EXAMPLES, description="unbalanced: mean client size")
-    size_sigma: float = Field(1.0, ge=0, description="unbalanced lognormal: sigma of log-size")
+    size_sigma: float = Field(1.0, ge=0, le=MAX_SIZE_SIGMA, description="unbalanced lognormal: sigma of log-size")
     min_size: int = Field(1, ge=1, le=MAX_EXAMPLES, description="unbalanced/dirichlet: smallest client")
 
 
@@ -76,8 +82,9 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _normalize_divides(self):
-        if self.normalize is not None and not self.normalize[1] > 0:
-            raise ValueError(f"data.normalize is [mean, std]; std must be above 0, got {self.normalize[1]}")
+        if self.normalize is not None and not self.normalize[1] >= MIN_NORMALIZE_STD:
+            raise ValueError(f"data.normalize is [mean, std]; std must be at least {MIN_NORMALIZE_STD:g} (inputs "
+                             f"are float32), got {self.normalize[1]}")
         return self
 
     @model_validator(mode="after")
@@ -96,6 +103,12 @@ class DataConfig(_Section):
         if total > MAX_EXAMPLES:
             raise ValueError(f"data.num_clients x data.examples_per_client = {total:,} examples; at most "
                              f"{MAX_EXAMPLES:,}")
+        p = self.partition
+        if p.kind == "unbalanced" or (p.kind == "dirichlet" and p.sizes == "unbalanced"):
+            for name, size in (("size_mean", p.size_mean), ("min_size", p.min_size)):
+                if self.num_clients * size > MAX_EXAMPLES:
+                    raise ValueError(f"data.num_clients x data.partition.{name} = {self.num_clients * size:,.0f} "
+                                     f"examples; at most {MAX_EXAMPLES:,}")
         return self
 
 
@@ -344,11 +357,12 @@ class LatencyConfig(_Section):
     """A straggler's extra delay before its update arrives, in seconds."""
 
     distribution: Literal["fixed", "lognormal", "uniform"] = "lognormal"
-    seconds: float = Field(2.0, ge=0, description="fixed: the delay")
-    median_s: float = Field(2.0, gt=0, description="lognormal: the median delay")
-    sigma: float = Field(0.5, ge=0, description="lognormal: sigma of the log-delay")
-    low_s: float = Field(0.0, ge=0, description="uniform: shortest delay")
-    high_s: float = Field(4.0, gt=0, description="uniform: longest delay")
+    seconds: float = Field(2.0, ge=0, le=MAX_LATENCY_S, description="fixed: the delay")
+    median_s: float = Field(2.0, gt=0, le=MAX_LATENCY_S, description="lognormal: the median delay")
+    sigma: float = Field(0.5, ge=0, le=MAX_SIZE_SIGMA, description="lognormal: sigma of the log-delay (a delay "
+                                                                     f"drawn above {MAX_LATENCY_S:,.0f} s is that)")
+    low_s: float = Field(0.0, ge=0, le=MAX_LATENCY_S, description="uniform: shortest delay")
+    high_s: float = Field(4.0, gt=0, le=MAX_LATENCY_S, description="uniform: longest delay")
 
     @model_validator(mode="after")
     def _range(self):

@@ -37,6 +37,19 @@ class Federation:
         return self.indices[self.offsets[client_id]:self.offsets[client_id + 1]]
 
 
+def _drawn_sizes(p, num_clients: int, g) -> np.ndarray:
+    """The clients' drawn sizes, refused before any index is made if a heavy tail draws more examples
+    in all than a scenario may ask for (MAX_EXAMPLES, as num_clients x examples_per_client)."""
+    from ..scenario import MAX_EXAMPLES
+
+    sizes = P.unbalanced_sizes(num_clients, p.size_distribution, p.size_mean, p.size_sigma, p.min_size, g)
+    if int(sizes.sum()) > MAX_EXAMPLES:
+        raise DPFLError(f"the {p.size_distribution} sizes drawn for {num_clients} clients sum to {int(sizes.sum()):,} "
+                        f"examples; at most {MAX_EXAMPLES:,}: lower size_mean or size_sigma",
+                        field="data.partition.size_sigma")
+    return sizes
+
+
 def make_partition(labels: np.ndarray, data_cfg, seed: int) -> list[np.ndarray]:
     p, k = data_cfg.partition, data_cfg.num_clients
     g = rngmod.generator(seed, "partition")
@@ -50,13 +63,13 @@ def make_partition(labels: np.ndarray, data_cfg, seed: int) -> list[np.ndarray]:
             if epc is not None:
                 raise DPFLError("partition.sizes: unbalanced draws each client's size; remove examples_per_client",
                                 field="data.examples_per_client")
-            epc = P.unbalanced_sizes(k, p.size_distribution, p.size_mean, p.size_sigma, p.min_size, g)
+            epc = _drawn_sizes(p, k, g)
         return P.dirichlet(labels, k, p.alpha, g, epc, rep, p.min_size)
     if p.kind == "unbalanced":
         if epc is not None:
             raise DPFLError("unbalanced partitions draw their own sizes; remove examples_per_client",
                             field="data.examples_per_client")
-        sizes = P.unbalanced_sizes(k, p.size_distribution, p.size_mean, p.size_sigma, p.min_size, g)
+        sizes = _drawn_sizes(p, k, g)
         return P.unbalanced(labels, k, sizes, g, rep)
     raise DPFLError(f"unknown partition {p.kind!r}", field="data.partition.kind")
 

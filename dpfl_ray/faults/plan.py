@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .. import rng as rngmod
+from ..defaults import MAX_LATENCY_S
 # re-exported: the runtime takes every fault helper from here
 from .availability import TRACE_HEADER, load_trace  # noqa: F401
 from .corruption import CORRUPTIONS, check_update, corrupt, corruption_rng  # noqa: F401
@@ -193,8 +194,8 @@ def cohort_target(sampling, num_clients: int) -> int | None:
 def draw_latency(latency, g: np.random.Generator) -> float:
     if latency.distribution == "fixed":
         return float(latency.seconds)
-    if latency.distribution == "lognormal":
-        return float(g.lognormal(math.log(latency.median_s), latency.sigma))
+    if latency.distribution == "lognormal":  # a tail draw past the schema's bound is the bound
+        return min(float(g.lognormal(math.log(latency.median_s), latency.sigma)), MAX_LATENCY_S)
     return float(g.uniform(latency.low_s, latency.high_s))
 
 

@@ -316,3 +316,18 @@ def test_processes_without_the_trace_file_skip_reading_it(tmp_path):
     assert remote == sc and plan.plan(0, np.arange(4)).dropouts() == {1: Dropout("unavailable", "training")}
     with pytest.raises(Exception, match="no trace file"):
         Scenario.model_validate(sc.model_dump(mode="json"))
+
+
+def test_a_lognormal_delay_is_cut_at_a_day_and_the_schema_bounds_every_delay():
+    """A tail draw past the clock's range stopped a run with an OverflowError (timestamp out of range)."""
+    from dpfl_ray.defaults import MAX_LATENCY_S
+    from dpfl_ray.faults.plan import draw_latency
+    from dpfl_ray.scenario import LatencyConfig
+
+    heavy = LatencyConfig(distribution="lognormal", median_s=MAX_LATENCY_S, sigma=10)
+    g = np.random.default_rng(0)
+    draws = [draw_latency(heavy, g) for _ in range(200)]
+    assert max(draws) == MAX_LATENCY_S and min(draws) < MAX_LATENCY_S
+    for field in ("seconds", "median_s", "low_s", "high_s"):
+        with pytest.raises(ValueError, match="less than or equal to 86400"):
+            LatencyConfig(**{field: 1e308})
