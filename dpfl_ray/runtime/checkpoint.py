@@ -111,7 +111,23 @@ def read_checkpoint(run_dir: Path) -> dict:
     rounds = meta.get("round") if isinstance(meta, dict) else None
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0 or "theta" not in meta["arrays"]:
         raise DPFLError(f"{path} is not a checkpoint of a dpfl run (no round count or model)", field="--resume")
+    _check_parts(path, meta)
     return meta
+
+
+def _check_parts(path: Path, meta: dict) -> None:
+    """What a run's checkpoint holds, in the shapes the coordinator restores (Coordinator._restore):
+    checked before a resume touches the run's files. Whether the model fits the scenario's is
+    checked where the model is known (the coordinator)."""
+    theta = meta["arrays"]["theta"]
+    if theta.ndim != 1 or theta.size == 0 or not np.issubdtype(theta.dtype, np.floating):
+        raise DPFLError(f"{path}: its model is not a vector of floats (shape {theta.shape}, {theta.dtype.name})",
+                        field="--resume")
+    if not np.all(np.isfinite(theta)):
+        raise DPFLError(f"{path}: its model holds NaN or infinite values", field="--resume")
+    for key in ("pending", "algorithm", "privacy", "audit"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise DPFLError(f"{path}: its {key} is not a JSON object ({type(meta[key]).__name__})", field="--resume")
 
 
 def scenario_fingerprint(scenario) -> dict:

@@ -177,8 +177,24 @@ def _truncate(path: Path, keep) -> None:
     path.write_bytes(data[:keep(len(data))])
 
 
+def _rewritten(run: Path, theta=None, **meta) -> None:
+    """The run's checkpoint written again (as the coordinator writes one) with ``meta``'s fields and
+    ``theta`` in place of its own."""
+    from dpfl_ray.runtime.checkpoint import CHECKPOINT, write_checkpoint
+
+    with np.load(run / CHECKPOINT) as data:
+        state = {**json.loads(bytes(data["_meta"]).decode()), **meta,
+                 "arrays": {"theta": data["theta"] if theta is None else theta}}
+    write_checkpoint(run, state)
+
+
 @pytest.mark.parametrize("damage, needle", [
     (lambda run: _truncate(run / "checkpoint.npz", lambda n: n // 2), "checkpoint.npz is not a readable checkpoint"),
+    # read whole, but not in the shapes the coordinator restores (internal errors once Ray had started)
+    (lambda run: _rewritten(run, theta=np.zeros((3, 1), np.float32)), "its model is not a vector of floats"),
+    (lambda run: _rewritten(run, theta=np.full(3, np.nan, np.float32)), "its model holds NaN or infinite values"),
+    (lambda run: _rewritten(run, pending="garbage"), "its pending is not a JSON object (str)"),
+    (lambda run: _rewritten(run, algorithm=[1, 2]), "its algorithm is not a JSON object (list)"),
     (lambda run: _truncate(run / "checkpoint.npz", lambda n: 0), "checkpoint.npz is not a readable checkpoint"),
     (lambda run: (run / "checkpoint.npz").write_text("not a zip file\n"), "is not a readable checkpoint"),
     (lambda run: _truncate(run / "rounds.jsonl", lambda n: n - 9), "rounds.jsonl line 2 is not round 2's row"),

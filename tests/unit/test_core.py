@@ -128,6 +128,15 @@ def test_a_model_file_is_the_seeded_model_s_with_theta_and_draws_nothing_from_to
     assert blob == model_file(model.state_dict())
 
 
+def test_a_flat_model_of_another_size_gets_no_model_file_and_says_both_sizes():
+    """A checkpoint's theta of another model (edited or foreign) reached torch's view() when a resumed
+    run that failed wrote model.pt from it: an internal error. Now one line with both sizes."""
+    cfg = ModelConfig(name="logistic")
+    with pytest.raises(DPFLError, match=r"model: a flat model of 100 values does not fit this scenario's logistic "
+                                        r"\(70 values\)"):
+        model_file_bytes(cfg, (6,), 10, np.zeros(100, np.float32))
+
+
 def test_a_model_with_buffers_gets_no_model_file_and_torch_s_generator_is_left_alone(monkeypatch):
     """theta holds parameters only: a model with buffers (none is shipped) is refused, naming them,
     instead of being built from the seed, which would seed the global generator under training."""
