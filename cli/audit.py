@@ -15,6 +15,7 @@ import typer
 from rich.table import Table
 
 from dpfl_ray.errors import DPFLError
+from dpfl_ray.runs.load import check_numbers
 
 from .common import console, user_errors
 
@@ -59,6 +60,8 @@ def audit(
         raise DPFLError(f"{run_dir}: no such run directory", field="run_dir")
     record = _read(run_dir / AUDIT_FILE, required=True)
     summary = _read(run_dir / "summary.json", required=False)
+    check_numbers(summary, ("epsilon", "epsilon_claimed", "delta"), "summary.json", run_dir)
+    check_numbers(record, ("delta",), AUDIT_FILE, run_dir)
     stats = statistics_from_record(record)
     if threat_model is not None and threat_model not in THREAT_MODELS:
         raise DPFLError(f"unknown threat model {threat_model!r}; choose one of {', '.join(THREAT_MODELS)}",
@@ -69,7 +72,9 @@ def audit(
     if delta is None:
         delta = record.get("delta", summary.get("delta"))
         if delta is None:
-            delta = _read(run_dir / "ledger.json", required=False).get("delta")
+            ledger = _read(run_dir / "ledger.json", required=False)
+            check_numbers(ledger, ("delta",), "ledger.json", run_dir)
+            delta = ledger.get("delta")
         if delta is None:
             raise DPFLError("the run records no delta; give --delta", field="delta")
     seed = record.get("seed", 0)

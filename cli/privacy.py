@@ -147,13 +147,15 @@ def _check_planned_noise(z: float, field: str = "noise_multiplier") -> float:
 
 
 def _floats(text: str, field: str) -> list[float]:
+    parts = [v.strip() for v in text.split(",")]
+    if not any(parts):
+        raise DPFLError("needs at least one value", field=field)
+    if "" in parts:
+        raise DPFLError(f"has an empty value ({text!r})", field=field)
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
+        return [float(v) for v in parts]
     except ValueError:
         raise DPFLError(f"expected comma-separated numbers, got {text!r}", field=field) from None
-    if not values:
-        raise DPFLError("needs at least one value", field=field)
-    return values
 
 
 def _ints(text: str, field: str) -> list[int]:

@@ -45,19 +45,26 @@ def _list_papers() -> None:
         raise typer.Exit(2)
 
 
-def _dry_run(folder: Path, spec, sets: list[str], data: Optional[Path], only: list[str]) -> None:
+def _dry_run(folder: Path, spec, sets: list[str], data: Optional[Path], only: list[str], quick_only: bool,
+             out: Optional[Path]) -> None:
+    """Every run's scenario checked, full and quick (``--quick``: the quick ones alone, each --only
+    among them, as the run itself would ask), and an --out that exists a folder."""
+    from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs import reproduce as rp
     from dpfl_ray.runs import sweep as sw
 
-    for quick in (False, True):  # the full runs first: a name of no run is one line there
-        chosen = [n for n in only if n in rp.plan_names(spec, quick)] if quick else only
+    if out is not None and out.exists() and not out.is_dir():
+        raise DPFLError(f"{out} is not a folder", field="--out")
+    for quick in (True,) if quick_only else (False, True):  # the full runs first: a name of no run is one line there
+        chosen = [n for n in only if n in rp.plan_names(spec, quick)] if quick and not quick_only else only
         if only and not chosen:  # none of them is a quick run
             continue
         runs = rp.plan(folder, spec, quick, sets, str(data) if data else None, chosen)
         sw.validate(None, runs, build_data=False)  # the data may live elsewhere: its files are not read here
         for run in runs:
             _say(f"{'quick' if quick else 'full '} {run.name}: {run.scenario.name} {' '.join(run.overrides)}".rstrip())
-    _say(f"ok: {spec.paper}: every run's scenario is valid, full and quick (data not read)")
+    _say(f"ok: {spec.paper}: every {'quick ' if quick_only else ''}run's scenario is valid"
+         f"{'' if quick_only else ', full and quick'} (data not read)")
 
 
 @user_errors
@@ -76,7 +83,8 @@ def reproduce(
                                           "RAY_ADDRESS, else a private local Ray)"),
     max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", min=1,
                                                  help="runs at once (default: as many as the cluster's resources fit)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="validate every run's scenario, full and quick; run nothing"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate every run's scenario, full and quick (with "
+                                 "--quick, the quick ones); run nothing"),
     adopt: bool = typer.Option(False, "--adopt", help="take the run directories already in --out (made by `dpfl "
                                "run` or `dpfl sweep`) as this reproduction's, each checked against its run's "
                                "scenario and overrides; finished ones are not run again"),
@@ -100,7 +108,7 @@ def reproduce(
     folder = rp.find_paper(paper)
     spec = pp.load_paper(folder)
     if dry_run:
-        return _dry_run(folder, spec, set_, data, only)
+        return _dry_run(folder, spec, set_, data, only, quick, out)
     t0 = time.monotonic()
     runs = rp.plan(folder, spec, quick, set_, str(data) if data else None, only)
     sw.validate(None, runs)  # every run's scenario and partition, before anything runs

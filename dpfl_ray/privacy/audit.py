@@ -159,10 +159,11 @@ def _null_kind(stats: CanaryStatistics, null: str) -> str:
 
 def _separations(inserted: np.ndarray, held_out: np.ndarray, dim: int, kind: str) -> np.ndarray:
     """mu for each row (a bootstrap resample) of the statistics."""
-    if kind == "closed_form":  # null N(0, 1/d): mean 0 and variance 1/d of an independent direction
-        return inserted.mean(axis=-1) * math.sqrt(dim)
-    spread = held_out.std(axis=-1, ddof=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    # statistics near the float range overflow in the sums: a non-finite mu, which the caller refuses
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        if kind == "closed_form":  # null N(0, 1/d): mean 0 and variance 1/d of an independent direction
+            return inserted.mean(axis=-1) * math.sqrt(dim)
+        spread = held_out.std(axis=-1, ddof=1)
         return (inserted.mean(axis=-1) - held_out.mean(axis=-1)) / spread
 
 
@@ -183,7 +184,8 @@ def estimate_epsilon(stats: CanaryStatistics, delta: float, *, confidence: float
         raise DPFLError("canary statistics must be finite (was any round recorded?)", field="canaries")
     mu = float(_separations(ins, out, stats.dim, kind))
     if not math.isfinite(mu):
-        raise DPFLError("the held-out canaries have no spread; nothing to compare with", field="canaries")
+        raise DPFLError("the held-out canaries have no spread, or statistics too large to compare; nothing to "
+                        "compare with", field="canaries")
     g = rng.generator(seed, BOOTSTRAP_PURPOSE)
     mus = []
     for start in range(0, bootstrap, 100):  # bounded memory for large k

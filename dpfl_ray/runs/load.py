@@ -141,10 +141,12 @@ def _loads(text: str):
 # What a run writes: accuracies are fractions, rounds count from 1, counts and epsilons are not negative.
 RANGES = {"final_accuracy": (0.0, 1.0), "test_accuracy": (0.0, 1.0), "round": (1, math.inf),
           "rounds_completed": (0, math.inf), "rounds_planned": (0, math.inf), "survived": (0, math.inf),
-          "sampled": (0, math.inf), "epsilon": (0.0, math.inf), "epsilon_claimed": (0.0, math.inf)}
+          "sampled": (0, math.inf), "epsilon": (0.0, math.inf), "epsilon_claimed": (0.0, math.inf),
+          "delta": (0.0, 1.0)}
 
 
-def _check_numbers(obj: dict, keys: tuple[str, ...], where: str, run_dir: Path) -> None:
+def check_numbers(obj: dict, keys: tuple[str, ...], where: str, run_dir: Path) -> None:
+    """Each of ``keys`` in ``obj`` is a number in its RANGES (or null): one line naming the file and key."""
     for key in keys:
         value = obj.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -175,7 +177,7 @@ def load_run(path: str | Path) -> Run:
     if missing:
         raise DPFLError(f"not a run directory (no {' or '.join(missing)})", field=str(path))
     summary = _read_json(path / "summary.json", path, _load_summary)
-    _check_numbers(summary, NUMERIC_SUMMARY, "summary.json", path)
+    check_numbers(summary, NUMERIC_SUMMARY, "summary.json", path)
     try:
         lines = (path / "rounds.jsonl").read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
@@ -190,7 +192,7 @@ def load_run(path: str | Path) -> Run:
             raise DPFLError(f"rounds.jsonl line {lineno} is not valid JSON ({err.msg})", field=str(path))
         if not isinstance(row, dict):
             raise DPFLError(f"rounds.jsonl line {lineno} is not a JSON object", field=str(path))
-        _check_numbers(row, NUMERIC_ROUND, f"rounds.jsonl line {lineno}", path)
+        check_numbers(row, NUMERIC_ROUND, f"rounds.jsonl line {lineno}", path)
         rounds.append(row)
     return Run(path, summary, rounds)
 

@@ -65,6 +65,9 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
         if key in grid:
             raise DPFLError(f"{key} is given twice", field="--grid")
         vals = split_values(values)
+        if CALL_OPENED.match(values) and not CALL_LIKE.match(values):
+            raise DPFLError(f"{key}={values.strip()}: its parenthesis is not closed (a distribution reads "
+                            "uniform(low,high))", field="--grid")
         other = CALL_LIKE.match(values)
         if other and other.group(1) not in DISTRIBUTIONS:
             raise DPFLError(f"{key}={values.strip()}: {other.group(1)} is not a distribution to draw from (those are "
@@ -87,6 +90,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
 DISTRIBUTIONS = ("uniform", "loguniform", "randint")
 DISTRIBUTION_SPEC = re.compile(r"^\s*(" + "|".join(DISTRIBUTIONS) + r")\s*\((.*)\)\s*$")
 CALL_LIKE = re.compile(r"^\s*([A-Za-z_]\w*)\s*\(.*\)\s*$")  # name(...): a distribution, or a typo of one
+CALL_OPENED = re.compile(r"^\s*[A-Za-z_]\w*\s*\(")  # name(..., closed or not
 
 
 def is_distribution(value: str) -> bool:
@@ -343,6 +347,11 @@ def _check_grows(sweep_dir: Path, old: dict, grid: dict, seeds: list[int] | None
     (a run's directory is named by them), each with every value it had, and every seed it had; more
     values and seeds may follow. Else sweep.json, sweep.csv and the plots would drop those runs."""
     old_grid, old_seeds = old.get("grid") or {}, old.get("seeds")
+    if not (isinstance(old_grid, dict) and all(isinstance(v, list) for v in old_grid.values())
+            and (old_seeds is None or (isinstance(old_seeds, list)
+                                      and all(isinstance(x, int) and not isinstance(x, bool) for x in old_seeds)))):
+        raise DPFLError(f"{sweep_dir / MANIFEST} is not a sweep's manifest (its grid is not lists of values by axis, "
+                        "or its seeds not a list of integers); choose another --out", field="--out")
     if list(old_grid) != list(grid):
         raise DPFLError(f"{sweep_dir} holds a sweep over {', '.join(old_grid) or 'no axis'}, this one is over "
                         f"{', '.join(grid) or 'no axis'}: a rerun keeps the axes in their order (choose another --out)",

@@ -146,6 +146,11 @@ class JobView:
                    sec(details.start_time), sec(details.end_time), details.entrypoint or "", details.metadata or {})
 
 
+def _not_a_dashboard(where: str, why: str) -> DPFLError:
+    return DPFLError(f"the server at {where} does not answer as a Ray dashboard's Jobs API ({why}): is this the "
+                     "head's dashboard port (8265 by default)?")
+
+
 class Jobs:
     """The Jobs API of one cluster. Every request has a timeout; every failure is one DPFLError."""
 
@@ -174,6 +179,10 @@ class Jobs:
         except (requests.exceptions.ConnectionError, ConnectionError):
             raise DPFLError(f"cannot reach the Ray dashboard at {where}: is the head running, and is this its "
                             "dashboard port (8265 by default)?") from None
+        except DPFLError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as err:  # not JSON, or JSON of another shape
+            raise _not_a_dashboard(where, type(err).__name__) from None
         except RuntimeError as err:
             text = str(err)
             if job_id and ("404" in text or "does not exist" in text):
@@ -187,17 +196,20 @@ class Jobs:
                                                           submission_id=job_id, metadata=metadata), job_id)
 
     def info(self, job_id: str) -> JobView:
-        return JobView.of(self._call(lambda: self._client.get_job_info(job_id), job_id))
+        return self._call(lambda: JobView.of(self._client.get_job_info(job_id)), job_id)
 
     def status(self, job_id: str) -> str:
         return self.info(job_id).status
 
     def list(self) -> list[JobView]:
-        views = [JobView.of(d) for d in self._call(self._client.list_jobs)]
+        views = self._call(lambda: [JobView.of(d) for d in self._client.list_jobs()])
         return sorted(views, key=lambda v: v.start_time or 0)
 
     def logs(self, job_id: str) -> str:
-        return self._call(lambda: self._client.get_job_logs(job_id), job_id) or ""
+        logs = self._call(lambda: self._client.get_job_logs(job_id), job_id) or ""
+        if not isinstance(logs, str):
+            raise _not_a_dashboard(self.address, "logs that are not text")
+        return logs
 
     def stop(self, job_id: str) -> bool:
         self.info(job_id)  # a missing job is an error, not a silent False

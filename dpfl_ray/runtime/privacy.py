@@ -10,6 +10,7 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from ..algorithms import Mechanism, make_algorithm
+from ..errors import DPFLError
 from ..privacy import PoissonSampling, PrivacyLedger, calibrate_noise_multiplier
 from ..privacy.client_ledgers import FU_EQ10_ORDERS, ClientLedgers
 
@@ -31,8 +32,11 @@ def calibrated_noise_multiplier(scenario, weights, sizes, accountant: str) -> fl
     (every algorithm's booked multipliers are linear in z)."""
     p = scenario.privacy
     unit = make_algorithm(scenario, weights, 1.0, sizes=sizes).planned_mechanism()
-    booked = calibrate_noise_multiplier(p.target_epsilon, p.delta, unit.sampling, scenario.training.rounds,
-                                        accountant)
+    try:
+        booked = calibrate_noise_multiplier(p.target_epsilon, p.delta, unit.sampling, scenario.training.rounds,
+                                            accountant)
+    except DPFLError as err:
+        raise (err.about("privacy.target_epsilon") if err.field == "epsilon" else err) from None
     return booked / equivalent_multiplier(unit.noise_multipliers)
 
 

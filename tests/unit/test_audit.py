@@ -250,6 +250,18 @@ def test_bad_estimate_parameters(kwargs, field):
     assert err.value.field == field
 
 
+def test_statistics_near_the_float_range_are_refused_without_a_numpy_warning():
+    """Sums of +-1e308 overflow: numpy's RuntimeWarning reached stderr before the one error line."""
+    import warnings
+
+    stats = CanaryStatistics("all_iterates", np.array([1e308, 1e308, -1e308]), np.array([1e308, -1e308, 1e308]), 100, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(DPFLError, match="statistics too large to compare") as err:
+            estimate_epsilon(stats, 1e-5)
+    assert err.value.field == "canaries"
+
+
 # --- dpfl audit RUN_DIR -----------------------------------------------------------------------------
 
 def test_cli_audit_recomputes_from_the_run_directory(tmp_path):

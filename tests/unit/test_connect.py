@@ -167,6 +167,46 @@ def test_a_dashboard_that_answers_a_byte_at_a_time_is_cut_off_by_the_request_s_d
         time.sleep(1.0)
 
 
+@pytest.mark.parametrize("body, calls", [
+    (b"<html>a web server</html>", ("connect",)),
+    (b'{"version": "4", "ray_version": "2.60.0", "logs": 5, "status": 7}', ("list", "info", "logs")),
+])
+def test_a_server_that_is_not_a_ray_dashboard_is_one_line_naming_it(body, calls):
+    """Not JSON, or JSON of another shape: each Jobs call was an internal error (a JSONDecodeError, a
+    TypeError, a pydantic dump) that named neither the address nor what was wrong."""
+    import http.server
+    import socketserver
+
+    from dpfl_ray.runtime.jobs import Jobs
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Other)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    needle = f"the server at {address} does not answer as a Ray dashboard's Jobs API"
+    try:
+        actions = {"connect": lambda: Jobs(address), "list": lambda: Jobs(address).list(),
+                   "info": lambda: Jobs(address).info("raysubmit_x"), "logs": lambda: Jobs(address).logs("raysubmit_x")}
+        for call in calls:
+            with pytest.raises(DPFLError) as err:
+                actions[call]()
+            assert needle in str(err.value) and "\n" not in str(err.value), (call, str(err.value))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_gcs_probe_runs_grpc_outside_the_thread_a_signal_interrupts():
     """A signal handler raises KeyboardInterrupt in the main thread. Raised inside gRPC's own code, it
     left the channel waiting forever at close for a half-made call (`dpfl run --address` hung after
