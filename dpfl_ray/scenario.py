@@ -337,6 +337,14 @@ class SecAggConfig(_Section):
         return t
 
     @model_validator(mode="after")
+    def _scale_fits_the_ring(self):
+        # a scale of half the ring or more encodes no value of magnitude 1: every round aborts (or clips)
+        if self.scale is not None and self.scale >= 2.0 ** (self.bits - 1):
+            raise ValueError(f"secagg.scale={self.scale:g} leaves no value of magnitude 1 inside the ring of "
+                             f"{self.bits} bits: give less than 2^{self.bits - 1} ({2.0 ** (self.bits - 1):g})")
+        return self
+
+    @model_validator(mode="after")
     def _tolerance_needs_secagg_plus(self):
         if self.dropout_tolerance is not None and self.protocol != "secagg+":
             raise ValueError("secagg.dropout_tolerance picks the secagg+ degree; secagg uses the complete graph "

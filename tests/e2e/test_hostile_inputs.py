@@ -525,6 +525,9 @@ UNBALANCED = ("--set", "data.partition.kind=unbalanced", "--set", "data.repeat=t
     (("scenarios", "validate", "{tiny}", "--no-data", "--set",
       "faults.stragglers={{fraction: 1, latency: {{distribution: fixed, seconds: 1e308}}}}"),
      "faults.stragglers.latency.seconds: Input should be less than or equal to 86400"),
+    # a fixed-point scale that encodes no value of magnitude 1: every round aborted, and the run "completed"
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "secagg.enabled=true", "--set", "secagg.scale=1e300"),
+     "secagg.scale=1e+300 leaves no value of magnitude 1 inside the ring of 64 bits"),
     # the scenario's field, not the library's parameter
     (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=dp_fedavg", "--set",
       "privacy.accountant=rdp", "--set", "privacy.target_epsilon=1e300"),
