@@ -38,6 +38,18 @@ def _read(path: Path, required: bool) -> dict:
     return data
 
 
+def _audited(run_dir: Path) -> bool:
+    """Does the run's scenario.yaml set privacy.audit? (False where it cannot be read.)"""
+    import yaml
+
+    try:
+        scenario = yaml.safe_load((run_dir / "scenario.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    privacy = scenario.get("privacy") if isinstance(scenario, dict) else None
+    return isinstance(privacy, dict) and bool(privacy.get("audit"))
+
+
 def _fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -58,6 +70,9 @@ def audit(
 
     if not run_dir.is_dir():
         raise DPFLError(f"{run_dir}: no such run directory", field="run_dir")
+    if not (run_dir / AUDIT_FILE).is_file() and _audited(run_dir):
+        raise DPFLError(f"{run_dir} was audited (privacy.audit) but released no round, so no canary statistics "
+                        f"were kept ({AUDIT_FILE} is written once a round releases)", field="run_dir")
     record = _read(run_dir / AUDIT_FILE, required=True)
     summary = _read(run_dir / "summary.json", required=False)
     check_numbers(summary, ("epsilon", "epsilon_claimed", "delta"), "summary.json", run_dir)

@@ -564,3 +564,12 @@ def test_audit_and_a_reopened_sweep_name_a_malformed_file(tiny, tmp_path):
     _one_line_in_process(res, "sweep.json is not a sweep's manifest (its grid is not lists of values by axis")
     assert (sweep / "sweep.json").read_text() == manifest and files_under(sweep) <= {Path("sweep.json"),
                                                                                        Path("sweep.json.lock")}
+
+
+def test_audit_of_an_audited_run_that_released_no_round_says_so(tmp_path):
+    """It asked "was the run audited (privacy.audit)?" of a run that was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "scenario.yaml").write_text(yaml.safe_dump(dict(TINY, privacy={"audit": {"canaries": 10}})))
+    (run / "summary.json").write_text("{}")
+    _one_line_in_process(dpfl_in_process("audit", run), "was audited (privacy.audit) but released no round")
