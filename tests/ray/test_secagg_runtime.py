@@ -3,6 +3,7 @@ rounding, recovery from dropouts, aborts, crashes and deadlines recorded per pha
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from dpfl_ray.data import build_federation
@@ -62,7 +63,12 @@ def test_a_crashed_worker_drops_its_clients_mid_protocol(ray_session):
     sc = tiny_scenario(secagg={"enabled": True, "threshold": 4}, training={"rounds": 2}, resources=TWO_WORKERS)
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     ray_session.get(coord.start_pool.remote())
-    ray_session.kill(ray_session.get(coord.worker_handle.remote(1)))
+    victim = ray_session.get(coord.worker_handle.remote(1))
+    ray_session.kill(victim)
+    # ray.kill returns before the process is gone: on a loaded machine the victim answered the first
+    # phases of round 1, and was found dead at share, not advertise
+    with pytest.raises(ray_session.exceptions.RayActorError):
+        ray_session.get(victim.info.remote(), timeout=60)
     ray_session.get(coord.run.remote())
     rounds = [e for e in ray_session.get(coord.events.remote(0)) if e["event"] == "round"]
     assert rounds[0]["dropped"] == {"crash": {"advertise": 5}} and len(rounds[0]["dropped_clients"]["crash"]) == 5
