@@ -16,6 +16,11 @@ class PoolPlan:
     num_gpus: float
 
 
+# Workers that reserve neither CPU nor GPU all start at once, each a process with torch loaded (some
+# hundred MB): beyond a few a CPU they only share it, and 100 on 2 CPUs lost the coordinator.
+UNRESERVED_WORKERS_PER_CPU = 4
+
+
 def plan_pool(resources_cfg, cluster: dict, num_clients: int) -> PoolPlan:
     """How many ClientWorkers to start. ``auto`` fills the cluster: as many workers as the CPUs
     (and GPUs, if workers ask for them) allow, never more than there are clients."""
@@ -35,6 +40,12 @@ def plan_pool(resources_cfg, cluster: dict, num_clients: int) -> PoolPlan:
     fits = min(limits) if limits else None
     if resources_cfg.workers != "auto":
         n = min(int(resources_cfg.workers), num_clients)
+        free = max(1, math.floor(have_cpu)) * UNRESERVED_WORKERS_PER_CPU
+        if fits is None and n > free:
+            # nothing holds them back: Ray starts every one at once, each a process that loads torch
+            raise DPFLError(f"{n} workers that reserve no CPU or GPU on a cluster of {have_cpu:g} CPUs: at most "
+                            f"{free} ({UNRESERVED_WORKERS_PER_CPU} a CPU); give resources.num_cpus_per_worker or "
+                            "fewer workers", field="resources.workers")
         if fits is not None and n > fits:
             # Ray would queue the extra actors forever: say so instead of hanging.
             raise DPFLError(

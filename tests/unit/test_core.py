@@ -133,7 +133,7 @@ def test_a_flat_model_of_another_size_gets_no_model_file_and_says_both_sizes():
     run that failed wrote model.pt from it: an internal error. Now one line with both sizes."""
     cfg = ModelConfig(name="logistic")
     with pytest.raises(DPFLError, match=r"model: a flat model of 100 values does not fit this scenario's logistic "
-                                        r"\(70 values\)"):
+                                        r"\(70 values\): a checkpoint of another model\?"):
         model_file_bytes(cfg, (6,), 10, np.zeros(100, np.float32))
 
 
@@ -173,6 +173,13 @@ def test_pool_plan():
     with pytest.raises(DPFLError, match="resources.workers"):  # would queue forever in Ray
         plan_pool(ResourcesConfig(workers=4, num_cpus_per_worker=1), {"CPU": 2}, 100)
     assert plan_pool(ResourcesConfig(workers=4, num_cpus_per_worker=0.5), {"CPU": 2}, 100).workers == 4
+    # workers that reserve nothing all start at once: a few a CPU, not 100 on 2 CPUs (the coordinator was lost)
+    unreserved = ResourcesConfig(workers=100, num_cpus_per_worker=0)
+    with pytest.raises(DPFLError, match=r"resources.workers: 100 workers that reserve no CPU or GPU on a cluster "
+                                        r"of 2 CPUs: at most 8"):
+        plan_pool(unreserved, {"CPU": 2}, 1000)
+    assert plan_pool(unreserved, {"CPU": 32}, 1000).workers == 100
+    assert plan_pool(ResourcesConfig(workers=8, num_cpus_per_worker=0), {"CPU": 2}, 1000).workers == 8
 
 
 def test_a_sweep_trial_reserves_a_head_bundle_and_one_bundle_per_worker():
