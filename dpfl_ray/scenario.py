@@ -337,14 +337,6 @@ class SecAggConfig(_Section):
         return t
 
     @model_validator(mode="after")
-    def _scale_fits_the_ring(self):
-        # a scale of half the ring or more encodes no value of magnitude 1: every round aborts (or clips)
-        if self.scale is not None and self.scale >= 2.0 ** (self.bits - 1):
-            raise ValueError(f"secagg.scale={self.scale:g} leaves no value of magnitude 1 inside the ring of "
-                             f"{self.bits} bits: give less than 2^{self.bits - 1} ({2.0 ** (self.bits - 1):g})")
-        return self
-
-    @model_validator(mode="after")
     def _tolerance_needs_secagg_plus(self):
         if self.dropout_tolerance is not None and self.protocol != "secagg+":
             raise ValueError("secagg.dropout_tolerance picks the secagg+ degree; secagg uses the complete graph "
@@ -551,6 +543,12 @@ class Scenario(_Section):
                              "privacy.distributed_noise; fixed-point encoding takes 32 or 64")
         if integer and self.secagg.bits == 64:
             raise ValueError("secagg.bits: integer noise needs a ring of 8-32 bits")
+        scale, bits = self.secagg.scale, self.secagg.bits
+        # fixed-point encoding: a scale of half the ring or more encodes no value of magnitude 1, and every
+        # round aborts (or clips); integer noise sets its own scale and reads no secagg.scale
+        if self.secagg.enabled and not integer and scale is not None and scale >= 2.0 ** (bits - 1):
+            raise ValueError(f"secagg.scale={scale:g} leaves no value of magnitude 1 inside the ring of {bits} bits: "
+                             f"give less than 2^{bits - 1} ({2.0 ** (bits - 1):g})")
         return self
 
     @model_validator(mode="after")

@@ -44,9 +44,10 @@ def _drawn_sizes(p, num_clients: int, g) -> np.ndarray:
 
     sizes = P.unbalanced_sizes(num_clients, p.size_distribution, p.size_mean, p.size_sigma, p.min_size, g)
     if int(sizes.sum()) > MAX_EXAMPLES:
+        lognormal = p.size_distribution == "lognormal"  # its tail is size_sigma's; the others' sum is size_mean's
         raise DPFLError(f"the {p.size_distribution} sizes drawn for {num_clients} clients sum to {int(sizes.sum()):,} "
-                        f"examples; at most {MAX_EXAMPLES:,}: lower size_mean or size_sigma",
-                        field="data.partition.size_sigma")
+                        f"examples; at most {MAX_EXAMPLES:,}: lower size_mean{' or size_sigma' if lognormal else ''}",
+                        field="data.partition.size_sigma" if lognormal else "data.partition.size_mean")
     return sizes
 
 

@@ -15,6 +15,7 @@ import functools
 import glob
 import gzip
 import hashlib
+import math
 import os
 import tempfile
 import time
@@ -108,6 +109,7 @@ def _synthetic(seed: int, n: int, features: int, classes: int) -> Dataset:
 
 
 _IDX_MAX_DIMS = 4
+_IDX_MAX_CLASSES = 10_000  # as data.synthetic_classes
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -130,7 +132,7 @@ def read_idx(path: Path) -> np.ndarray:
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     dtype = np.dtype(dtypes[raw[2]])
     body = raw[4 + 4 * ndim:]
-    expected = int(np.prod(dims)) * dtype.itemsize
+    expected = math.prod(dims) * dtype.itemsize  # Python's integers: a header's dims overflow int64
     if len(body) != expected:
         raise DPFLError(f"{path}: header says {expected} data bytes, file has {len(body)}", field="data.path")
     return np.frombuffer(body, dtype=dtype).reshape(dims)
@@ -305,6 +307,9 @@ def _check_idx_arrays(folder: Path, files: list[Path], xtr, ytr, xte, yte, field
         if int(y.min()) < 0:
             raise DPFLError(f"{path}: a label is negative ({int(y.min())}); labels are classes 0, 1, ...",
                             field=field)
+        if int(y.max()) >= _IDX_MAX_CLASSES:  # the model's output layer has one unit a class
+            raise DPFLError(f"{path}: a label is {int(y.max())}; at most {_IDX_MAX_CLASSES - 1:,} "
+                            f"({_IDX_MAX_CLASSES:,} classes)", field=field)
 
 
 def _read_idx_folder(folder: Path, name: str, num_classes: int | None = None, field: str = "data.path") -> Dataset:

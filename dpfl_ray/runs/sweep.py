@@ -347,7 +347,8 @@ def _check_grows(sweep_dir: Path, old: dict, grid: dict, seeds: list[int] | None
     (a run's directory is named by them), each with every value it had, and every seed it had; more
     values and seeds may follow. Else sweep.json, sweep.csv and the plots would drop those runs."""
     old_grid, old_seeds = old.get("grid") or {}, old.get("seeds")
-    if not (isinstance(old_grid, dict) and all(isinstance(v, list) for v in old_grid.values())
+    if not (isinstance(old_grid, dict)
+            and all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in old_grid.values())
             and (old_seeds is None or (isinstance(old_seeds, list)
                                       and all(isinstance(x, int) and not isinstance(x, bool) for x in old_seeds)))):
         raise DPFLError(f"{sweep_dir / MANIFEST} is not a sweep's manifest (its grid is not lists of values by axis, "

@@ -117,14 +117,14 @@ def read_checkpoint(run_dir: Path) -> dict:
 
 def _check_parts(path: Path, meta: dict) -> None:
     """What a run's checkpoint holds, in the shapes the coordinator restores (Coordinator._restore):
-    checked before a resume touches the run's files. Whether the model fits the scenario's is
-    checked where the model is known (the coordinator)."""
+    checked before a resume (or a rescue) touches the run's files. The model's values are the run's
+    own, whatever they are (a diverged run's are kept as they are); its length is the scenario's
+    model's, which the driver does not build: a foreign one is refused where it meets the model
+    (training.models.model_file_bytes)."""
     theta = meta["arrays"]["theta"]
     if theta.ndim != 1 or theta.size == 0 or not np.issubdtype(theta.dtype, np.floating):
         raise DPFLError(f"{path}: its model is not a vector of floats (shape {theta.shape}, {theta.dtype.name})",
                         field="--resume")
-    if not np.all(np.isfinite(theta)):
-        raise DPFLError(f"{path}: its model holds NaN or infinite values", field="--resume")
     for key in ("pending", "algorithm", "privacy", "audit"):
         if meta.get(key) is not None and not isinstance(meta[key], dict):
             raise DPFLError(f"{path}: its {key} is not a JSON object ({type(meta[key]).__name__})", field="--resume")

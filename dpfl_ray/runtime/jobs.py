@@ -147,8 +147,12 @@ class JobView:
 
 
 def _not_a_dashboard(where: str, why: str) -> DPFLError:
-    return DPFLError(f"the server at {where} does not answer as a Ray dashboard's Jobs API ({why}): is this the "
-                     "head's dashboard port (8265 by default)?")
+    """An answer the Jobs SDK cannot read: not JSON (another server), or JSON of another shape (another
+    server, or a head on another Ray version)."""
+    import ray
+
+    return DPFLError(f"the server at {where} does not answer as Ray {ray.__version__}'s Jobs API does ({why}): is this "
+                     "the head's dashboard port (8265 by default), on the same Ray version?")
 
 
 class Jobs:
@@ -181,8 +185,9 @@ class Jobs:
                             "dashboard port (8265 by default)?") from None
         except DPFLError:
             raise
-        except (ValueError, TypeError, KeyError, AttributeError) as err:  # not JSON, or JSON of another shape
-            raise _not_a_dashboard(where, type(err).__name__) from None
+        except (ValueError, TypeError, KeyError, AttributeError) as err:  # the SDK cannot read the answer
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise _not_a_dashboard(where, f"{type(err).__name__}: {first}" if first else type(err).__name__) from None
         except RuntimeError as err:
             text = str(err)
             if job_id and ("404" in text or "does not exist" in text):
@@ -196,13 +201,13 @@ class Jobs:
                                                           submission_id=job_id, metadata=metadata), job_id)
 
     def info(self, job_id: str) -> JobView:
-        return self._call(lambda: JobView.of(self._client.get_job_info(job_id)), job_id)
+        return JobView.of(self._call(lambda: self._client.get_job_info(job_id), job_id))
 
     def status(self, job_id: str) -> str:
         return self.info(job_id).status
 
     def list(self) -> list[JobView]:
-        views = self._call(lambda: [JobView.of(d) for d in self._client.list_jobs()])
+        views = [JobView.of(d) for d in self._call(self._client.list_jobs)]
         return sorted(views, key=lambda v: v.start_time or 0)
 
     def logs(self, job_id: str) -> str:

@@ -110,7 +110,7 @@ def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, 
     size = sum(p.numel() for p in model.parameters())
     if np.size(theta) != size:  # a model of another scenario: a checkpoint's, edited or foreign
         raise DPFLError(f"a flat model of {np.size(theta)} values does not fit this scenario's {model_cfg.name} "
-                        f"({size} values)", field="model")
+                        f"({size} values): a checkpoint of another model?", field="model")
     model = model.to_empty(device="cpu")
     set_flat(model, theta)
     return model_file(model.state_dict())

@@ -516,6 +516,9 @@ UNBALANCED = ("--set", "data.partition.kind=unbalanced", "--set", "data.repeat=t
     (("scenarios", "validate", "{tiny}", *UNBALANCED, "--set", "data.num_clients=1000", "--set",
       "data.partition.min_size=10000", "--set", "data.partition.size_mean=10000", "--set", "data.partition.size_sigma=3"),
      "data.partition.size_sigma: the lognormal sizes drawn for 1000 clients sum to"),
+    (("scenarios", "validate", "{tiny}", *UNBALANCED, "--set", "data.num_clients=10000", "--set",
+      "data.partition.size_distribution=zipf", "--set", "data.partition.size_mean=1000", "--set",
+      "data.partition.min_size=999"), "data.partition.size_mean: the zipf sizes drawn for 10000 clients sum to"),
     (("scenarios", "validate", "{tiny}", "--no-data", *UNBALANCED, "--set", "data.partition.size_sigma=1e300"),
      "data.partition.size_sigma: Input should be less than or equal to 10"),
     # a std above 0 as a float64 and 0 as the float32 inputs (NaN losses, numpy's warnings on stderr)
@@ -557,13 +560,14 @@ def test_audit_and_a_reopened_sweep_name_a_malformed_file(tiny, tmp_path):
     _one_line_in_process(dpfl_in_process("audit", run), "summary.json: epsilon must be a number or null, got 'abc'")
     sweep = tmp_path / "sweep"
     sweep.mkdir()
-    manifest = json.dumps({"scenario": str(tiny), "scenario_sha256": hashlib.sha256(tiny.read_bytes()).hexdigest(),
-                           "sets": [], "grid": {"training.lr": 5}, "seeds": None})
-    (sweep / "sweep.json").write_text(manifest)
-    res = dpfl_in_process("sweep", tiny, "--grid", "training.lr=0.1", "--out", sweep, "--address", "127.0.0.1:9")
-    _one_line_in_process(res, "sweep.json is not a sweep's manifest (its grid is not lists of values by axis")
-    assert (sweep / "sweep.json").read_text() == manifest and files_under(sweep) <= {Path("sweep.json"),
-                                                                                       Path("sweep.json.lock")}
+    for grid in ({"training.lr": 5}, {"training.lr": [1, 2]}):  # values a sweep writes are text
+        manifest = json.dumps({"scenario": str(tiny), "sets": [], "grid": grid, "seeds": None,
+                               "scenario_sha256": hashlib.sha256(tiny.read_bytes()).hexdigest()})
+        (sweep / "sweep.json").write_text(manifest)
+        res = dpfl_in_process("sweep", tiny, "--grid", "training.lr=0.1", "--out", sweep, "--address", "127.0.0.1:9")
+        _one_line_in_process(res, "sweep.json is not a sweep's manifest (its grid is not lists of values by axis")
+        assert (sweep / "sweep.json").read_text() == manifest and files_under(sweep) <= {Path("sweep.json"),
+                                                                                           Path("sweep.json.lock")}
 
 
 def test_audit_of_an_audited_run_that_released_no_round_says_so(tmp_path):
@@ -573,3 +577,5 @@ def test_audit_of_an_audited_run_that_released_no_round_says_so(tmp_path):
     (run / "scenario.yaml").write_text(yaml.safe_dump(dict(TINY, privacy={"audit": {"canaries": 10}})))
     (run / "summary.json").write_text("{}")
     _one_line_in_process(dpfl_in_process("audit", run), "was audited (privacy.audit) but released no round")
+    (run / "scenario.yaml").write_text("seed: 2021-13-45\n")  # YAML's own ValueError (month 13): not known
+    _one_line_in_process(dpfl_in_process("audit", run), "audit.json not found: was the run audited")

@@ -192,7 +192,6 @@ def _rewritten(run: Path, theta=None, **meta) -> None:
     (lambda run: _truncate(run / "checkpoint.npz", lambda n: n // 2), "checkpoint.npz is not a readable checkpoint"),
     # read whole, but not in the shapes the coordinator restores (internal errors once Ray had started)
     (lambda run: _rewritten(run, theta=np.zeros((3, 1), np.float32)), "its model is not a vector of floats"),
-    (lambda run: _rewritten(run, theta=np.full(3, np.nan, np.float32)), "its model holds NaN or infinite values"),
     (lambda run: _rewritten(run, pending="garbage"), "its pending is not a JSON object (str)"),
     (lambda run: _rewritten(run, algorithm=[1, 2]), "its algorithm is not a JSON object (list)"),
     (lambda run: _truncate(run / "checkpoint.npz", lambda n: 0), "checkpoint.npz is not a readable checkpoint"),

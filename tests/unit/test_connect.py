@@ -177,6 +177,8 @@ def test_a_server_that_is_not_a_ray_dashboard_is_one_line_naming_it(body, calls)
     import http.server
     import socketserver
 
+    import ray
+
     from dpfl_ray.runtime.jobs import Jobs
 
     class Other(http.server.BaseHTTPRequestHandler):
@@ -194,7 +196,7 @@ def test_a_server_that_is_not_a_ray_dashboard_is_one_line_naming_it(body, calls)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     address = f"http://127.0.0.1:{server.server_address[1]}"
-    needle = f"the server at {address} does not answer as a Ray dashboard's Jobs API"
+    needle = f"the server at {address} does not answer as Ray {ray.__version__}'s Jobs API does ("
     try:
         actions = {"connect": lambda: Jobs(address), "list": lambda: Jobs(address).list(),
                    "info": lambda: Jobs(address).info("raysubmit_x"), "logs": lambda: Jobs(address).logs("raysubmit_x")}

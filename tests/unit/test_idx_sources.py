@@ -279,6 +279,12 @@ def _damage(folder: Path, kind: str) -> str:
     if kind == "negative_label":
         write_raw_idx(labels, np.full(20, -1, np.int8), 0x09)
         return STEMS[1]
+    if kind == "a_label_of_2_to_the_31":
+        write_raw_idx(labels, np.full(20, 2 ** 31 - 1, np.int32), 0x0C)
+        return STEMS[1]
+    if kind == "dims_whose_product_overflows":
+        images.write_bytes(struct.pack(">BBBBIII", 0, 0, 8, 3, 2 ** 22, 2 ** 21, 2 ** 21))
+        return STEMS[0]
     if kind == "two_labels_per_image":
         write_idx(labels, np.zeros((20, 2), np.uint8))
         return STEMS[1]
@@ -295,6 +301,8 @@ def _damage(folder: Path, kind: str) -> str:
     ("empty_training_set", "holds no image"),
     ("255_dimensions", "its header declares 255 dimensions"),
     ("negative_label", "a label is negative (-1)"),
+    ("a_label_of_2_to_the_31", "a label is 2147483647; at most 9,999 (10,000 classes)"),
+    ("dims_whose_product_overflows", "header says 18446744073709551616 data bytes, file has 0"),
     ("two_labels_per_image", "labels must be one integer per image, the file holds uint8 of shape (20, 2)"),
     ("float_images_with_nan", "images must be unsigned bytes"),
     ("other_test_image_size", "27x27 images, but the training images"),
