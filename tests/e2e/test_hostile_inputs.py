@@ -311,6 +311,43 @@ def _one_line_in_process(res, needle):
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (res.exit_code, res.stderr)
     assert needle in lines[0] and "Traceback" not in res.stderr + res.stdout, lines[0]
 
+UNBALANCED = ("--set", "data.partition.kind=unbalanced", "--set", "data.repeat=true")
+# The second CLI sweep's findings (internal errors, a wrong name, a run out of memory), each now one line.
+SECOND_SWEEP = [
+    # client sizes an unbalanced partition draws are capped as examples_per_client is (one ran out of memory)
+    (("scenarios", "validate", "{tiny}", "--no-data", *UNBALANCED, "--set", "data.partition.size_mean=10000000"),
+     "data.num_clients x data.partition.size_mean = 120,000,000 examples; at most 10,000,000"),
+    (("scenarios", "validate", "{tiny}", *UNBALANCED, "--set", "data.num_clients=1000", "--set",
+      "data.partition.min_size=10000", "--set", "data.partition.size_mean=10000", "--set", "data.partition.size_sigma=3"),
+     "data.partition.size_sigma: the lognormal sizes drawn for 1000 clients sum to"),
+    (("scenarios", "validate", "{tiny}", *UNBALANCED, "--set", "data.num_clients=10000", "--set",
+      "data.partition.size_distribution=zipf", "--set", "data.partition.size_mean=1000", "--set",
+      "data.partition.min_size=999"), "data.partition.size_mean: the zipf sizes drawn for 10000 clients sum to"),
+    (("scenarios", "validate", "{tiny}", "--no-data", *UNBALANCED, "--set", "data.partition.size_sigma=1e300"),
+     "data.partition.size_sigma: Input should be less than or equal to 10"),
+    # a std above 0 as a float64 and 0 as the float32 inputs (NaN losses, numpy's warnings on stderr)
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "data.normalize=[0, 1e-320]"),
+     "std must be at least 1e-06"),
+    # a delay past the clock's range (an OverflowError once the run had started)
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set",
+      "faults.stragglers={{fraction: 1, latency: {{distribution: fixed, seconds: 1e308}}}}"),
+     "faults.stragglers.latency.seconds: Input should be less than or equal to 86400"),
+    # a fixed-point scale that encodes no value of magnitude 1: every round aborted, and the run "completed"
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "secagg.enabled=true", "--set", "secagg.scale=1e300"),
+     "secagg.scale=1e+300 leaves no value of magnitude 1 inside the ring of 64 bits"),
+    # the scenario's field, not the library's parameter
+    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=dp_fedavg", "--set",
+      "privacy.accountant=rdp", "--set", "privacy.target_epsilon=1e300"),
+     "privacy.target_epsilon: epsilon 1e+300 is met even with a noise multiplier below 1e-4"),
+    # the unparsable axis, not --num-samples, is named
+    (("sweep", "{tiny}", "--dry-run", "--search", "random", "--grid", "training.lr=uniform(a", "--num-samples", "2"),
+     "--grid: training.lr=uniform(a: its parenthesis is not closed"),
+    # a dry run refuses what the run would
+    (("reproduce", "wei2020", "--dry-run", "--quick", "--only", "eps8"), "--only: 'eps8' is not one of wei2020's quick"),
+    (("reproduce", "wei2020", "--dry-run", "--out", "{tiny}"), "--out: {tiny} is not a folder"),
+    (("privacy", "table", "--rounds", "1,,2"), "rounds: has an empty value ('1,,2')"),
+]
+
 
 @pytest.mark.parametrize("args, needle", [
     # user text is printed as typed: no emoji for ':x', no markup for '[bold]'
@@ -358,11 +395,11 @@ def _one_line_in_process(res, needle):
     (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=huang2020", "--set",
       "privacy.huang2020={{category_budgets: []}}"), "privacy.huang2020.category_budgets: List should have at least 1"),
     (("run", "{tiny}", "--address", ""), "--address: is empty: give HOST:PORT"),
-])
+] + SECOND_SWEEP)
 def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     before = files_under(tmp_path)
     res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
-    _one_line_in_process(res, needle.format(tmp=tmp_path))
+    _one_line_in_process(res, needle.format(tmp=tmp_path, tiny=tiny))
     assert files_under(tmp_path) == before
 
 
@@ -504,50 +541,6 @@ def test_a_set_that_only_the_grid_completes_is_a_sweep_not_an_error(tiny):
     res = dpfl_in_process("sweep", tiny, *sets, "--grid", "secagg.bits=16,64", "--dry-run")
     _one_line_in_process(res, "in combination")
     assert "secagg.bits=64" in res.stderr
-
-
-UNBALANCED = ("--set", "data.partition.kind=unbalanced", "--set", "data.repeat=true")
-
-
-@pytest.mark.parametrize("args, needle", [
-    # client sizes an unbalanced partition draws are capped as examples_per_client is (one ran out of memory)
-    (("scenarios", "validate", "{tiny}", "--no-data", *UNBALANCED, "--set", "data.partition.size_mean=10000000"),
-     "data.num_clients x data.partition.size_mean = 120,000,000 examples; at most 10,000,000"),
-    (("scenarios", "validate", "{tiny}", *UNBALANCED, "--set", "data.num_clients=1000", "--set",
-      "data.partition.min_size=10000", "--set", "data.partition.size_mean=10000", "--set", "data.partition.size_sigma=3"),
-     "data.partition.size_sigma: the lognormal sizes drawn for 1000 clients sum to"),
-    (("scenarios", "validate", "{tiny}", *UNBALANCED, "--set", "data.num_clients=10000", "--set",
-      "data.partition.size_distribution=zipf", "--set", "data.partition.size_mean=1000", "--set",
-      "data.partition.min_size=999"), "data.partition.size_mean: the zipf sizes drawn for 10000 clients sum to"),
-    (("scenarios", "validate", "{tiny}", "--no-data", *UNBALANCED, "--set", "data.partition.size_sigma=1e300"),
-     "data.partition.size_sigma: Input should be less than or equal to 10"),
-    # a std above 0 as a float64 and 0 as the float32 inputs (NaN losses, numpy's warnings on stderr)
-    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "data.normalize=[0, 1e-320]"),
-     "std must be at least 1e-06"),
-    # a delay past the clock's range (an OverflowError once the run had started)
-    (("scenarios", "validate", "{tiny}", "--no-data", "--set",
-      "faults.stragglers={{fraction: 1, latency: {{distribution: fixed, seconds: 1e308}}}}"),
-     "faults.stragglers.latency.seconds: Input should be less than or equal to 86400"),
-    # a fixed-point scale that encodes no value of magnitude 1: every round aborted, and the run "completed"
-    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "secagg.enabled=true", "--set", "secagg.scale=1e300"),
-     "secagg.scale=1e+300 leaves no value of magnitude 1 inside the ring of 64 bits"),
-    # the scenario's field, not the library's parameter
-    (("scenarios", "validate", "{tiny}", "--no-data", "--set", "training.algorithm=dp_fedavg", "--set",
-      "privacy.accountant=rdp", "--set", "privacy.target_epsilon=1e300"),
-     "privacy.target_epsilon: epsilon 1e+300 is met even with a noise multiplier below 1e-4"),
-    # the unparsable axis, not --num-samples, is named
-    (("sweep", "{tiny}", "--dry-run", "--search", "random", "--grid", "training.lr=uniform(a", "--num-samples", "2"),
-     "--grid: training.lr=uniform(a: its parenthesis is not closed"),
-    # a dry run refuses what the run would
-    (("reproduce", "wei2020", "--dry-run", "--quick", "--only", "eps8"), "--only: 'eps8' is not one of wei2020's quick"),
-    (("reproduce", "wei2020", "--dry-run", "--out", "{tiny}"), "--out: {tiny} is not a folder"),
-    (("privacy", "table", "--rounds", "1,,2"), "rounds: has an empty value ('1,,2')"),
-])
-def test_the_second_sweeps_findings_are_one_line(tiny, tmp_path, args, needle):
-    before = files_under(tmp_path)
-    res = dpfl_in_process(*(a.format(tiny=tiny, tmp=tmp_path) for a in args))
-    _one_line_in_process(res, needle.format(tiny=tiny))
-    assert files_under(tmp_path) == before
 
 
 def test_audit_and_a_reopened_sweep_name_a_malformed_file(tiny, tmp_path):
