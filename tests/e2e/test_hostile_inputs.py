@@ -311,6 +311,7 @@ def _one_line_in_process(res, needle):
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (res.exit_code, res.stderr)
     assert needle in lines[0] and "Traceback" not in res.stderr + res.stdout, lines[0]
 
+
 UNBALANCED = ("--set", "data.partition.kind=unbalanced", "--set", "data.repeat=true")
 # The second CLI sweep's findings (internal errors, a wrong name, a run out of memory), each now one line.
 SECOND_SWEEP = [
