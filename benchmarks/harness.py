@@ -222,6 +222,10 @@ class TreeSampler(threading.Thread):
                 pass
 
 
+# How long a stopped bench lets the run it measures stop by itself (a `dpfl run` takes about 3 s).
+CHILD_STOP_GRACE_S = 15.0
+
+
 def _run_tree(cmd: list[str], timeout: float, role: str, log: Path) -> tuple[int, float, float, TreeSampler, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "PYTHONUNBUFFERED": "1"}
@@ -240,6 +244,14 @@ def _run_tree(cmd: list[str], timeout: float, role: str, log: Path) -> tuple[int
             stdout, _ = proc.communicate()
             rc = 124
         except BaseException:  # Ctrl-C or SIGTERM of the bench: the child has a session of its own, no signal reached it
+            # SIGTERM first: a `dpfl run` stops as it does for a user (its finished rounds and summary.json
+            # on disk, its private Ray stopped); its whole group is killed only if it has not within the grace
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=CHILD_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -1,6 +1,8 @@
 """The ``dpfl`` command."""
 from __future__ import annotations
 
+import signal
+
 import typer
 
 from . import bench, jobs, privacy, scenarios, submit
@@ -102,8 +104,8 @@ def _main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(one_line(where + err.format_message()))}",
                           highlight=False, soft_wrap=True)
         _leave(2)
-    except (KeyboardInterrupt, Abort):
-        _leave(130)
+    except (KeyboardInterrupt, Abort) as err:
+        _leave(_interrupted_code(err))
     except clickexc.ClickException as err:
         err_console.print(f"[bold red]error:[/] {escape(one_line(err.format_message()))}", highlight=False,
                           soft_wrap=True)
@@ -114,6 +116,16 @@ def _main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(describe_exception(err))}", highlight=False, soft_wrap=True)
         _leave(2)
     _leave(rv if isinstance(rv, int) else 0)
+
+
+def _interrupted_code(err: BaseException) -> int:
+    """128 + the signal that stopped the command: SIGTERM turned into a KeyboardInterrupt by
+    cli.common.interrupt (named in its argument) is 143, as `dpfl run` exits on it; Ctrl-C is 130."""
+    name = err.args[0] if isinstance(err, KeyboardInterrupt) and err.args else None
+    try:
+        return 128 + signal.Signals[name] if isinstance(name, str) else 130
+    except KeyError:
+        return 130
 
 
 def _leave(code: int) -> None:

@@ -225,3 +225,45 @@ def test_an_interrupted_bench_ends_the_run_it_was_timing(tmp_path):
     assert len(started) == 2
     _, alive = psutil.wait_procs([psutil.Process(pid) for pid in started if running(pid)], timeout=5)  # SIGKILL lands
     assert not any(running(p.pid) for p in alive)
+
+
+def test_an_interrupted_bench_lets_the_run_stop_by_itself_first(tmp_path):
+    """SIGTERM before SIGKILL: the `dpfl run` a bench times writes its summary.json on SIGTERM, as for
+    a user (a bench stopped with Ctrl-C left a run directory without one)."""
+    import signal
+    import sys
+
+    from benchmarks.harness import _run_tree
+
+    ready, stopped = tmp_path / "ready", tmp_path / "stopped"
+
+    def interrupt(*_):
+        if ready.exists():
+            raise KeyboardInterrupt
+
+    child = ("import signal, sys, time\n"
+             f"def stop(*_):\n    open({str(stopped)!r}, 'w').write('summary'); sys.exit(143)\n"
+             f"signal.signal(signal.SIGTERM, stop); open({str(ready)!r}, 'w').close(); time.sleep(60)\n")
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _run_tree([sys.executable, "-c", child], 60, "driver", tmp_path / "log")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert stopped.read_text() == "summary"
+
+
+def test_a_bench_stopped_by_sigterm_exits_143_as_a_run_does():
+    """cli.common.interrupt turns SIGTERM into a KeyboardInterrupt named after it; the exit code is
+    128 + that signal (a bench exited 130 where `dpfl run` exits 143); Ctrl-C stays 130."""
+    import click
+
+    from cli.main import _interrupted_code
+
+    assert _interrupted_code(KeyboardInterrupt("SIGTERM")) == 143
+    assert _interrupted_code(KeyboardInterrupt("SIGINT")) == 130
+    assert _interrupted_code(KeyboardInterrupt()) == 130
+    assert _interrupted_code(KeyboardInterrupt("signal received earlier")) == 130
+    assert _interrupted_code(click.exceptions.Abort()) == 130
