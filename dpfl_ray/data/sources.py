@@ -282,7 +282,7 @@ def _file_names(stems) -> str:
     return ", ".join(f"{stem}[.gz]" for stem in stems)
 
 
-def _check_idx_arrays(folder: Path, files: list[Path], xtr, ytr, xte, yte, field: str) -> None:
+def _check_idx_arrays(files: list[Path], xtr, ytr, xte, yte, field: str) -> None:
     """What the loader assumes of the four arrays, each failure one line naming its file: images of
     unsigned bytes (scaled by 1/255), N x H x W, the same H x W in both splits; labels one per image,
     non-negative integers; neither split empty."""
@@ -318,7 +318,7 @@ def _read_idx_folder(folder: Path, name: str, num_classes: int | None = None, fi
     if missing:
         raise DPFLError(f"missing {_file_names(missing)} in {folder}", field="data.path")
     xtr, ytr, xte, yte = (read_idx_cached(f) for f in files)
-    _check_idx_arrays(folder, files, xtr, ytr, xte, yte, field)
+    _check_idx_arrays(files, xtr, ytr, xte, yte, field)
     classes = int(max(ytr.max(), yte.max())) + 1
     if num_classes is not None and (xtr.shape[1:] != (28, 28) or xte.shape[1:] != (28, 28) or classes > num_classes):
         raise DPFLError(f"{folder} does not hold {name}: {xtr.shape[1]}x{xtr.shape[2]} images in {classes} classes "
