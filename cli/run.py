@@ -37,7 +37,7 @@ def run(
     # From here on a signal is only recorded (runtime/shutdown.py): the command stops at its next
     # check, never in the middle of an import or of a library's own code.
     shutdown = Shutdown().install()
-    sc, fed, run_dir, checkpoint, startup, restart = _prepare(scenario, set_, out, address, resume)
+    sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
     plotting = _Plotting()  # matplotlib loads while Ray starts
     from dpfl_ray.runs.record import RunRecord
     from dpfl_ray.runtime.checkpoint import rows_covered
@@ -49,8 +49,6 @@ def run(
         plotting.wait()
         console.print("interrupted before the run started: nothing was written", highlight=False)
         raise typer.Exit(shutdown.exit_code)
-    if restart:
-        _restart(run_dir)
 
     record, watcher, t0 = None, None, time.time()
     try:
@@ -104,26 +102,22 @@ def _prepare(scenario, set_, out, address, resume):
     needed here: the model's fit to the data is checked without it (a worker builds it)."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs.record import RunRecord, default_run_dir, read_releases
-    from dpfl_ray.runtime.checkpoint import CHECKPOINT, finished, open_for_restart, open_for_resume, scenario_fingerprint
+    from dpfl_ray.runtime.checkpoint import finished, open_for_resume, scenario_fingerprint
     from dpfl_ray.runtime.cluster import recorded_address, resolve_target, stay_on_loopback
     from dpfl_ray.scenario import load_scenario
 
-    checkpoint, restart = None, False
+    checkpoint = None
     if resume is not None:
         if scenario is not None or set_ or out is not None:
             raise DPFLError("continues the run as its scenario.yaml says: give no SCENARIO, --set or --out",
                             field="--resume")
-        if resume.is_dir() and finished(resume) is None and not (resume / CHECKPOINT).exists():
-            sc, out, restart = open_for_restart(resume), resume, True  # nothing to go on from: round 1 again
-        else:
-            opened = open_for_resume(resume)
-            if opened is None:  # resuming would only rewrite its files
-                summary = finished(resume)
-                console.print(f"{resume}: the run already finished ({summary['stop_reason']}, "
-                              f"{summary.get('rounds_completed')} rounds); nothing to resume", markup=False,
-                              soft_wrap=True)
-                raise typer.Exit(0)
-            (checkpoint, sc), out = opened, resume
+        opened = open_for_resume(resume)
+        if opened is None:  # resuming would only rewrite its files
+            summary = finished(resume)
+            console.print(f"{resume}: the run already finished ({summary['stop_reason']}, "
+                          f"{summary.get('rounds_completed')} rounds); nothing to resume", markup=False, soft_wrap=True)
+            raise typer.Exit(0)
+        (checkpoint, sc), out = opened, resume
     elif scenario is None:
         raise DPFLError("give a scenario file, or --resume RUN_DIR", field="SCENARIO")
     else:
@@ -138,28 +132,14 @@ def _prepare(scenario, set_, out, address, resume):
     check_model_input(sc.model, fed.dataset.input_shape)  # the model itself is built while Ray starts
     make_algorithm(sc, fed.weights, sc.privacy.noise_multiplier or 1.0, sizes=fed.sizes)  # impossible mechanisms
     run_dir = out or default_run_dir(sc.output.dir, sc.name)
-    if checkpoint is None and not restart:  # a restart's directory is checked once its files are aside (_restart)
+    if checkpoint is None:
         RunRecord.check_new(run_dir)
         # what an earlier attempt released there must be this scenario's (privacy/reruns.py)
         read_releases(run_dir, scenario_fingerprint(sc)["scenario_sha256"], field="--out")
     preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
     # A malformed address is one line before anything starts; loopback is read by Ray at import.
     stay_on_loopback(resolve_target(address, recorded=recorded_address))
-    return sc, fed, run_dir, checkpoint, startup, restart
-
-
-def _restart(run_dir: Path) -> None:
-    """A run resumed without a checkpoint starts again from round 1 in its directory, as a sweep starts
-    a trial again: its files so far go to .incomplete beside it (runs/sweep.move_aside), its release
-    list and secret stay (runtime/checkpoint.open_for_restart)."""
-    from dpfl_ray.runs.record import RunRecord
-    from dpfl_ray.runs.sweep import move_aside
-
-    moved = move_aside(run_dir.parent, run_dir.name)
-    RunRecord.check_new(run_dir)
-    console.print(f"{run_dir}: no checkpoint to continue from: the run starts again from round 1 (its files so far "
-                  f"in {moved}; a round the server may have seen is released again only as it was)", markup=False,
-                  soft_wrap=True)
+    return sc, fed, run_dir, checkpoint, startup
 
 
 # Modules the plotting thread loads (matplotlib imports both) that register an at-fork hook run in

@@ -180,31 +180,6 @@ def resumable(run_dir: Path) -> bool:
         return False
 
 
-def open_for_restart(run_dir: Path):
-    """The scenario of an unfinished run directory with no checkpoint to continue from (it stopped
-    before its first one, often while Ray started, or checkpoints were off), for ``dpfl run --resume``
-    to start it again from round 1 in place, as a sweep starts a trial again (runs/sweep.move_aside):
-    its files so far are moved aside, the list of the rounds the server may have seen and the 'os'
-    secret stay, so the new run draws the same randomness and releases a listed round only as it was
-    (privacy/reruns.py). Refused where that cannot hold: a list of another scenario, or an 'os' run
-    that listed a release and lost its secret."""
-    from ..runs.record import may_have_released, read_releases
-    from ..scenario import load_scenario
-
-    if not (run_dir / "scenario.yaml").is_file():
-        raise DPFLError(f"{run_dir} has no {CHECKPOINT} and no scenario.yaml: not a run directory to resume",
-                        field="--resume")
-    scenario = load_scenario(run_dir / "scenario.yaml")
-    listed = read_releases(run_dir, scenario_fingerprint(scenario)["scenario_sha256"])
-    if scenario.privacy.randomness == "os" and any(may_have_released(v) for v in listed.values()):
-        if not (run_dir / DP_SECRET).exists():
-            raise DPFLError(f"{run_dir} has no {CHECKPOINT} and no {DP_SECRET}: a run started again would draw "
-                            "fresh noise for rounds the server may already have seen (releases.jsonl), which no "
-                            "ledger would book", field="--resume")
-        read_secret(run_dir / DP_SECRET)
-    return scenario
-
-
 def open_for_resume(run_dir: Path):
     """(checkpoint, scenario) of a run directory to continue, every file it rests on checked before
     Ray starts: the checkpoint whole, the rows it covers whole, the list of the rounds it

@@ -101,21 +101,6 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_bytes(ray_address, tmp_pat
     res = _cli("run", "--resume", cut)  # finished: said so, nothing rewritten, Ray not started
     assert res.exit_code == 0 and "already finished" in res.stdout and _snapshot(cut) == before
 
-    # stopped before its first checkpoint (a Ctrl-C while Ray started: 0 rounds, no checkpoint.npz): a
-    # resume starts it again from round 1, its files aside, and ends as the uninterrupted run
-    early = tmp_path / "early"
-    early.mkdir()
-    (early / "scenario.yaml").write_text((full / "scenario.yaml").read_text())
-    (early / "rounds.jsonl").write_text("")
-    (early / "summary.json").write_text(json.dumps({"stop_reason": "interrupted", "rounds_completed": 0}))
-    restarted = _dpfl(ray_address, "run", "--resume", early)
-    out, err = restarted.communicate(timeout=300)
-    assert restarted.returncode == 0, err
-    assert f"{early}: no checkpoint to continue from: the run starts again from round 1" in " ".join(out.split())
-    assert _rows(full) == _rows(early) and (full / "ledger.json").read_bytes() == (early / "ledger.json").read_bytes()
-    aside = tmp_path / ".incomplete" / "early.1"
-    assert json.loads((aside / "summary.json").read_text())["rounds_completed"] == 0
-
 
 ROUNDS = 30
 
@@ -229,29 +214,6 @@ def test_resume_refuses_what_it_cannot_trust_before_ray_starts(tmp_path, damage,
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: --resume: "), res.stderr
     assert needle in lines[0], lines[0]
     assert "Traceback" not in res.stderr + res.stdout and _snapshot(run) == before
-
-
-def test_a_run_without_a_checkpoint_that_cannot_start_again_alike_is_refused(tmp_path):
-    """A resume without a checkpoint starts the run again from round 1 (test above), drawing the same
-    randomness: not where an 'os' run listed a release and its secret is gone (fresh noise for a round
-    the server may have seen, unbooked), nor where the release list is another scenario's."""
-    from dpfl_ray.runtime.checkpoint import scenario_fingerprint
-    from dpfl_ray.scenario import scenario_from_dict
-
-    raw = {**BAEK, "privacy": {**BAEK["privacy"], "randomness": "os"}}
-    run = _checkpointed_run(tmp_path, rounds_done=0, summary={"stop_reason": "interrupted", "rounds_completed": 0})
-    (run / "scenario.yaml").write_text(scenario_from_dict(raw).to_yaml())
-    (run / "checkpoint.npz").unlink()
-    sha = scenario_fingerprint(scenario_from_dict(raw))["scenario_sha256"]
-    for listing, needle in ((sha, "has no checkpoint.npz and no dp_secret: a run started again would draw fresh noise"),
-                            ("0" * 64, "releases.jsonl lists rounds released by a run of another scenario")):
-        (run / "releases.jsonl").write_text(json.dumps({"round": 1, "scenario_sha256": listing, "model": "ab"}) + "\n")
-        before = _snapshot(run)
-        res = _cli("run", "--resume", run, "--address", "127.0.0.1:9")
-        lines = res.stderr.strip().splitlines()
-        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: --resume: "), res.stderr
-        assert needle in lines[0], lines[0]
-        assert _snapshot(run) == before and not (tmp_path / ".incomplete").exists()
 
 
 def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path):
