@@ -180,6 +180,28 @@ def resumable(run_dir: Path) -> bool:
         return False
 
 
+def _refuse_without_checkpoint(run_dir: Path) -> None:
+    """The one line for a run directory with nothing to continue from (a run stopped before its first
+    checkpoint, often while Ray started), saying what is safe instead. If it released nothing: a new
+    run. If the server may have seen a round: a new run in this folder that keeps the release list
+    and the secret (runs/record.py, KEPT_FOR_RESTART), as a sweep starts a trial again: it draws the
+    same randomness and releases a listed round only as it was (privacy/reruns.py)."""
+    from ..runs.record import KEPT_FOR_RESTART, RELEASES, may_have_released, read_releases
+
+    try:
+        listed = any(may_have_released(v) for v in read_releases(run_dir).values())
+    except DPFLError:
+        listed = True  # an unreadable list: assume the server saw a round
+    if listed:
+        kept = " and ".join(sorted(KEPT_FOR_RESTART))
+        advice = (f"the server may have seen a round ({RELEASES}): move all but {kept} away, then run its "
+                  "scenario.yaml again into this folder (same randomness: a listed round is released only as it was)")
+    else:
+        advice = "it released nothing: run its scenario.yaml again with another --out"
+    raise DPFLError(f"{run_dir} has no {CHECKPOINT} (stopped before its first checkpoint, or output.checkpoint_every: "
+                    f"0); {advice}", field="--resume")
+
+
 def open_for_resume(run_dir: Path):
     """(checkpoint, scenario) of a run directory to continue, every file it rests on checked before
     Ray starts: the checkpoint whole, the rows it covers whole, the list of the rounds it
@@ -191,6 +213,8 @@ def open_for_resume(run_dir: Path):
     run_dir = Path(run_dir)
     if finished(run_dir) is not None:
         return None
+    if (run_dir / "scenario.yaml").is_file() and not (run_dir / CHECKPOINT).exists():
+        _refuse_without_checkpoint(run_dir)
     checkpoint = read_checkpoint(run_dir)
     RunRecord.committed_rows(run_dir, rows_covered(checkpoint))
     scenario = load_scenario(run_dir / "scenario.yaml")

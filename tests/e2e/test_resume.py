@@ -216,6 +216,29 @@ def test_resume_refuses_what_it_cannot_trust_before_ray_starts(tmp_path, damage,
     assert "Traceback" not in res.stderr + res.stdout and _snapshot(run) == before
 
 
+@pytest.mark.parametrize("listing, needle", [
+    (None, "it released nothing: run its scenario.yaml again with another --out"),
+    (json.dumps({"round": 1, "scenario_sha256": "0" * 64, "model": "ab"}) + "\n",
+     "the server may have seen a round (releases.jsonl): move all but dp_secret and releases.jsonl away, then run "
+     "its scenario.yaml again into this folder (same randomness: a listed round is released only as it was)"),
+])
+def test_a_run_stopped_before_its_first_checkpoint_says_what_to_do_instead(tmp_path, listing, needle):
+    """A Ctrl-C while Ray started leaves 0 rounds and no checkpoint: the directory can be neither
+    resumed nor reused as --out, and the refusal said only why. It now says what is safe: a new run
+    when nothing was released, else a new run in the folder that keeps the list and the secret."""
+    run = _checkpointed_run(tmp_path, rounds_done=0, summary={"stop_reason": "interrupted", "rounds_completed": 0})
+    (run / "checkpoint.npz").unlink()
+    if listing is not None:
+        (run / "releases.jsonl").write_text(listing)
+    before = _snapshot(run)
+    res = _cli("run", "--resume", run, "--address", "127.0.0.1:9")
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: --resume: "), res.stderr
+    assert f"{run} has no checkpoint.npz (stopped before its first checkpoint" in lines[0]
+    assert needle in lines[0] and not lines[0].endswith("..."), lines[0]
+    assert _snapshot(run) == before
+
+
 def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path):
     run = _checkpointed_run(tmp_path, rounds_done=8, summary={"stop_reason": "completed", "rounds_completed": 8,
                                                                "wall_seconds": 12.5})
