@@ -438,16 +438,22 @@ def move_aside(sweep_dir: Path, name: str, keep: bool = True) -> Path | None:
         return None  # nothing but what the run starts again from
     aside = Path(sweep_dir) / ".incomplete"
     aside.mkdir(exist_ok=True)
-    n = sum(1 for p in aside.iterdir() if p.name.startswith(name + ".")) + 1
+    # a number no earlier attempt holds (one set aside before may have been deleted since): never into one
+    taken = [p.name[len(name) + 1:] for p in aside.iterdir() if p.name.startswith(name + ".")]
+    n = max((int(t) for t in taken if t.isdigit()), default=0) + 1
     moved = aside / f"{name}.{n}"
+    if keep and names is not None:
+        # entry by entry: the release list and the secret never leave the run's directory, so no crash
+        # midway can leave it without them (a new run there would then release listed rounds unguarded)
+        moved.mkdir()
+        for entry in sorted(names - KEPT_FOR_RESTART):
+            shutil.move(str(run_dir / entry), str(moved / entry))
+        if not names & KEPT_FOR_RESTART:
+            run_dir.rmdir()  # nothing kept: no directory, as before any attempt
+        return moved
     shutil.move(str(run_dir), str(moved))
     if not keep:  # the directory that replaces it brings its own secret, if it still needs one
         (moved / DP_SECRET).unlink(missing_ok=True)
-    kept = [f for f in sorted(KEPT_FOR_RESTART) if keep and (moved / f).is_file()]
-    if kept:
-        run_dir.mkdir()
-        for f in kept:
-            os.replace(moved / f, run_dir / f)
     return moved
 
 

@@ -5,6 +5,7 @@ not see the sweep's directory (runtime/trials.py, the collector's ``kept``)."""
 import json
 import os
 import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,3 +243,31 @@ def test_the_driver_writes_a_batchs_listings_then_says_so_then_hands_on_its_rows
     with pytest.raises(OSError):
         _write_events(events, 0, broken, None, written=lambda n: log.append(("written", n)))
     assert log == [] and broken.rounds == [] and (tmp_path / "broken" / "rounds.jsonl").read_text() == ""
+
+
+def test_setting_aside_never_reuses_a_number_and_never_moves_the_kept_files(tmp_path, monkeypatch):
+    """With .incomplete/a.1 deleted and a.2 kept, the next attempt counted one and moved the run into
+    a.2 (as a.2/a), and then put a.2's old list and secret back in the run's place. The list and the
+    secret now never leave the directory: a crash midway cannot leave it without them."""
+    import shutil
+
+    from dpfl_ray.runs import sweep as sw
+
+    sweep_dir = tmp_path / "sweep"
+    run = sweep_dir / "a"
+    (sweep_dir / ".incomplete" / "a.2").mkdir(parents=True)
+    (sweep_dir / ".incomplete" / "a.2" / RELEASES).write_text("an older attempt's list\n")
+    record = RunRecord(run)
+    record.add_round({"round": 1})
+    record.add_release(_release(1))
+    record.close()
+    (run / DP_SECRET).write_bytes(bytes(32))
+    listed, secret = (run / RELEASES).read_bytes(), (run / DP_SECRET).read_bytes()
+    moves = []
+    real_move = shutil.move
+    monkeypatch.setattr(sw.shutil, "move", lambda src, dst: (moves.append(Path(src).name), real_move(src, dst))[1])
+    moved = move_aside(sweep_dir, "a")
+    assert moved == sweep_dir / ".incomplete" / "a.3" and (moved / "rounds.jsonl").exists()
+    assert (run / RELEASES).read_bytes() == listed and (run / DP_SECRET).read_bytes() == secret
+    assert not {RELEASES, DP_SECRET} & set(moves)  # never moved, not even and back
+    assert (sweep_dir / ".incomplete" / "a.2" / RELEASES).read_text() == "an older attempt's list\n"
