@@ -190,31 +190,39 @@ def test_a_report_names_its_host_and_how_fast_one_thread_of_it_is():
     assert all(0 < v < 60 for v in m["probe"].values()), m["probe"]
 
 
-def test_an_interrupted_bench_ends_the_run_it_was_timing(tmp_path):
-    """Each timed run has a session of its own, so Ctrl-C at the terminal never reaches it: the
-    harness ends it (and every process under it) before the interrupt goes on."""
+def _interrupt_the_bench_once(child: str, ready, log) -> None:
+    """The harness times ``child`` (Python code) and is interrupted (KeyboardInterrupt, as Ctrl-C)
+    once ``ready()`` says the child is under way: the alarm repeats every 0.5 s until then."""
     import signal
     import sys
 
-    import psutil
-
     from benchmarks.harness import _run_tree
 
-    def interrupt(*_):  # once the run has started the process it starts (the alarm repeats until then)
-        if pids.exists() and len(pids.read_text().split()) == 2:
+    def interrupt(*_):
+        if ready():
             raise KeyboardInterrupt
 
-    pids = tmp_path / "pids"
-    child = ("import os, subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; "
-             f"time.sleep(60)']); open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{g.pid}}'); time.sleep(60)")
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
     try:
         with pytest.raises(KeyboardInterrupt):
-            _run_tree([sys.executable, "-c", child], 60, "driver", tmp_path / "log")
+            _run_tree([sys.executable, "-c", child], 60, "driver", log)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_interrupted_bench_ends_the_run_it_was_timing(tmp_path):
+    """Each timed run has a session of its own, so Ctrl-C at the terminal never reaches it: the
+    harness ends it (and every process under it) before the interrupt goes on."""
+    import psutil
+
+    pids = tmp_path / "pids"
+    child = ("import os, subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; "
+             f"time.sleep(60)']); open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{g.pid}}'); time.sleep(60)")
+    # once the run has started the process it starts
+    _interrupt_the_bench_once(child, lambda: pids.exists() and len(pids.read_text().split()) == 2, tmp_path / "log")
+
     def running(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -230,28 +238,11 @@ def test_an_interrupted_bench_ends_the_run_it_was_timing(tmp_path):
 def test_an_interrupted_bench_lets_the_run_stop_by_itself_first(tmp_path):
     """SIGTERM before SIGKILL: the `dpfl run` a bench times writes its summary.json on SIGTERM, as for
     a user (a bench stopped with Ctrl-C left a run directory without one)."""
-    import signal
-    import sys
-
-    from benchmarks.harness import _run_tree
-
     ready, stopped = tmp_path / "ready", tmp_path / "stopped"
-
-    def interrupt(*_):
-        if ready.exists():
-            raise KeyboardInterrupt
-
     child = ("import signal, sys, time\n"
              f"def stop(*_):\n    open({str(stopped)!r}, 'w').write('summary'); sys.exit(143)\n"
              f"signal.signal(signal.SIGTERM, stop); open({str(ready)!r}, 'w').close(); time.sleep(60)\n")
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            _run_tree([sys.executable, "-c", child], 60, "driver", tmp_path / "log")
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    _interrupt_the_bench_once(child, ready.exists, tmp_path / "log")
     assert stopped.read_text() == "summary"
 
 
