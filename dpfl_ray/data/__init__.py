@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import rng as rngmod
 from ..errors import DPFLError
+from ..scenario import MAX_EXAMPLES
 from . import partition as P
 from .sources import Dataset, load_source
 
@@ -40,8 +41,6 @@ class Federation:
 def _drawn_sizes(p, num_clients: int, g) -> np.ndarray:
     """The clients' drawn sizes, refused before any index is made if a heavy tail draws more examples
     in all than a scenario may ask for (MAX_EXAMPLES, as num_clients x examples_per_client)."""
-    from ..scenario import MAX_EXAMPLES
-
     sizes = P.unbalanced_sizes(num_clients, p.size_distribution, p.size_mean, p.size_sigma, p.min_size, g)
     if int(sizes.sum()) > MAX_EXAMPLES:
         lognormal = p.size_distribution == "lognormal"  # its tail is size_sigma's; the others' sum is size_mean's

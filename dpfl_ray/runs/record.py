@@ -205,6 +205,14 @@ def _supersedes(listed: dict, line: dict) -> bool:
     return listed.get("released") is False and any(k in line for k in ("model", "survivors", "calibration"))
 
 
+def lists_a_release(path: str | Path) -> bool:
+    """Does the run's list hold a round the server may have seen (an unreadable list: assume so)?"""
+    try:
+        return any(may_have_released(v) for v in read_releases(path).values())
+    except DPFLError:
+        return True
+
+
 class ReleaseList:
     """The :data:`RELEASES` file of one run directory, appended to: what is listed of a round
     already (by an earlier attempt, which this one matched) is not listed again."""

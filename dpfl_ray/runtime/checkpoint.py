@@ -186,13 +186,9 @@ def _refuse_without_checkpoint(run_dir: Path) -> None:
     run. If the server may have seen a round: a new run in this folder that keeps the release list
     and the secret (runs/record.py, KEPT_FOR_RESTART), as a sweep starts a trial again: it draws the
     same randomness and releases a listed round only as it was (privacy/reruns.py)."""
-    from ..runs.record import KEPT_FOR_RESTART, RELEASES, may_have_released, read_releases
+    from ..runs.record import KEPT_FOR_RESTART, RELEASES, lists_a_release
 
-    try:
-        listed = any(may_have_released(v) for v in read_releases(run_dir).values())
-    except DPFLError:
-        listed = True  # an unreadable list: assume the server saw a round
-    if listed:
+    if lists_a_release(run_dir):
         kept = " and ".join(sorted(KEPT_FOR_RESTART))
         advice = (f"the server may have seen a round ({RELEASES}): move all but {kept} away, then run its "
                   "scenario.yaml again into this folder (same randomness: a listed round is released only as it was)")

@@ -13,7 +13,7 @@ from ..algorithms import algorithm_class
 from ..data import Federation
 from ..errors import DPFLError
 from ..faults.plan import FaultPlan
-from ..runs.record import RunRecord, may_have_released, read_releases, versions
+from ..runs.record import RunRecord, lists_a_release, may_have_released, read_releases, versions
 from ..scenario import Scenario
 from . import warm
 from .coordinator import coordinator_args, start_coordinator, start_workers
@@ -219,7 +219,7 @@ def run_scenario(scenario: Scenario, fed: Federation, record: RunRecord,
     # Rounds released before a first checkpoint keep it: a sweep starts such a run again from it (move_aside),
     # and its listed releases are checked with a key drawn from it (privacy/reruns.py).
     if ended_on_its_own(summary) or not ((record.path / CHECKPOINT).exists() or record.rounds
-                                         or _lists_a_release(record.path)):
+                                         or lists_a_release(record.path)):
         forget_run_secret(record.path)
     if keep_workers and returned and stop_reason != "interrupted" and not shutdown.requested:
         # for this driver's next run (runtime/warm.py): a run() that returned has nothing in flight
@@ -293,14 +293,6 @@ def _rerun_hint(run_dir) -> str:
     again = (f"dpfl run --resume {run_dir}, or the same sweep command" if (run_dir / CHECKPOINT).exists()
              else "the same sweep command; without a checkpoint dpfl run cannot go on")
     return f"; an attempt whose clients survive alike releases the same values: run it again ({again})"
-
-
-def _lists_a_release(run_dir) -> bool:
-    """Does the run's list hold a round the server may have seen (an unreadable list: assume so)?"""
-    try:
-        return any(may_have_released(v) for v in read_releases(run_dir).values())
-    except DPFLError:
-        return True
 
 
 def _stop_between_rounds(coord, run_ref, seen: int, record: RunRecord, on_event=None) -> int:
