@@ -17,7 +17,7 @@ class PoolPlan:
 
 
 # Workers that reserve neither CPU nor GPU all start at once, each a process with torch loaded (some
-# hundred MB): beyond a few a CPU they only share it, and 100 on 2 CPUs lost the coordinator.
+# hundred MB): beyond a few a CPU they only share it, and crowd out the coordinator.
 UNRESERVED_WORKERS_PER_CPU = 4
 
 
