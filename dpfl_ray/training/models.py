@@ -31,12 +31,31 @@ class TFPrivacyCNN(nn.Module):
         self.features = nn.Sequential(
             nn.ZeroPad2d(3), nn.Conv2d(in_channels, 16, 8, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1),
             nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1), nn.Flatten())
-        with torch.no_grad():
-            flat = self.features(torch.zeros(1, in_channels, height, width)).shape[1]
+        flat = _flat_size(self.features, in_channels, height, width)
         self.classifier = nn.Sequential(nn.Linear(flat, 32), nn.ReLU(), nn.Linear(32, num_classes))
 
     def forward(self, x):
         return self.classifier(self.features(x))
+
+
+def _flat_size(features: nn.Sequential, channels: int, height: int, width: int) -> int:
+    """The number of values ``features`` gives for one image, from its layers' sizes. Not by a forward
+    pass: on the meta device (model_file_bytes) one loads torch's compiler, about a second of CPU."""
+    def side(n, kernel, stride, padding, dilation=1):
+        return (n + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+    for layer in features:
+        if isinstance(layer, nn.ZeroPad2d):
+            left, right, top, bottom = layer.padding
+            height, width = height + top + bottom, width + left + right
+        elif isinstance(layer, (nn.Conv2d, nn.MaxPool2d)):
+            sizes = [getattr(layer, k) for k in ("kernel_size", "stride", "padding", "dilation")]
+            sizes = [s if isinstance(s, tuple) else (s, s) for s in sizes]
+            height, width = (side(n, *(s[i] for s in sizes)) for i, n in enumerate((height, width)))
+            channels = getattr(layer, "out_channels", channels)
+        elif not isinstance(layer, (nn.ReLU, nn.Flatten)):
+            raise TypeError(f"no size rule for {type(layer).__name__}")
+    return channels * height * width
 
 
 def _mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:
@@ -111,9 +130,16 @@ def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, 
     if np.size(theta) != size:  # a model of another scenario: a checkpoint's, edited or foreign
         raise DPFLError(f"a flat model of {np.size(theta)} values does not fit this scenario's {model_cfg.name} "
                         f"({size} values): a checkpoint of another model?", field="model")
-    model = model.to_empty(device="cpu")
-    set_flat(model, theta)
-    return model_file(model.state_dict())
+    # the state dict of the meta model (its keys, in order, and torch's _metadata) with each parameter's
+    # values from theta, each in a storage of its own as a model's are; not model.to_empty, which on
+    # the meta device loads sympy (a third of a second of CPU)
+    state = model.state_dict()
+    flat = torch.from_numpy(np.array(theta, dtype=np.float32, copy=True))
+    offset = 0
+    for name, p in model.named_parameters():
+        state[name] = flat[offset:offset + p.numel()].clone().reshape(p.shape)
+        offset += p.numel()
+    return model_file(state)
 
 
 @torch.no_grad()

@@ -128,6 +128,35 @@ def test_a_model_file_is_the_seeded_model_s_with_theta_and_draws_nothing_from_to
     assert blob == model_file(model.state_dict())
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+def test_the_cnn_sizes_its_dense_layer_as_its_features_give_for_any_image(channels):
+    """The cnn's first dense layer is sized from its layers' arithmetic, not by a forward pass (on the
+    meta device, where model_file_bytes builds it, one loads torch's compiler): the same size as one."""
+    from dpfl_ray.training.models import TFPrivacyCNN
+
+    for height in range(16, 71, 3):
+        for width in (16, 28, 31, 64):
+            cnn = TFPrivacyCNN(channels, height, width, 10)
+            with torch.no_grad():
+                probed = cnn.features(torch.zeros(1, channels, height, width)).shape[1]
+            assert cnn.classifier[0].in_features == probed, (channels, height, width)
+
+
+def test_a_model_file_of_the_cnn_loads_no_compiler():
+    """A run's model.pt (model_file_bytes, on the meta device) loaded torch._dynamo and sympy, about a
+    second of CPU in the worker that writes it: through the cnn's probe forward pass and to_empty."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np; from dpfl_ray.scenario import ModelConfig; "
+            "from dpfl_ray.training.models import model_file_bytes; cfg = ModelConfig(name='cnn'); "
+            "from dpfl_ray.training.models import initial_theta; theta = initial_theta(cfg, (1, 28, 28), 10, 0); "
+            "assert model_file_bytes(cfg, (1, 28, 28), 10, theta); print(sorted(m for m in ('torch._dynamo', 'sympy') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
 def test_a_flat_model_of_another_size_gets_no_model_file_and_says_both_sizes():
     """A checkpoint's theta of another model (edited or foreign) reached torch's view() when a resumed
     run that failed wrote model.pt from it: an internal error. Now one line with both sizes."""
