@@ -48,13 +48,14 @@ def _flat_size(features: nn.Sequential, channels: int, height: int, width: int) 
         if isinstance(layer, nn.ZeroPad2d):
             left, right, top, bottom = layer.padding
             height, width = height + top + bottom, width + left + right
-        elif isinstance(layer, (nn.Conv2d, nn.MaxPool2d)):
+        elif isinstance(layer, (nn.Conv2d, nn.MaxPool2d)) and not getattr(layer, "ceil_mode", False) \
+                and not isinstance(layer.padding, str):
             sizes = [getattr(layer, k) for k in ("kernel_size", "stride", "padding", "dilation")]
             sizes = [s if isinstance(s, tuple) else (s, s) for s in sizes]
             height, width = (side(n, *(s[i] for s in sizes)) for i, n in enumerate((height, width)))
             channels = getattr(layer, "out_channels", channels)
         elif not isinstance(layer, (nn.ReLU, nn.Flatten)):
-            raise TypeError(f"no size rule for {type(layer).__name__}")
+            raise TypeError(f"no size rule for {layer!r}")
     return channels * height * width
 
 

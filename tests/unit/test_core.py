@@ -142,6 +142,15 @@ def test_the_cnn_sizes_its_dense_layer_as_its_features_give_for_any_image(channe
             assert cnn.classifier[0].in_features == probed, (channels, height, width)
 
 
+@pytest.mark.parametrize("layer", [torch.nn.MaxPool2d(2, 1, ceil_mode=True), torch.nn.Conv2d(1, 2, 3, padding="same"),
+                                   torch.nn.BatchNorm2d(1)])
+def test_a_layer_without_a_size_rule_is_refused_rather_than_sized_wrong(layer):
+    from dpfl_ray.training.models import _flat_size
+
+    with pytest.raises(TypeError, match="no size rule"):
+        _flat_size(torch.nn.Sequential(torch.nn.Conv2d(1, 1, 3), layer), 1, 28, 28)
+
+
 def test_a_model_file_of_the_cnn_loads_no_compiler():
     """A run's model.pt (model_file_bytes, on the meta device) loaded torch._dynamo and sympy, about a
     second of CPU in the worker that writes it: through the cnn's probe forward pass and to_empty."""
