@@ -157,11 +157,12 @@ def test_a_model_file_of_the_cnn_loads_no_compiler():
     import subprocess
     import sys
 
-    code = ("import sys, numpy as np; from dpfl_ray.scenario import ModelConfig; "
-            "from dpfl_ray.training.models import model_file_bytes; cfg = ModelConfig(name='cnn'); "
-            "from dpfl_ray.training.models import initial_theta; theta = initial_theta(cfg, (1, 28, 28), 10, 0); "
-            "assert model_file_bytes(cfg, (1, 28, 28), 10, theta); print(sorted(m for m in ('torch._dynamo', 'sympy') "
-            "if m in sys.modules))")
+    code = ("import sys\n"
+            "from dpfl_ray.scenario import ModelConfig\n"
+            "from dpfl_ray.training.models import initial_theta, model_file_bytes\n"
+            "cfg = ModelConfig(name='cnn')\n"
+            "assert model_file_bytes(cfg, (1, 28, 28), 10, initial_theta(cfg, (1, 28, 28), 10, 0))\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
