@@ -115,8 +115,8 @@ def model_file(state_dict) -> bytes:
 def model_file_bytes(model_cfg, input_shape: tuple[int, ...], num_classes: int, theta: np.ndarray) -> bytes:
     """model.pt's bytes (model_file) for the flat model ``theta``.
 
-    Every parameter comes from ``theta``, so the layers are made on the meta device and given empty
-    storage: nothing is drawn from (or seeds) torch's global generator, and a worker can answer this
+    Every parameter comes from ``theta``, so the layers are made on the meta device and their state dict
+    filled from ``theta``: nothing is drawn from (or seeds) torch's global generator, and a worker can answer this
     from a second thread while its training thread uses that generator (workers.ClientWorker.model_file).
     A model with buffers is refused: ``theta`` does not hold them, and making them would mean seeding
     the global generator under the training thread."""
