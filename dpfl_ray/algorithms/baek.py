@@ -414,10 +414,10 @@ class Baek(Algorithm):
         """Why the discrete Gaussian's layers cannot carry this round, or None: the survivors' draws
         must keep to the ring's wrap bound after any number of tolerated dropouts (the plan's margin
         covers them once the total reaches N Q), and u to the exact sampler's range."""
-        from ..privacy.discrete import MAX_DISCRETE_GAUSSIAN_VARIANCE
+        from ..privacy.discrete import MAX_SHARE_VARIANCE
         from ..secagg.ring import wrap_probability
 
-        if quantum > MAX_DISCRETE_GAUSSIAN_VARIANCE:
+        if quantum > MAX_SHARE_VARIANCE:
             return (f"the discrete Gaussian layers' draws would need variance {quantum}, past the exact sampler's "
                     "2^30; use fewer bits")
         held = np.cumsum(quanta)
@@ -450,7 +450,7 @@ class Baek(Algorithm):
                 plan.unmask = UnmaskPlan(calibration_n_prime=float(len(survivors)))
             else:
                 plan.unmask, plan.calibration_skipped = UnmaskPlan(), (
-                    "the discrete Gaussian's fresh shares would pass the exact sampler's 2^30 or "
+                    f"the {self.integer} fresh shares would pass what their sampler draws exactly or "
                     "secagg.max_wrap_probability: released uncalibrated")
         elif self.integer is None and calibrates(self.mode, plan.n, plan.n_prime):
             plan.unmask = UnmaskPlan(calibration_n_prime=plan.n_prime)
@@ -463,17 +463,18 @@ class Baek(Algorithm):
         return plan.unmask
 
     def _calibration_fits(self, survived: int) -> bool:
-        """Can the discrete Gaussian's fresh shares be drawn, and does the calibrated release keep to
-        the ring's wrap bound? Rounded up to integers they carry a little more than the cohort's total,
-        and the exact sampler takes variances up to 2^30; when either fails the round is released
-        uncalibrated instead."""
-        from ..privacy.discrete import MAX_DISCRETE_GAUSSIAN_VARIANCE
+        """Can the fresh integer shares be drawn exactly, and does the calibrated release keep to the
+        ring's wrap bound? Skellam's sum to the cohort's total, within the plan's bound, and are drawn
+        in pieces of up to 2^30 (privacy/discrete.py); the discrete Gaussian's, rounded up to integers,
+        carry a little more than the total, and its exact sampler takes variances up to 2^30. When
+        either fails the round is released uncalibrated instead."""
+        from ..privacy.discrete import MAX_SHARE_VARIANCE, MAX_SKELLAM_PIECES
         from ..secagg.ring import wrap_probability
 
-        if self.integer != "discrete_gaussian":
-            return True
         fresh = calibration_share_variance(self.plan.noise.ring, self.plan.noise.first_shares, survived)
-        if fresh > MAX_DISCRETE_GAUSSIAN_VARIANCE:
+        if self.integer == "skellam":
+            return fresh <= MAX_SHARE_VARIANCE * MAX_SKELLAM_PIECES
+        if fresh > MAX_SHARE_VARIANCE:
             return False
         bound = wrap_probability(self.bits, self._ring.event.dim, survived * self.clip_norm * self._ring.scale,
                                  survived, dg_variance=fresh)

@@ -24,8 +24,15 @@ import numpy as np
 
 from ..errors import DPFLError
 
-# Above this variance the exact sampler's integer arithmetic (2 s2 t^2) would pass int64.
-MAX_DISCRETE_GAUSSIAN_VARIANCE = 2 ** 30
+# The largest noise share, in integer units, a round's plan gives one client (privacy/discrete_rdp.py).
+# The discrete Gaussian's exact sampler is exact up to it: above, its integer arithmetic (2 s2 t^2)
+# would pass int64. Skellam's draws come from numpy's Poisson sampler, which works in doubles:
+# at a mean near 2^45 its draws visibly leave Poisson's law, and from 2^53 they are all even (the
+# low bits of the sum would go out without noise). Below it both are exact.
+MAX_SHARE_VARIANCE = 2 ** 30
+# A Skellam share past MAX_SHARE_VARIANCE (a calibration's fresh share) is drawn in pieces of at
+# most that variance; beyond this many pieces the plan, not the sampler, must change.
+MAX_SKELLAM_PIECES = 2 ** 10
 
 
 # -- exact samplers (CKS20) ------------------------------------------------------------------------
@@ -158,7 +165,7 @@ def discrete_gaussian(gen, variance: int, size: int) -> np.ndarray:
     exp(-x^2 / (2 variance)), x integer), exactly: CKS20 Alg. 3 with t = floor(sigma) + 1, accepting
     a discrete Laplace draw Y with probability exp(-(|Y| - variance/t)^2 / (2 variance)), whose
     exponent is the integer fraction (|Y| t - variance)^2 / (2 variance t^2)."""
-    if isinstance(variance, bool) or int(variance) != variance or not 1 <= variance <= MAX_DISCRETE_GAUSSIAN_VARIANCE:
+    if isinstance(variance, bool) or int(variance) != variance or not 1 <= variance <= MAX_SHARE_VARIANCE:
         raise DPFLError(f"the discrete Gaussian's variance must be an integer in [1, 2^30], got {variance!r} "
                         "(a coarser scale keeps it there)", field="variance")
     s2 = int(variance)
@@ -187,14 +194,24 @@ def discrete_gaussian(gen, variance: int, size: int) -> np.ndarray:
 
 def skellam(gen, variance: float, size: int) -> np.ndarray:
     """``size`` draws of the symmetric Skellam with this variance: Poisson(variance / 2) minus an
-    independent Poisson(variance / 2). ``gen``: a numpy Generator, or the run's ChaCha20 stream, which
-    then seeds numpy's sampler with 256 of its bits."""
+    independent Poisson(variance / 2), each drawn as the sum of as many Poissons as keep every piece's
+    variance within MAX_SHARE_VARIANCE (one, for any share a round's plan gives). ``gen``: a numpy
+    Generator, or the run's ChaCha20 stream, which then seeds numpy's sampler with 256 of its bits."""
     if not (np.isfinite(variance) and variance > 0):
         raise DPFLError(f"the Skellam variance must be a positive number, got {variance!r}", field="variance")
+    pieces = math.ceil(variance / MAX_SHARE_VARIANCE)
+    if pieces > MAX_SKELLAM_PIECES:
+        raise DPFLError(f"a Skellam share of variance {variance:.4g} is past what is drawn exactly "
+                        f"({MAX_SKELLAM_PIECES} x 2^30; a coarser scale keeps it there)", field="variance")
     if not isinstance(gen, np.random.Generator):
         gen = np.random.default_rng([int(w) for w in gen.integers(0, 2 ** 62, size=4)])
-    half = float(variance) / 2.0
-    return gen.poisson(half, int(size)).astype(np.int64) - gen.poisson(half, int(size)).astype(np.int64)
+    # Poisson(m x) is the sum of m independent Poisson(x): each piece stays where numpy's sampler is exact
+    half, size = float(variance) / 2.0 / pieces, int(size)
+    out = np.zeros(size, dtype=np.int64)
+    for sign in (1, -1):
+        for _ in range(pieces):
+            out += sign * gen.poisson(half, size).astype(np.int64)
+    return out
 
 
 def draw(mechanism: str, gen, variance: float, size: int) -> np.ndarray:

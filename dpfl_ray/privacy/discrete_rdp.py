@@ -36,7 +36,7 @@ from dp_accounting import dp_event as dpe
 from scipy import special
 
 from ..errors import DPFLError
-from .discrete import MAX_DISCRETE_GAUSSIAN_VARIANCE
+from .discrete import MAX_SHARE_VARIANCE
 
 # Integer orders only: the subsampling bound (Zhu & Wang 2019, Thm. 5) is stated for them.
 ORDERS = tuple(range(2, 129)) + (256,)
@@ -304,8 +304,9 @@ def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float
     another's comes in: each is rounded on its own, so the sum moves by up to twice one rounded
     bound, 2 B(clip_norm), more than B(2 clip_norm) by the rounding's sqrt(dim) term; the larger of
     that and B(sensitivity) is booked. The discrete Gaussian's share variance is rounded up to an
-    integer, so its sum carries at least the asked noise. A ring too small for any scale is a
-    one-line error naming bits."""
+    integer, so its sum carries at least the asked noise. Either share's variance stays within
+    MAX_SHARE_VARIANCE, where its sampler is exact: a ring wider than that needs keeps the coarser
+    scale. A ring too small for any scale is a one-line error naming bits."""
     from ..secagg.ring import padded_dim, wrap_probability
 
     if mechanism not in MECHANISMS:
@@ -340,8 +341,8 @@ def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float
         else:
             high = mid
     plan = at(low)
-    if mechanism == "discrete_gaussian" and plan.local_variance > MAX_DISCRETE_GAUSSIAN_VARIANCE:
-        scale = math.sqrt(MAX_DISCRETE_GAUSSIAN_VARIANCE * shares) / noise_std
-        while (plan := at(scale)).local_variance > MAX_DISCRETE_GAUSSIAN_VARIANCE:  # the square root's round-off
+    if plan.local_variance > MAX_SHARE_VARIANCE:  # where both samplers are exact (privacy/discrete.py)
+        scale = math.sqrt(MAX_SHARE_VARIANCE * shares) / noise_std
+        while (plan := at(scale)).local_variance > MAX_SHARE_VARIANCE:  # the square root's round-off
             scale = math.nextafter(scale, 0.0)
     return plan

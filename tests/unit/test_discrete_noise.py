@@ -1,6 +1,7 @@
 """Integer noise for distributed DP (issue #36): the exact samplers against their pmfs, the RDP
 functions against closed forms and dp_accounting, and the ring pipeline's exactness."""
 import math
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -97,6 +98,22 @@ def test_the_skellam_follows_its_pmf(variance):
     sd = math.sqrt(variance)
     p = _chi_square_p(draws, lambda k: stats.skellam.pmf(k, variance / 2, variance / 2), -int(4 * sd), int(4 * sd))
     assert p > 1e-4, p
+
+
+def test_a_skellam_share_past_the_samplers_range_is_drawn_in_pieces_and_keeps_its_law():
+    """numpy's Poisson sampler works in doubles: at a mean past 2^53 its draws are all even, so a share
+    of variance 2^57 drawn at once would send the sum's lowest bit out without noise. Past 2^30 the
+    share is drawn as a sum of Skellams of at most 2^30 each (Poisson is additive); within it, as the
+    difference of two Poissons, the stream unchanged."""
+    once = np.random.default_rng(3)
+    assert np.array_equal(discrete.skellam(np.random.default_rng(3), 2.0 ** 30, 1000),
+                          once.poisson(2.0 ** 29, 1000) - once.poisson(2.0 ** 29, 1000))
+    for variance in (2.0 ** 33, 1000 * 2.0 ** 30):
+        draws = discrete.skellam(np.random.default_rng(4), variance, 100_000).astype(float)
+        assert abs(draws.var() / variance - 1) < 0.03
+        assert abs(np.mean(draws % 2 == 1) - 0.5) < 0.01 and abs(np.mean(draws % 16 == 0) - 1 / 16) < 0.005
+    with pytest.raises(DPFLError, match="^variance: a Skellam share of variance 2.199e\\+12 is past"):
+        discrete.skellam(np.random.default_rng(0), 2.0 ** 41, 3)
 
 
 def test_impossible_noise_parameters_are_one_line_errors():
@@ -356,6 +373,40 @@ def test_the_ring_plan_keeps_wraps_rare_and_costs_what_its_bits_allow(mechanism)
     assert _baek_epsilon(plans[12]) > 1.05 * generic
 
 
+@pytest.mark.parametrize("mechanism", rdp.MECHANISMS)
+def test_a_wide_ring_keeps_every_share_where_its_sampler_is_exact(mechanism):
+    """At 28 and 32 bits the finest scale would ask for shares of variance up to 3e17 (Skellam's then
+    drawn all even); the plan keeps the scale where a share's variance is 2^30, and its wrap bound
+    far below the target. Below that width the plan is the finest scale, as before."""
+    for bits in (24, 28, 32):
+        for shares in (1, 8, 100):
+            plan = rdp.plan_ring(mechanism, bits, shares, 26010, 0.5, 1.0, 1.0)
+            assert 2 ** 29 < plan.local_variance <= discrete.MAX_SHARE_VARIANCE
+            assert plan.wrap_probability < 1e-10
+    assert rdp.plan_ring(mechanism, 20, 100, 26010, 0.5, 1.0, 1.0).wrap_probability == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_a_baek_round_in_a_32_bit_ring_draws_the_skellam_shares_it_books():
+    """Baek's own round at 32 bits: each client's share has the booked variance and odd values half
+    the time, so the released sum's lowest bit is not the noiseless sum's."""
+    from dpfl_ray.algorithms.baek import Baek
+    from dpfl_ray.privacy.randomness import DPRandomness
+    from dpfl_ray.scenario import load_scenario
+
+    root = Path(__file__).resolve().parents[2]
+    sc = load_scenario(root / "scenarios" / "baek2021_ci_z1_drop30_skellam.yaml", ["secagg.bits=32"])
+    baek = Baek(sc, np.ones(sc.data.num_clients), sc.privacy.noise_multiplier,
+                randomness=DPRandomness.create("reproducible", 0))
+    baek.bind_model(26010)
+    assert baek.begin_round(0, list(range(8))) is None
+    spec = baek.client_spec()
+    shares = np.stack([spec.noise.integer_share(c, spec.ring) for c in range(8)])
+    assert spec.ring.local_variance <= discrete.MAX_SHARE_VARIANCE
+    assert abs(shares.astype(float).var() / spec.ring.local_variance - 1) < 0.02
+    assert abs(np.mean(shares % 2 == 1) - 0.5) < 0.01
+    assert 0.4 < np.mean(shares.sum(axis=0) % 2 == 1) < 0.6
+
+
 def test_under_replace_one_the_plan_books_two_clients_rounded_vectors():
     """A fixed-size cohort's neighbour swaps one client for another, each vector rounded on its own:
     the sum moves by up to 2 B(C s), which exceeds B(2 C s) by the rounding's sqrt(d) term (at 12
@@ -380,7 +431,6 @@ def test_a_ring_too_small_for_the_cohort_is_one_line_naming_bits():
 def test_docs_distributed_dp_shows_what_its_script_prints(capsys):
     """Every line docs/experiments/distributed_dp_bits.py prints stands in docs/distributed_dp.md."""
     import importlib.util
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("bits", root / "docs" / "experiments" / "distributed_dp_bits.py")
@@ -403,7 +453,6 @@ def test_docs_distributed_dp_shows_the_dropout_table_its_script_prints(capsys):
     dropout for the Gaussian and Skellam layers, which release exactly the cohort's total; the
     discrete Gaussian's equal draws carry a little more, so it books no more than Skellam's."""
     import importlib.util
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location(
@@ -490,7 +539,6 @@ def test_the_noise_floor_script_groups_os_runs_by_their_noise_and_bounds_the_dif
     round, the last five and every round; a run without OS randomness is refused."""
     import importlib.util
     import json
-    from pathlib import Path
 
     import yaml
 
