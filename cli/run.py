@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -32,12 +33,23 @@ def run(
                                                                  "last checkpoint"),
 ) -> None:
     """Train a federation as the scenario says and write its run directory."""
-    from dpfl_ray.runtime.shutdown import Shutdown, keep_handlers
+    from dpfl_ray.runtime.shutdown import Shutdown
 
     # From here on a signal is only recorded (runtime/shutdown.py): the command stops at its next
     # check, never in the middle of an import or of a library's own code.
     shutdown = Shutdown().install()
-    sc, fed, run_dir, checkpoint, startup = _prepare(scenario, set_, out, address, resume)
+    held: list[int] = []  # the run directory's lock, from _prepare until this command returns
+    try:
+        _run(*_prepare(scenario, set_, out, address, resume, held), address, shutdown)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _run(sc, fed, run_dir, checkpoint, startup, address, shutdown) -> None:
+    """Start Ray, run the scenario with live progress, and write and print what it ends with."""
+    from dpfl_ray.runtime.shutdown import keep_handlers
+
     plotting = _Plotting()  # matplotlib loads while Ray starts
     from dpfl_ray.runs.record import RunRecord
     from dpfl_ray.runtime.checkpoint import rows_covered
@@ -95,11 +107,31 @@ def run(
         raise typer.Exit(shutdown.exit_code)
 
 
-def _prepare(scenario, set_, out, address, resume):
+def _hold(run_dir: Path, held: list[int], option: str) -> None:
+    """Take the run directory's lock (runs/sweep.hold_run: ``.running/NAME.lock`` beside it, the lock
+    a sweep's trial takes for its run) into ``held``, or refuse in one line: another `dpfl run`, or a
+    sweep's trial, is writing that directory. A parent this process cannot write in takes no lock
+    (the checks of --out say what is wrong there)."""
+    from dpfl_ray.errors import DPFLError
+    from dpfl_ray.runs.sweep import RUNNING, hold_run
+
+    try:
+        held.append(hold_run(run_dir.parent, run_dir.name))
+    except OSError:
+        pass
+    except DPFLError:
+        raise DPFLError(f"{run_dir} is being written by another dpfl process (a run, or a sweep's trial, holds "
+                        f"{run_dir.parent / RUNNING / (run_dir.name + '.lock')}); wait for it to end",
+                        field=option) from None
+
+
+def _prepare(scenario, set_, out, address, resume, held: list[int]):
     """Everything that can be wrong with the scenario, found before a file is written or Ray
     starts: (scenario, federation, run directory, checkpoint or None, start-up seconds). The
     scenario is read before the data code loads: a mistake in it answers at once. Torch is not
-    needed here: the model's fit to the data is checked without it (a worker builds it)."""
+    needed here: the model's fit to the data is checked without it (a worker builds it). The run
+    directory's lock goes into ``held``: taken before a checkpoint is read, and after every check
+    of a new run, which then checks again that the directory is still new."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs.record import RunRecord, default_run_dir, read_releases
     from dpfl_ray.runtime.checkpoint import finished, open_for_resume, scenario_fingerprint
@@ -111,6 +143,8 @@ def _prepare(scenario, set_, out, address, resume):
         if scenario is not None or set_ or out is not None:
             raise DPFLError("continues the run as its scenario.yaml says: give no SCENARIO, --set or --out",
                             field="--resume")
+        if resume.is_dir():
+            _hold(resume, held, "--resume")
         opened = open_for_resume(resume)
         if opened is None:  # resuming would only rewrite its files
             summary = finished(resume)
@@ -139,6 +173,9 @@ def _prepare(scenario, set_, out, address, resume):
     preflight(sc, run_dir)  # --out writable, accounting within bounds: before Ray starts (issue #16)
     # A malformed address is one line before anything starts; loopback is read by Ray at import.
     stay_on_loopback(resolve_target(address, recorded=recorded_address))
+    if checkpoint is None:
+        _hold(run_dir, held, "--out")
+        RunRecord.check_new(run_dir)  # a run that held it until now may have written it
     return sc, fed, run_dir, checkpoint, startup
 
 

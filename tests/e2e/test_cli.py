@@ -171,7 +171,7 @@ def test_only_a_private_run_loads_dp_accounting(tmp_path, scenario, loaded):
     paid for a check that answers None. A private run needs it, which shows the probe works."""
     code = ("import sys; from pathlib import Path; from cli.run import _prepare; "
             "import dpfl_ray.runtime.driver, dpfl_ray.runtime.coordinator; "
-            f"_prepare(Path('scenarios/{scenario}'), [], Path(sys.argv[1]), None, None); "
+            f"_prepare(Path('scenarios/{scenario}'), [], Path(sys.argv[1]), None, None, []); "
             "print(sorted(m for m in ('dp_accounting', 'scipy') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
