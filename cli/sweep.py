@@ -259,14 +259,15 @@ def _selection_line(sweep_dir: Path) -> None:
     if not path.is_file():
         return
     sel = json.loads(path.read_text())
+    runs = f"{sel['runs']} private runs" + (f" ({sel['unfinished']} of them unfinished)" if sel.get("unfinished") else "")
     if sel.get("epsilon_all_runs") is None:
-        line = f"choosing among these {sel['runs']} private runs is not accounted here: {sel.get('why')}"
+        line = f"choosing among these {runs} is not accounted here: {sel.get('why')}"
     elif sel.get("adaptive"):
-        line = (f"optuna chose each point from the runs before it: any of these {sel['runs']} private runs, and "
+        line = (f"optuna chose each point from the runs before it: any of these {runs}, and "
                 f"choosing among them, is covered by epsilon {sel['epsilon_all_runs']:.4g} at delta "
                 f"{sel['delta']:g}, their ledgers composed, not by its row's epsilon ({SELECTION})")
     else:
-        line = (f"each row's epsilon covers its run alone; choosing among these {sel['runs']} private runs "
+        line = (f"each row's epsilon covers its run alone; choosing among these {runs} "
                 f"(say, the most accurate) is covered by epsilon {sel['epsilon_all_runs']:.4g} at delta "
                 f"{sel['delta']:g}, their ledgers composed ({SELECTION})")
     console.print(line, highlight=False, soft_wrap=True, markup=False)

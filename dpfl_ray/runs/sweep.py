@@ -543,8 +543,9 @@ def write_outputs(sweep_dir: Path, grid: dict[str, list[str]], runs: Sequence[Sw
 SELECTION = "selection.json"
 SELECTION_NOTE = ("each run's epsilon covers that run alone. Choosing among the runs on anything their "
                   "training data decides (for example the most accurate) releases what all of them "
-                  "learned: epsilon_all_runs is what dp_accounting gives for every finished private run's "
-                  "ledger composed, a bound for any such choice. Papernot & Steinke 2022 (Hyperparameter "
+                  "learned: epsilon_all_runs is what dp_accounting gives for the ledgers of every private run "
+                  "that released a round composed, finished or not (unfinished counts those that stopped "
+                  "before their last round), a bound for any such choice. Papernot & Steinke 2022 (Hyperparameter "
                   "tuning with Renyi DP) bound a tuning run over a random number of runs more tightly; "
                   "that bound is not applied here.")
 ADAPTIVE_NOTE = ("An optuna search chose each point from the results of the runs before it, so every run after its "
@@ -553,19 +554,36 @@ ADAPTIVE_NOTE = ("An optuna search chose each point from the results of the runs
 
 
 def selection_privacy(sweep_dir: Path, rows: list[dict]) -> dict | None:
-    """What choosing among a sweep's finished private runs costs: their run-level ledgers composed in
-    one ledger of their accountant (dp_accounting), epsilon at their delta. None if no finished run is
-    private; ``epsilon_all_runs`` None, with ``why``, where the ledgers cannot be composed here."""
-    ledgers = []
+    """What choosing among a sweep's private runs costs: the run-level ledgers of every run that
+    released a round, finished or not (an interrupted or timed-out run's rounds were released too),
+    composed in one ledger of their accountant (dp_accounting), epsilon at their delta. None if no
+    such run is private; ``epsilon_all_runs`` None, with ``why``, where the ledgers cannot be composed
+    here. A try set aside in ``.incomplete/`` is not counted: the run that starts again releases its
+    rounds again only as they were (``move_aside``)."""
+    ledgers, unfinished, unreadable = [], 0, []
     for row in rows:
         path = Path(sweep_dir) / row["run"] / "ledger.json"
-        if row.get("status") == "ok" and path.is_file():
-            ledgers.append(json.loads(path.read_text()))
-    if not ledgers:
+        if not path.is_file():
+            continue
+        try:
+            ledger = json.loads(path.read_text())
+        except (OSError, ValueError):
+            ledger = None
+        if not isinstance(ledger, dict):
+            unreadable.append(path)
+            continue
+        if "rounds" in ledger and not ledger["rounds"]:
+            continue  # nothing released
+        ledgers.append(ledger)
+        unfinished += row.get("status") != "ok"
+    if not ledgers and not unreadable:
         return None
     adaptive = (read_manifest(sweep_dir).get("search") or {}).get("kind") == "optuna"
-    out = {"runs": len(ledgers), "epsilon_max_single_run": max((lg.get("epsilon") or 0.0) for lg in ledgers),
+    out = {"runs": len(ledgers) + len(unreadable), "unfinished": unfinished,
+           "epsilon_max_single_run": max(((lg.get("epsilon") or 0.0) for lg in ledgers), default=None),
            "adaptive": adaptive, "note": SELECTION_NOTE + (" " + ADAPTIVE_NOTE if adaptive else "")}
+    if unreadable:
+        return {**out, "epsilon_all_runs": None, "why": f"{unreadable[0]} is not a ledger (a JSON object)"}
     if any("rounds" not in lg for lg in ledgers):
         return {**out, "epsilon_all_runs": None,
                 "why": "record-level runs keep one ledger per client; composing them across runs is not built"}

@@ -469,6 +469,23 @@ def test_choosing_among_private_runs_is_booked_as_all_of_them_composed(tmp_path)
     assert sel["epsilon_all_runs"] is None and "cannot be composed here" in sel["why"]
 
 
+def test_a_private_run_that_stopped_early_still_counts_in_the_choice(tmp_path):
+    """An interrupted or timed-out run released the rounds its ledger books: choosing among the runs
+    composes them too (3 + 2 rounds), and says how many of the runs are unfinished; a run that
+    released nothing adds nothing, and an unreadable ledger is said, not raised."""
+    for name, count in (("a", 3), ("b", 2), ("c", 0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ledger.json").write_text(json.dumps(_ledger(_gaussian_rounds(count))))
+    rows = [{"run": "a", "status": "ok"}, {"run": "b", "status": "interrupted"}, {"run": "c", "status": "failed"}]
+    sel = sw.selection_privacy(tmp_path, rows)
+    assert sel["runs"] == 2 and sel["unfinished"] == 1
+    assert sel["epsilon_all_runs"] == _ledger(_gaussian_rounds(5))["epsilon"]
+    assert "finished or not" in sel["note"]
+    (tmp_path / "b" / "ledger.json").write_text('{"rounds": [')
+    sel = sw.selection_privacy(tmp_path, rows)
+    assert sel["epsilon_all_runs"] is None and sel["why"] == f"{tmp_path / 'b' / 'ledger.json'} is not a ledger (a JSON object)"
+
+
 def test_the_sweep_s_tensorboard_logger_is_made_without_torch_and_torch_stays_importable(tmp_path):
     """A sweep's process logs numbers and never trains: Tune's TensorBoard logger must not cost it
     torch's import, and the events it writes must still be TensorBoard's."""
