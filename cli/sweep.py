@@ -77,8 +77,9 @@ def sweep(
     axes, seed_list, runs = sw.plan(scenario, grid, seeds, set_, drawn)  # every combination, before anything runs
     base = base or load_scenario(scenario, list(runs[0].overrides))
     if dry_run:
-        if out is not None:  # the directory the real sweep would refuse
-            sw.SweepLock(out).check()
+        if out is not None:  # what the real sweep would refuse there: a live sweep, another scenario or grid
+            sw.SweepLock(out).check_free()
+            sw.prepare(out, scenario, axes, seed_list, set_, drawn, write=False)
         for run in runs:
             console.print(run.name, highlight=False, soft_wrap=True)
         later = (f"; optuna asks the other {drawn.samples - len(drawn.points())} points from these runs' results"
@@ -101,8 +102,11 @@ def sweep(
             if not todo:
                 todo = more(statuses)
         if todo:
-            statuses.update(run_on_tune(sweep_dir, todo, scenario, timeout, address, max_concurrent, shutdown,
-                                        early_stop, more=more))
+            try:
+                statuses.update(run_on_tune(sweep_dir, todo, scenario, timeout, address, max_concurrent, shutdown,
+                                            early_stop, more=more))
+            except DPFLError as err:  # e.g. an optuna batch the cluster cannot hold: said after the files
+                plan["error"] = err
         axes, runs = plan["axes"], plan["runs"]
         rows, written = sw.write_outputs(sweep_dir, axes, runs, statuses, drawn=drawn is not None)
     _table(rows, list(axes))

@@ -213,6 +213,12 @@ class SweepLock:
             raise DPFLError(f"{self.dir} already holds files that are not a {self.what}; choose another --out"
                             f"{self.foreign or ''}", field="--out")
 
+    def check_free(self) -> None:
+        """What ``acquire`` refuses, the lock included, taking nothing (a dry run)."""
+        self.check()
+        if _held(self.path, self.command):
+            raise DPFLError(self._busy(self.path), field="--out")
+
     def acquire(self) -> "SweepLock":
         self.check()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -303,10 +309,11 @@ def _pid_alive(owner: dict | None, command: str = "sweep") -> bool:
 
 
 def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None, base_sets: Sequence[str],
-            search=None) -> None:
+            search=None, write: bool = True) -> None:
     """Create or reopen a sweep directory. Reopening needs the same scenario file and ``--set``s
     (the grid and seeds may grow; a search's ``--num-samples`` too, over the same space and
-    ``--search-seed``); ``sweep.json`` records them, and a search's ``points``."""
+    ``--search-seed``); ``sweep.json`` records them, and a search's ``points``. ``write=False``:
+    only what reopening would refuse (a dry run)."""
     text = scenario.read_bytes()
     manifest = {"scenario": str(scenario), "scenario_sha256": hashlib.sha256(text).hexdigest(),
                 "sets": list(base_sets), "grid": grid, "seeds": seeds}
@@ -332,8 +339,17 @@ def prepare(sweep_dir: Path, scenario: Path, grid: dict, seeds: list[int] | None
                             f"this is {ours}: choose another --out", field="--out")
         if search is None:
             _check_grows(sweep_dir, old, grid, seeds)
+        else:
+            held = old["search"].get("points")
+            if isinstance(held, list) and len(held) > search.samples:
+                raise DPFLError(f"{sweep_dir} holds a search of {len(held)} points: --num-samples {search.samples} "
+                                f"would leave {len(held) - search.samples} of them out of sweep.csv and of the choice "
+                                f"among its runs; a rerun may ask for more points, not fewer (give --num-samples "
+                                f"{len(held)} or more, or choose another --out)", field="--num-samples")
     elif _foreign_files(sweep_dir):
         raise DPFLError(f"{sweep_dir} already holds files that are not a sweep; choose another --out", field="--out")
+    if not write:
+        return
     sweep_dir.mkdir(parents=True, exist_ok=True)
     # the manifest whole or not at all
     tmp = sweep_dir / f"{MANIFEST}.{os.getpid()}.tmp"

@@ -328,6 +328,14 @@ class OptunaSearch:
                 and json.dumps(old.get("space"), sort_keys=True) == json.dumps(self.space, sort_keys=True))
 
     def adopt(self, old: dict | None) -> None:
-        """Take the points an earlier run of the same search asked (its ``sweep.json``'s)."""
+        """Take the points an earlier run of the same search asked (its ``sweep.json``'s); points that
+        are not lists of one text value per axis are one line naming the file."""
         if self.same_space(old):
-            self.asked = [tuple(p) for p in old.get("points", [])]
+            points = old.get("points", [])
+            if not (isinstance(points, list) and all(
+                    isinstance(p, list) and len(p) == len(self.space) and all(isinstance(v, str) for v in p)
+                    for p in points)):
+                raise DPFLError(f"sweep.json's search points are not lists of {len(self.space)} value"
+                                f"{'s' if len(self.space) > 1 else ''} (one text per axis); choose another --out",
+                                field="--out")
+            self.asked = [tuple(p) for p in points]

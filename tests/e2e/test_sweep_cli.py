@@ -130,6 +130,18 @@ def test_an_optuna_search_asks_each_batch_from_the_runs_before_it_and_resumes(ra
     assert again.returncode == 0 and "3 runs (optuna: 3 of 3 points asked), 3 finished before" in again.stdout, \
         again.stdout + again.stderr
     assert "points asked\n" not in again.stdout.split("finished before", 1)[1]
+    fewer = dpfl(*("2" if args[i - 1] == "--num-samples" else a for i, a in enumerate(args)))  # a run left out
+    assert fewer.returncode == 2 and f"--num-samples: {out} holds a search of 3 points: --num-samples 2 would leave 1" \
+        in " ".join(fewer.stderr.split()), fewer.stdout + fewer.stderr
+    assert len(json.loads((out / "sweep.json").read_text())["search"]["points"]) == 3
+
+    # a batch the cluster cannot hold is said after the sweep's files are written, not instead of them
+    wide = dpfl("sweep", scenario, "--search", "optuna", "--grid", "resources.workers=5", "--grid",
+                "training.lr=loguniform(0.01,0.5)", "--num-samples", "1", "--out", tmp_path / "wide", "--address",
+                ray_address)
+    assert wide.returncode == 2 and "do not fit" in wide.stderr and "Traceback" not in wide.stderr, wide.stderr
+    with open(tmp_path / "wide" / "sweep.csv") as fh:
+        assert [r["status"] for r in csv.DictReader(fh)] == ["not run"]
 
 
 def test_asha_stops_the_trailing_run_which_ends_with_its_files_and_is_not_run_again(ray_address, tmp_path):

@@ -106,6 +106,10 @@ def test_a_searched_sweep_directory_records_its_points_and_is_read_back(tmp_path
 
     more = RandomSearch(search.space, 6, 1)  # more samples over the same space: the same directory goes on
     sw.prepare(out, scenario, more.axes(more.points()), seeds, [], more)
+    # fewer would drop finished runs from sweep.csv and from the choice selection.json books
+    with pytest.raises(DPFLError, match=r"^--num-samples: .* holds a search of 6 points: --num-samples 4 would leave 2"):
+        sw.prepare(out, scenario, axes, seeds, [], search)
+    assert len(sw.read_manifest(out)["search"]["points"]) == 6
     with pytest.raises(DPFLError, match="another space or --search-seed"):
         sw.prepare(out, scenario, axes, seeds, [], RandomSearch(search.space, 4, 2))
     with pytest.raises(DPFLError, match="holds a random search.*this is a grid"):
@@ -181,6 +185,10 @@ def test_optuna_asks_the_same_points_from_the_same_results_and_resumes_from_any_
         assert resumed.asked == full[:cut]
         assert _run_search(resumed) == full
     assert _run_search(OptunaSearch(space, 9, seed=3, batch=2)) != full
+    for points in (5, [5], [None], [["0.1"]], [["0.1", "mlp", "x"]], [[0.1, "mlp"]]):  # sweep.json edited
+        with pytest.raises(DPFLError, match=r"^--out: sweep.json's search points are not lists of 2 values"):
+            OptunaSearch(space, 9, seed=2, batch=2).adopt({**OptunaSearch(space, 9, seed=2, batch=2).manifest([]),
+                                                           "points": points})
     assert OptunaSearch(space, 4, seed=2, batch=2).ask([]) == full[:2]  # the first batch needs no results
 
 

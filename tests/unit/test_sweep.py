@@ -273,6 +273,27 @@ def test_a_sweep_directory_has_one_owner(tmp_path):
     assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
 
 
+def test_a_dry_run_refuses_what_the_sweep_would(scenario, tmp_path):
+    """`--dry-run --out DIR` said ok where the sweep itself refuses: DIR held by a live sweep, or
+    holding a sweep of other --set overrides."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = tmp_path / "sweep"
+    grid = ["--grid", "faults.dropout.rate=0,0.5"]
+    sw.prepare(out, scenario, {"faults.dropout.rate": ["0", "0.5"]}, None, [])
+    runner = CliRunner()
+    ok = runner.invoke(app, ["sweep", str(scenario), *grid, "--out", str(out), "--dry-run"])
+    assert ok.exit_code == 0 and "ok: 2 combinations" in ok.stdout, ok.output
+    other = runner.invoke(app, ["sweep", str(scenario), *grid, "--set", "training.lr=0.2", "--out", str(out),
+                                "--dry-run"])
+    assert other.exit_code == 2 and f"{out} holds a sweep of another --set overrides" in other.stderr, other.output
+    with sw.SweepLock(out):
+        busy = runner.invoke(app, ["sweep", str(scenario), *grid, "--out", str(out), "--dry-run"])
+    assert busy.exit_code == 2 and "is in use by a sweep" in busy.stderr, busy.output
+
+
 def test_a_run_still_stopping_is_not_set_aside_until_its_process_lets_go(scenario, tmp_path):
     """A trial holds its run's lock for its life (a killed sweep's trials may still be stopping)."""
     import os
