@@ -55,6 +55,7 @@ def report(
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs.load import load_runs
     from dpfl_ray.runs.report import cells, write_report
+    from dpfl_ray.runs.sweep import selection_line
 
     runs, notes = load_runs(run_dirs)  # every input is checked before anything is written
     if any(run.path.resolve() == out.resolve() for run in runs):  # its own accuracy.png would be replaced
@@ -78,5 +79,9 @@ def report(
             console.print(card)
     for note in notes:
         console.print(f"skipped {note}", highlight=False, soft_wrap=True)
+    for path in run_dirs:  # a sweep's runs: no row's own epsilon covers choosing among them
+        line = selection_line(path) if path.is_dir() else None
+        if line is not None:
+            console.print(f"{path}: {line}", highlight=False, soft_wrap=True, markup=False)
     for path in written:
         console.print(f"wrote {path}", highlight=False, soft_wrap=True)

@@ -255,26 +255,11 @@ def _best_line(search, sweep_dir: Path, runs: list) -> None:
 
 def _selection_line(sweep_dir: Path) -> None:
     """What choosing among the runs costs (runs/sweep.selection_privacy), in one line."""
-    import json
+    from dpfl_ray.runs.sweep import selection_line
 
-    from dpfl_ray.runs.sweep import SELECTION
-
-    path = sweep_dir / SELECTION
-    if not path.is_file():
-        return
-    sel = json.loads(path.read_text())
-    runs = f"{sel['runs']} private runs" + (f" ({sel['unfinished']} of them unfinished)" if sel.get("unfinished") else "")
-    if sel.get("epsilon_all_runs") is None:
-        line = f"choosing among these {runs} is not accounted here: {sel.get('why')}"
-    elif sel.get("adaptive"):
-        line = (f"optuna chose each point from the runs before it: any of these {runs}, and "
-                f"choosing among them, is covered by epsilon {sel['epsilon_all_runs']:.4g} at delta "
-                f"{sel['delta']:g}, their ledgers composed, not by its row's epsilon ({SELECTION})")
-    else:
-        line = (f"each row's epsilon covers its run alone; choosing among these {runs} "
-                f"(say, the most accurate) is covered by epsilon {sel['epsilon_all_runs']:.4g} at delta "
-                f"{sel['delta']:g}, their ledgers composed ({SELECTION})")
-    console.print(line, highlight=False, soft_wrap=True, markup=False)
+    line = selection_line(sweep_dir)
+    if line is not None:
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def run_on_tune(sweep_dir: Path, todo: list, scenario: Path | None, timeout: float, address: str | None,

@@ -199,20 +199,28 @@ def load_run(path: str | Path) -> Run:
 
 def sweep_members(path: str | Path) -> tuple[list[Path], list[str]] | None:
     """The run directories of a sweep directory written by ``dpfl sweep``, in ``sweep.csv`` order
-    (or its manifest's, before any csv exists), and the names of its runs that left no
-    ``summary.json`` (timed out, failed, not run yet); None if ``path`` is not a sweep directory."""
+    then its manifest's (a live or killed sweep has runs the csv does not list yet, or no csv), and
+    the names of its runs that left no ``summary.json`` (running, timed out, failed, not run yet);
+    None if ``path`` is not a sweep directory."""
     path = Path(path)
-    table = path / "sweep.csv"
+    table, names = path / "sweep.csv", None
     if table.is_file():
         try:
             with open(table, newline="", encoding="utf-8") as fh:
                 names = [r["run"] for r in csv.DictReader(fh)]
         except (UnicodeDecodeError, KeyError, TypeError, csv.Error):
-            raise DPFLError("sweep.csv has no 'run' column: not a sweep directory", field=str(path)) from None
-    else:
-        if not (path / MANIFEST).is_file():
-            return None
-        names = [d.name for d in sweep_run_dirs(path)]
+            if not (path / MANIFEST).is_file():
+                raise DPFLError("sweep.csv has no 'run' column: not a sweep directory", field=str(path)) from None
+    if (path / MANIFEST).is_file():
+        try:
+            planned = [r.name for r in _manifest_runs(path)]
+        except DPFLError:
+            if names is None:
+                raise
+            planned = []  # the csv lists the runs
+        names = (names or []) + [n for n in planned if n not in set(names or [])]
+    if names is None:
+        return None
     # a name is a directory inside the sweep, never a path out of it
     names = [n for n in names if n and Path(n).name == n and n not in (".", "..")]
     done = [n for n in names if (path / n / "summary.json").is_file()]
@@ -238,13 +246,18 @@ def load_runs(paths) -> tuple[list[Run], list[str]]:
 
 
 def sweep_run_dirs(path: Path) -> list[Path] | None:
-    """The run directories of a sweep directory (for ``dpfl report``), or None if ``path`` is not one."""
-    manifest = Path(path) / MANIFEST
-    if not manifest.is_file():
+    """The run directories of a sweep directory that hold a summary (for ``dpfl report``), or None
+    if ``path`` is not one."""
+    if not (Path(path) / MANIFEST).is_file():
         return None
+    return [Path(path) / r.name for r in _manifest_runs(path) if (Path(path) / r.name / "summary.json").is_file()]
+
+
+def _manifest_runs(path: Path) -> list[SweepRun]:
+    """Every run a sweep directory's manifest plans, or one line saying it is not a manifest."""
+    manifest = Path(path) / MANIFEST
     try:
         m = json.loads(manifest.read_text())
-        runs = expand(m["grid"], m["seeds"], m["sets"], (m.get("search") or {}).get("points"))
-    except (ValueError, KeyError, TypeError, AttributeError):
+        return expand(m["grid"], m["seeds"], m["sets"], (m.get("search") or {}).get("points"))
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
         raise DPFLError(f"{manifest} is not a sweep manifest", field=str(path)) from None
-    return [Path(path) / r.name for r in runs if (Path(path) / r.name / "summary.json").is_file()]

@@ -617,6 +617,28 @@ def selection_privacy(sweep_dir: Path, rows: list[dict]) -> dict | None:
     return {**out, "accountant": accountant, "delta": delta, "epsilon_all_runs": composed.epsilon()}
 
 
+def selection_line(sweep_dir: Path) -> str | None:
+    """``selection.json`` in one sentence (``dpfl sweep`` prints it beside its table, ``dpfl report``
+    under the sweep's runs), or None where the sweep has none."""
+    try:
+        sel = json.loads((Path(sweep_dir) / SELECTION).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(sel, dict):
+        return None
+    runs = f"{sel.get('runs')} private runs" + (f" ({sel['unfinished']} of them unfinished)"
+                                                if sel.get("unfinished") else "")
+    eps, delta = sel.get("epsilon_all_runs"), sel.get("delta")
+    if not isinstance(eps, (int, float)) or not isinstance(delta, (int, float)):
+        return f"choosing among these {runs} is not accounted here: {sel.get('why')}"
+    if sel.get("adaptive"):
+        return (f"optuna chose each point from the runs before it: any of these {runs}, and choosing among "
+                f"them, is covered by epsilon {eps:.4g} at delta {delta:g}, their ledgers composed, not by its "
+                f"row's epsilon ({SELECTION})")
+    return (f"each row's epsilon covers its run alone; choosing among these {runs} (say, the most accurate) is "
+            f"covered by epsilon {eps:.4g} at delta {delta:g}, their ledgers composed ({SELECTION})")
+
+
 # --- plots --------------------------------------------------------------------------------------
 
 def _stats(values: list[float]) -> tuple[float, float]:

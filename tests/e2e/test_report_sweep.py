@@ -88,3 +88,36 @@ def test_a_sweep_with_no_finished_run_is_one_error_line(tmp_path):
     lines = res.stderr.strip().splitlines() if res.stderr else res.output.strip().splitlines()
     assert len(lines) == 1 and "no finished run" in lines[0] and str(sweep) in lines[0], res.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("table", [None, "run,seed\n", "\x00\x01 not a csv"])
+def test_a_live_or_killed_sweep_names_every_run_it_has_not_reported(tmp_path, table):
+    """Before its sweep.csv (a live or a killed first sweep), with one cut to its header or not a
+    csv at all: the manifest plans the runs, and each one without a summary is named as skipped."""
+    out, scenario = tmp_path / "sweep", tmp_path / "tiny.yaml"
+    scenario.write_text("name: baek_ci\n")
+    sw.prepare(out, scenario, GRID, [0], [])
+    runs = sw.expand(GRID, [0])
+    _write_run(out / runs[0].name, 0.8, 2.0, 2.0, "none", 10)
+    (out / runs[1].name).mkdir()  # a run still running
+    if table is not None:
+        (out / "sweep.csv").write_text(table)
+    res = report(out, "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    with open(tmp_path / "out" / "report.csv") as fh:
+        assert [r["run"] for r in csv.DictReader(fh)] == [f"sweep/{runs[0].name}"]
+    skipped = [ln for ln in res.stdout.splitlines() if ln.startswith("skipped ")]
+    assert [next(r.name for r in runs if r.name in ln) for ln in skipped] == [r.name for r in runs[1:]], res.stdout
+
+
+def test_a_sweep_s_choice_among_its_runs_is_said_under_its_runs(tmp_path):
+    """No row's own epsilon covers choosing among a sweep's runs (nor, after optuna, any of them):
+    the report says what does, from selection.json, as the sweep did."""
+    sweep, _ = _sweep(tmp_path, finished=4)
+    (sweep / sw.SELECTION).write_text(json.dumps({"runs": 4, "unfinished": 1, "epsilon_all_runs": 3.25,
+                                                  "delta": 1e-5, "adaptive": True}))
+    res = report(sweep, "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert (f"{sweep}: optuna chose each point from the runs before it: any of these 4 private runs (1 of them "
+            "unfinished), and choosing among them, is covered by epsilon 3.25 at delta 1e-05, their ledgers "
+            "composed, not by its row's epsilon (selection.json)") in " ".join(res.stdout.split())
