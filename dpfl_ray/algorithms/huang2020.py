@@ -5,9 +5,10 @@ each sampled client runs DPAGD (Alg. 1) with eps_k / T from theta (eq. 11, Alg. 
 server averages what it receives (Alg. 3). A client that can no longer afford one gradient and one
 selection quits: it is recorded as an ``exhausted@training`` dropout and the round goes on.
 
-Privacy is per record of each client: the client's own ledger books the Gaussian gradients and the
-arg-max selections that reached the server (dp_accounting); the paper's claim, the budget spent in
-its linear units, stands beside it. The building blocks and the reading of the paper are in
+Privacy is per record of each client: the client's own ledger books, for every round it trained
+in, the bound on any path of Gaussian gradients and arg-max selections the round could have taken
+(dp_accounting; the path depends on the noisy picks); the paper's claim, the budget spent in its
+linear units, stands beside it. The building blocks and the reading of the paper are in
 :mod:`.huang2020_core` and docs/record_level_dp.md.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from ..privacy.randomness import DPRandomness
 from .base import Aggregate, Algorithm, ClientReport, ClientSpec, LocalProcedure, RoundOutcome
 from .fedavg import FedAvg
-from .huang2020_core import DPAGDConfig, HuangClientBudget, budgets_by_size, dpagd_update
+from .huang2020_core import DPAGDConfig, HuangClientBudget, budgets_by_size, dpagd_update, round_dp_events
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,9 @@ class DPAGDProcedure(LocalProcedure):
         budget = dict(self.round_budgets)[client_id]
         res = dpagd_update(model, theta, x, y, self.config, budget, seed=seed, round_idx=round_idx,
                            client_id=client_id, randomness=self.randomness)
-        return res.update, ClientReport(events=tuple(res.dp_events()), spent=res.spent,
+        # the bound on every path the round could take, not the path the picks took (round_dp_events)
+        booked = round_dp_events(self.config, budget) if res.gradient_noise_multipliers else []
+        return res.update, ClientReport(events=tuple(booked), spent=res.spent,
                                         values={"steps": float(res.steps_taken),
                                                 "split_updates": float(res.split_updates)})
 

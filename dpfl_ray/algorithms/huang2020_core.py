@@ -39,6 +39,11 @@ ledger: ``GaussianDpEvent(z / 2)`` per gradient (noise z S over sensitivity 2S) 
 scores of sensitivity loss_clip is 2 eps'-DP, Dwork & Roth 2014, Claim 3.9; eps-DP implies
 eps^2/2-zCDP, Bun & Steinke 2016, Prop. 3.3). The paper's own claim (budget units spent) is kept
 beside it, unchanged.
+
+What a round books is a bound on every path it could have taken, not the path it took
+(:func:`round_dp_events`): how many gradients and selections run, and at which split, follows
+from the noisy arg-max's picks, so a neighbouring data set can take a costlier path, and the sum
+of what ran is an odometer's reading, not a guarantee (Rogers, Roth, Ullman & Vadhan 2016).
 """
 from __future__ import annotations
 
@@ -59,7 +64,7 @@ if TYPE_CHECKING:  # torch is loaded where a client trains (dpagd_update), not w
     from torch import nn
 
 __all__ = ["DPAGDConfig", "DPAGDResult", "HuangClientBudget", "budgets_by_size", "gaussian_noise_multiplier",
-           "argmax_epsilon", "argmax_dp_event", "noisy_argmax", "dpagd_update"]
+           "argmax_epsilon", "argmax_dp_event", "noisy_argmax", "dpagd_update", "round_dp_events"]
 
 
 def _positive(v, name: str) -> float:
@@ -136,6 +141,28 @@ def noisy_argmax(scores: np.ndarray, sensitivity: float, epsilon: float, rng: np
 BUDGET_SLACK = 1e-12
 
 
+def round_dp_events(cfg: "DPAGDConfig", round_budget: float) -> list[tuple[dpe.DpEvent, int]]:
+    """What a client's ledger books for one round of DPAGD with ``round_budget`` (eps_k / T): a bound
+    on every path the round can take. The budget logic of :func:`dpagd_update` is a filter
+    (Feldman & Zrnic 2021, Rényi filters): whatever the picks, the mechanisms that run cost at most
+    ``round_budget`` in the paper's units, and every one is zCDP. Every path begins with one gradient
+    paid eps_g0 (booked as it runs); each later mechanism's booked rho' is at most r times its cost,
+    r the largest such ratio: a selection's is 4 for any eps_n (2 eps' with eps' = sqrt(2 eps_n):
+    rho' = (2 eps')^2 / 2), a gradient's is 4 under the zcdp reading (rho' = 1/(2 (z/2)^2) with
+    z = 1/sqrt(2 eps_g), Bun & Steinke 2016, Prop. 1.6) and shrinks with eps_g under eq. 3, so it
+    is largest at eps_g0. The round is then (rho'(first gradient) + r (B - eps_g0))-zCDP: 4 B under
+    the zcdp reading, the budget the docs' table reads. A round that cannot afford one gradient and
+    one selection runs nothing and books nothing."""
+    if not fits(0.0, cfg.epsilon_gradient + cfg.epsilon_selection, round_budget):
+        return []
+    z = gaussian_noise_multiplier(cfg.epsilon_gradient, cfg.calibration, cfg.delta)
+    first = dp_accounting.GaussianDpEvent(z / REPLACE_ONE_GRADIENT_FACTOR)
+    gradient_ratio = 1.0 / (2.0 * first.noise_multiplier ** 2) / cfg.epsilon_gradient
+    selection_ratio = argmax_dp_event(REPLACE_ONE_ARGMAX_FACTOR * argmax_epsilon(1.0)).rho  # rho' / eps_n
+    rest = max(gradient_ratio, selection_ratio) * (round_budget - cfg.epsilon_gradient)
+    return [(first, 1), (dp_accounting.ZCDpEvent(rho=rest), 1)]
+
+
 def fits(spent: float, cost: float, budget: float) -> bool:
     """``spent + cost <= budget`` up to float rounding (:data:`BUDGET_SLACK` of the budget)."""
     return spent + cost <= budget * (1 + BUDGET_SLACK)
@@ -198,8 +225,9 @@ class DPAGDResult:
     split_updates: int = field(default=0)
 
     def dp_events(self) -> list[tuple[dpe.DpEvent, int]]:
-        """(event, count) pairs to book on the client's ledger under replace-one record (identical
-        mechanisms grouped): each gradient's Gaussian at z / 2, each selection at 2 eps'."""
+        """(event, count) pairs of the mechanisms that ran, under replace-one record (identical
+        mechanisms grouped): each gradient's Gaussian at z / 2, each selection at 2 eps'. What ran is
+        one path of the round's; the ledger books the bound on every path (:func:`round_dp_events`)."""
         g = Counter(self.gradient_noise_multipliers)
         a = Counter(self.argmax_epsilons)
         return ([(dp_accounting.GaussianDpEvent(z / REPLACE_ONE_GRADIENT_FACTOR), n) for z, n in g.items()]

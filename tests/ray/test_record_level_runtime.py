@@ -11,6 +11,7 @@ import torch
 from dp_accounting.rdp import RdpAccountant
 
 from dpfl_ray.algorithms import make_algorithm
+from dpfl_ray.algorithms.huang2020_core import round_dp_events
 from dpfl_ray.data import build_federation
 from dpfl_ray.runs.record import RunRecord
 from dpfl_ray.runtime.checkpoint import read_checkpoint
@@ -162,6 +163,13 @@ def test_huang_spends_within_each_budget(ray_session, tmp_path):
     spent = {int(c): v for c, v in ledger["budget_spent"].items()}
     assert spent and all(v <= alg.budget_of[c] + 1e-12 for c, v in spent.items())
     assert summary["epsilon_claimed"] == pytest.approx(max(spent.values()))
+    # each round a client trained in books the bound on any path DPAGD could take with eps_k / T, not
+    # the path its picks took (huang2020_core.round_dp_events): dp_accounting over those events
+    for c, entry in ledger["clients"]["clients"].items():
+        acc = RdpAccountant()
+        for event, count in round_dp_events(alg.config, alg.budget_of[int(c)] / 3):
+            acc.compose(event, count * len(entry["rounds"]))
+        assert ledger["per_client_epsilon"][c] == pytest.approx(acc.get_epsilon(1e-3), rel=1e-6)
     assert len(rows) == 3 and all(r["sampled"] == 20 for r in rows)
     # Fig. 7: each surviving user's own model in the last round, grouped by its budget category
     assert all("client_accuracy" not in r for r in rows[:-1])

@@ -17,6 +17,7 @@ from dpfl_ray.algorithms.huang2020_core import (
     dpagd_update,
     gaussian_noise_multiplier,
     noisy_argmax,
+    round_dp_events,
 )
 from dpfl_ray.errors import DPFLError
 from dpfl_ray.training.local_dp import clip_and_sum, per_example_grad_fn, per_example_grads
@@ -36,6 +37,54 @@ def cfg(**kw):
     base = dict(clip_norm=1.0, step_sizes=(0.5, 1.0, 2.0), loss_clip=3.0, epsilon_gradient=0.05,
                 epsilon_selection=0.05, gamma=0.1)
     return DPAGDConfig(**{**base, **kw})
+
+
+def _costliest_path(c, budget) -> float:
+    """The largest rho' (replace-one) of any path Alg. 1's budget rule allows in a round, whatever the
+    arg-max picks: each selection may step (a new gradient follows) or not (the split moves budget
+    from the gradients to the selections), found by trying both at every selection."""
+    def gradient_rho(eps_g):
+        return 1 / (2 * (gaussian_noise_multiplier(eps_g, c.calibration, c.delta) / 2) ** 2)
+
+    def from_gradient(spent, k):
+        eps_g, eps_n = c.epsilon_gradient * (1 - c.gamma) ** k, c.epsilon_selection * (1 + c.gamma) ** k
+        if spent + eps_g + eps_n > budget * (1 + 1e-12):
+            return 0.0
+        return gradient_rho(eps_g) + from_selection(spent + eps_g, k)
+
+    def from_selection(spent, k):
+        eps_n = c.epsilon_selection * (1 + c.gamma) ** k
+        if spent + eps_n > budget * (1 + 1e-12):
+            return 0.0
+        return 4 * eps_n + max(from_gradient(spent + eps_n, k), from_selection(spent + eps_n, k + 1))
+
+    return from_gradient(0.0, 0)
+
+
+@pytest.mark.parametrize("calibration, delta", [("zcdp", None), ("eq3", 1e-3)])
+def test_a_round_books_its_costliest_path_not_the_one_its_picks_took(calibration, delta):
+    """Which mechanisms a round runs follows from the noisy arg-max's picks (a 'no step' moves budget
+    from the gradients to the selections), so a neighbour can take a costlier path than the one
+    taken: the sum of what ran is an odometer, not a guarantee. The ledger books a bound on every
+    path: 4 B under the zcdp reading; under eq. 3, where a gradient costs far less than its budget
+    share, the selections' 4 eps_n: at the paper's eps_k = 8 over 20 rounds within 0.2% of the costliest
+    path (a budget can hold a rest too small for one more mechanism: coarse costs leave more)."""
+    def rho(events):
+        return sum(n * (ev.rho if hasattr(ev, "rho") else 1 / (2 * ev.noise_multiplier ** 2)) for ev, n in events)
+
+    paper = cfg(calibration=calibration, delta=delta, epsilon_gradient=0.04, epsilon_selection=0.01)
+    for c in (paper, cfg(calibration=calibration, delta=delta)):
+        for budget in (0.05, 0.1, 0.1375, 0.2):
+            booked, worst = rho(round_dp_events(c, budget)), _costliest_path(c, budget)
+            assert worst <= booked * (1 + 1e-12), (budget, worst, booked)
+            if calibration == "zcdp" and booked:  # (a budget below one gradient and selection runs nothing)
+                assert booked == pytest.approx(4 * budget, rel=1e-12)
+    assert rho(round_dp_events(paper, 8 / 20)) <= 1.002 * _costliest_path(paper, 8 / 20)
+    c = cfg(calibration=calibration, delta=delta)
+    model, x, y = problem()
+    ran = dpagd_update(model, get_flat(model), x, y, c, 0.2, seed=1, round_idx=0, client_id=0)
+    assert 0 < rho(ran.dp_events()) <= _costliest_path(c, 0.2) * (1 + 1e-12)
+    assert round_dp_events(c, c.epsilon_gradient + c.epsilon_selection / 2) == []  # it cannot run: nothing booked
 
 
 def test_dpagd_never_spends_beyond_the_clients_budget_over_rounds():
