@@ -159,7 +159,8 @@ def round_dp_events(cfg: "DPAGDConfig", round_budget: float) -> list[tuple[dpe.D
     first = dp_accounting.GaussianDpEvent(z / REPLACE_ONE_GRADIENT_FACTOR)
     gradient_ratio = 1.0 / (2.0 * first.noise_multiplier ** 2) / cfg.epsilon_gradient
     selection_ratio = argmax_dp_event(REPLACE_ONE_ARGMAX_FACTOR * argmax_epsilon(1.0)).rho  # rho' / eps_n
-    rest = max(gradient_ratio, selection_ratio) * (round_budget - cfg.epsilon_gradient)
+    most = round_budget * (1 + BUDGET_SLACK)  # what ``fits`` lets a path spend
+    rest = max(gradient_ratio, selection_ratio) * (most - cfg.epsilon_gradient)
     return [(first, 1), (dp_accounting.ZCDpEvent(rho=rest), 1)]
 
 

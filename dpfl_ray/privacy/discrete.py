@@ -28,7 +28,8 @@ from ..errors import DPFLError
 # The discrete Gaussian's exact sampler is exact up to it: above, its integer arithmetic (2 s2 t^2)
 # would pass int64. Skellam's draws come from numpy's Poisson sampler, which works in doubles:
 # at a mean near 2^45 its draws visibly leave Poisson's law, and from 2^53 they are all even (the
-# low bits of the sum would go out without noise). Below it both are exact.
+# low bits of the sum would go out without noise). At a mean of 2^29 its acceptance test's rounding
+# (about mean x ln(mean) x 2^-52) is below 3e-6.
 MAX_SHARE_VARIANCE = 2 ** 30
 # A Skellam share past MAX_SHARE_VARIANCE (a calibration's fresh share) is drawn in pieces of at
 # most that variance; beyond this many pieces the plan, not the sampler, must change.
@@ -201,11 +202,11 @@ def skellam(gen, variance: float, size: int) -> np.ndarray:
         raise DPFLError(f"the Skellam variance must be a positive number, got {variance!r}", field="variance")
     pieces = math.ceil(variance / MAX_SHARE_VARIANCE)
     if pieces > MAX_SKELLAM_PIECES:
-        raise DPFLError(f"a Skellam share of variance {variance:.4g} is past what is drawn exactly "
+        raise DPFLError(f"a Skellam share of variance {variance:.4g} is past what is drawn in pieces "
                         f"({MAX_SKELLAM_PIECES} x 2^30; a coarser scale keeps it there)", field="variance")
     if not isinstance(gen, np.random.Generator):
         gen = np.random.default_rng([int(w) for w in gen.integers(0, 2 ** 62, size=4)])
-    # Poisson(m x) is the sum of m independent Poisson(x): each piece stays where numpy's sampler is exact
+    # Poisson(m x) is the sum of m independent Poisson(x): each piece stays where numpy's doubles keep its law
     half, size = float(variance) / 2.0 / pieces, int(size)
     out = np.zeros(size, dtype=np.int64)
     for sign in (1, -1):
