@@ -91,6 +91,9 @@ class DataConfig(_Section):
     def _needs_path(self):
         if self.source == "idx" and not self.path:
             raise ValueError("data.path is required when data.source is 'idx'")
+        if self.path and self.source not in ("idx", "fashion_mnist", "mnist"):
+            raise ValueError(f"data.source '{self.source}' is embedded and reads no folder given in data.path: remove "
+                             "data.path, or use idx, fashion_mnist or mnist")
         return self
 
     @model_validator(mode="after")

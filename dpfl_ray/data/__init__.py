@@ -84,6 +84,10 @@ def build_federation(scenario) -> Federation:
                 for label in np.unique(dataset.y_train)]
         validation = np.sort(np.concatenate([h[:int(round(len(h) * scenario.data.validation_fraction))]
                                              for h in held])).astype(np.int64)
+        if len(validation) == 0:  # what reads it (Fu's noise decay) would silently never run
+            raise DPFLError(f"{scenario.data.validation_fraction:g} of {len(pool)} training examples in "
+                            f"{len(held)} classes holds none out (each class rounds its share); raise it or use "
+                            "more data", field="data.validation_fraction")
         pool = np.setdiff1d(pool, validation)
     parts = [pool[p] for p in make_partition(dataset.y_train[pool], scenario.data, scenario.seed)]
     sizes = np.array([len(p) for p in parts], dtype=np.int64)

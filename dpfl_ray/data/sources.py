@@ -105,7 +105,12 @@ def _synthetic(seed: int, n: int, features: int, classes: int) -> Dataset:
     means = rng.normal(0, 2.0, size=(classes, features))
     y = rng.integers(0, classes, size=n)
     x = (means[y] + rng.normal(0, 1.0, size=(n, features))).astype(np.float32)
-    return Dataset("synthetic", *_stratified_split(x, y.astype(np.int64)), classes)
+    ds = Dataset("synthetic", *_stratified_split(x, y.astype(np.int64)), classes)
+    if len(ds.y_test) == 0 or len(ds.y_train) == 0:
+        raise DPFLError(f"{n} examples in {classes} classes leave the {'test' if len(ds.y_test) == 0 else 'training'} "
+                        "split empty (each class keeps a fifth of its examples for the test split): raise "
+                        "data.synthetic_examples or lower data.synthetic_classes", field="data.synthetic_examples")
+    return ds
 
 
 _IDX_MAX_DIMS = 4
@@ -129,7 +134,12 @@ def read_idx(path: Path) -> np.ndarray:
     if ndim > _IDX_MAX_DIMS:
         raise DPFLError(f"{path}: its header declares {ndim} dimensions; an IDX file of images or labels has "
                         f"at most {_IDX_MAX_DIMS}", field="data.path")
+    if len(raw) < 4 + 4 * ndim:  # missing header bytes would read as dimensions of 0
+        raise DPFLError(f"{path}: its header is cut short ({len(raw)} bytes; {ndim} dimensions need "
+                        f"{4 + 4 * ndim})", field="data.path")
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if 0 in dims[1:]:
+        raise DPFLError(f"{path}: its header declares an empty dimension {dims}", field="data.path")
     dtype = np.dtype(dtypes[raw[2]])
     body = raw[4 + 4 * ndim:]
     expected = math.prod(dims) * dtype.itemsize  # Python's integers: a header's dims overflow int64
@@ -196,10 +206,13 @@ def _cache_dirs(data_folder: Path | None) -> list[Path]:
 
 def _cache_names(path: Path) -> tuple[str, str]:
     """(prefix shared by every cache of this file, this version's file name): keyed on the absolute
-    path, the size and the mtime, so an edited or replaced file is parsed again."""
+    path, the size, the mtime, the inode and the ctime, so an edited or replaced file is parsed again,
+    one rewritten in place with its old mtime put back (``cp -p``, ``tar x``, ``touch -r``) too: any
+    write or utime sets the ctime."""
     st = path.stat()
     where = hashlib.sha256(str(path.absolute()).encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    version = hashlib.sha256(f"{_CACHE_FORMAT}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = f"{_CACHE_FORMAT}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+    version = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     prefix = f"{path.name.removesuffix('.gz')}-{where}-"
     return prefix, f"{prefix}{version}.npy"
 

@@ -107,7 +107,7 @@ class RunSpec(_Strict):
 
 class QuickSpec(_Strict):
     set: list[Override] = []
-    runs: list[RunName] | None = None
+    runs: list[RunName] | None = Field(None, min_length=1)  # none: every run; an empty list would run nothing
 
 
 # --- checks ---------------------------------------------------------------------------------------

@@ -168,6 +168,19 @@ def test_a_changed_file_is_parsed_again(tmp_path):
     assert len(cache_files(tmp_path / "cache")) == 4  # the stale copy was replaced, not kept beside
 
 
+def test_a_file_rewritten_with_its_old_mtime_is_parsed_again(tmp_path):
+    """``cp -p`` or ``tar x`` put the old mtime back on a rewritten file of the same size: the cache
+    keyed on size and mtime alone served the old labels."""
+    folder = idx_folder(tmp_path / "data")
+    cfg = DataConfig(source="fashion_mnist", path=str(folder))
+    load_source(cfg, 0)
+    st = (folder / STEMS[0]).stat()
+    write_idx(folder / STEMS[0], np.full((20, 28, 28), 255, dtype=np.uint8))  # same size, new values
+    os.utime(folder / STEMS[0], ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (folder / STEMS[0]).stat().st_mtime_ns == st.st_mtime_ns
+    assert np.all(load_source(cfg, 0).x_train == 1.0)
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other_shape"])
 def test_a_corrupt_cache_is_rebuilt(tmp_path, damage):
     folder = idx_folder(tmp_path / "data")
@@ -291,6 +304,12 @@ def _damage(folder: Path, kind: str) -> str:
     if kind == "float_images_with_nan":
         write_raw_idx(images, np.full((20, 28, 28), np.nan, np.float32), 0x0D)
         return STEMS[0]
+    if kind == "a_header_cut_short":  # the header stops after the first of three dimensions
+        images.write_bytes(images.read_bytes()[:8])
+        return STEMS[0]
+    if kind == "zero_pixel_images":
+        images.write_bytes(struct.pack(">BBBBIII", 0, 0, 8, 3, 20, 0, 0))
+        return STEMS[0]
     if kind == "other_test_image_size":
         write_idx(test_images, np.zeros((10, 27, 27), np.uint8))
         return STEMS[2]
@@ -306,6 +325,8 @@ def _damage(folder: Path, kind: str) -> str:
     ("two_labels_per_image", "labels must be one integer per image, the file holds uint8 of shape (20, 2)"),
     ("float_images_with_nan", "images must be unsigned bytes"),
     ("other_test_image_size", "27x27 images, but the training images"),
+    ("a_header_cut_short", "its header is cut short (8 bytes; 3 dimensions need 16)"),
+    ("zero_pixel_images", "its header declares an empty dimension [20, 0, 0]"),
 ])
 def test_idx_files_the_loader_cannot_take_are_one_line_naming_the_file(tmp_path, kind, needle):
     """Each was an internal error or a run that failed in torch (or trained on NaN) without naming

@@ -69,6 +69,7 @@ def folder(tmp_path) -> Path:
      "claims.1.check: no run named 'cc'"),
     (lambda r: r["claims"].append(copy.deepcopy(r["claims"][0])), "claims.1.id: 'a_good' is given twice"),
     (lambda r: r["quick"].update(runs=["a", "x"]), "quick.runs.1: no run named 'x'"),
+    (lambda r: r["quick"].update(runs=[]), "quick.runs: List should have at least 1 item"),
     (lambda r: r["claims"][0]["check"].update(kind="atleast"), "claims.0.check: unknown check kind 'atleast'"),
     (lambda r: r["claims"][0]["check"].pop("value"), "claims.0.check.value: Field required"),
     (lambda r: r["runs"][0].update(name="Run-A"), "runs.0.name: 'Run-A' is not a valid name"),

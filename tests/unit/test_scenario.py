@@ -24,6 +24,7 @@ def test_quickstart_matches_the_issue():
     ({"sampling": {"clients_per_round": 500}}, "sampling.clients_per_round"),
     ({"privacy": {"enabled": True}}, "privacy.enabled"),
     ({"privacy": {"noise_multiplier": 1.0}}, "training.algorithm: dp_fedavg"),
+    ({"data": {"path": "/data/fmnist"}}, "data.source 'mnist5k' is embedded and reads no folder given in data.path"),
 ])
 def test_errors_name_the_field(raw, field):
     with pytest.raises(DPFLError) as err:
@@ -227,3 +228,20 @@ def test_client_accuracy_is_refused_where_each_client_s_model_is_not_covered():
     for name in ("huang2020_mnist_u10.yaml", "quickstart.yaml"):  # record-level, and no privacy at all
         raw = load_scenario(ROOT / "scenarios" / name).model_dump(mode="json")
         assert scenario_from_dict(raw, ["output.client_accuracy=true"]).output.client_accuracy
+
+
+@pytest.mark.parametrize("data, needle", [
+    # 10 examples in 50 classes: every class's test fifth rounds to 0 (the run divided by zero after 0 rounds)
+    ({"source": "synthetic", "synthetic_examples": 10, "synthetic_classes": 50, "num_clients": 2},
+     "data.synthetic_examples: 10 examples in 50 classes leave the test split empty"),
+    # a fraction that rounds to no example in any class: Fu's noise decay would never read a loss
+    ({"source": "synthetic", "synthetic_examples": 200, "num_clients": 4, "validation_fraction": 0.001},
+     "data.validation_fraction: 0.001 of 160 training examples in 2 classes holds none out"),
+])
+def test_data_that_would_leave_a_split_empty_is_one_line(data, needle):
+    from dpfl_ray.data import build_federation
+
+    sc = scenario_from_dict({"data": data, "sampling": {"mode": "fixed", "clients_per_round": 2}})
+    with pytest.raises(DPFLError) as err:
+        build_federation(sc)
+    assert str(err.value).startswith(needle), str(err.value)
