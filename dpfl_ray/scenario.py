@@ -527,6 +527,12 @@ class Scenario(_Section):
         if self.privacy.audit is not None and not cls.client_level():
             raise ValueError(f"privacy.audit: canary clients audit client-level mechanisms; "
                              f"{self.training.algorithm} has none to audit")
+        if cls.client_level() and self.faults.max_update_norm < self.privacy.clipping.norm:
+            # an honest update clipped to C with a norm in (max_update_norm, C] would be rejected: its
+            # data would decide who is summed, and its id would reach rounds.jsonl, unbooked
+            raise ValueError(f"faults.max_update_norm={self.faults.max_update_norm:g} is below "
+                             f"privacy.clipping.norm={self.privacy.clipping.norm:g}: the check would reject honest "
+                             "clipped updates by their data; give at least the clipping norm")
         if self.output.client_accuracy and cls.client_level():
             # each client's model before its noise is a function of its data alone: its accuracy
             # would leave the run outside the client-level guarantee the ledger books

@@ -82,6 +82,10 @@ def booked_multiplier(z_view: float, clip_norm: float = 1.0) -> float:
     return booked_noise_multiplier(2.0 * clip_norm * z_view, l2_sensitivity(clip_norm, NeighboringRelation.REPLACE_ONE))
 
 
+# How many noise std beyond the clip a client's fixed-point words must hold (Baek._fixed_point_unfit)
+ENCODING_TAIL = 10.0
+
+
 # -- the client's side ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BaekNoise(ClientNoise):
@@ -256,6 +260,7 @@ class Baek(Algorithm):
         # integer noise inside SecAgg (privacy.distributed_noise): the ring and the model's size
         self.integer = None if p.distributed_noise == "gaussian" else p.distributed_noise
         self.bits, self.max_wrap = int(scenario.secagg.bits), float(scenario.secagg.max_wrap_probability)
+        self.fixed_point_scale = float(scenario.secagg.resolved_scale)
         self.seed = int(scenario.seed)
         self.expected_count = frac * len(self.weights)
         # baek-extended with integer shares counts clients, as the shares do: n_0 = F * expected cohort
@@ -401,6 +406,8 @@ class Baek(Algorithm):
         self.plan = RoundPlan(round_idx, sampled, n, noise, tolerated=tolerated, target_variance=target)
         if not sampled:
             return Abort("no client sampled")
+        if refusal is None and ring is None:
+            refusal = self._fixed_point_unfit(sampled, noise)
         if refusal is not None:
             return Abort(refusal)
         if self.n0_count is not None and len(sampled) < self.n0_count:
@@ -409,6 +416,28 @@ class Baek(Algorithm):
         if self.mode == "baek-extended" and self.n0_count is None and n < self.n0:
             return Abort(f"sampled weight {n:.4g} is below n_0 = {self.n0:.4g} (baek-extended, Alg. 3 line 17)")
         return None
+
+    def _fixed_point_unfit(self, sampled: list[int], noise: "BaekNoise") -> str | None:
+        """Why the fixed-point words cannot carry this cohort's w_i Delta_i + e_i, or None. A word
+        past the encoder's limit aborts the round naming its client (secagg/encoding.py): whether it
+        happens would follow from one client's update, a bit of its data nobody books. So the round
+        is refused before anyone trains unless C w_max plus ENCODING_TAIL times the largest share's
+        std fits, which public quantities decide (past 10 std a Gaussian coordinate lies with
+        probability 1.5e-23)."""
+        from ..secagg.encoding import max_abs_value
+
+        w_max = float(self.weights[sampled].max())
+        if self.mode == "layered":
+            std = noise.T * math.sqrt(sum(noise.variances))
+        else:
+            std = noise.T * math.sqrt(w_max / (noise.n0 if self.mode == "baek-extended" else noise.n))
+        need = self.clip_norm * w_max + ENCODING_TAIL * std
+        limit = max_abs_value(self.bits, self.fixed_point_scale, len(sampled))
+        if need <= limit:
+            return None
+        return (f"secagg: {len(sampled)} clients' words of {self.bits} bits at scale {self.fixed_point_scale:g} hold "
+                f"{limit:.4g} a coordinate, an update clipped to {self.clip_norm:g} with its noise share up to "
+                f"{ENCODING_TAIL:g} std needs {need:.4g}; use secagg.bits 64 or a smaller secagg.scale")
 
     def _layers_unfit(self, cohort: int, quantum: int, quanta: tuple[int, ...]) -> str | None:
         """Why the discrete Gaussian's layers cannot carry this round, or None: the survivors' draws

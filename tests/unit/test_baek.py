@@ -710,3 +710,27 @@ def test_the_late_gap_script_pairs_runs_by_seed_and_averages_the_window(tmp_path
     # experiment 10's second look: a 97.5% interval
     low, high = stats.t.interval(0.975, 1, loc=0.02, scale=0.01)
     assert f"L = +0.0200 over 2 seeds (SE 0.0100, 97.5% {low:+.4f} to {high:+.4f})" in module.tables(99, 102, both, 0.975)
+
+
+def test_a_cohort_whose_fixed_point_words_cannot_hold_clip_and_noise_is_refused_before_anyone_trains():
+    """A word past the encoder's limit aborted the round naming its client: whether it did followed
+    from one client's update (a peaked update overflowed, a spread one did not), a bit of its data
+    nobody booked. Now the round is refused up front by public quantities alone: C, the cohort, the
+    noise's std, the ring. 100 clients at C = 10 in 32-bit words at scale 2^22 hold 5.12 a coordinate."""
+    from dpfl_ray.scenario import load_scenario
+    from dpfl_ray.privacy.randomness import DPRandomness
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scenarios" / "baek2021_ci_z1_drop30_calibrated.yaml"
+    for scale, refused in ((2.0 ** 22, True), (2.0 ** 16, False)):
+        sc = load_scenario(path, ["secagg.bits=32", f"secagg.scale={scale:g}", "privacy.clipping.norm=10"])
+        baek = Baek(sc, np.ones(sc.data.num_clients), sc.privacy.noise_multiplier,
+                    randomness=DPRandomness.create("reproducible", 0))
+        out = baek.begin_round(0, list(range(100)))
+        if refused:
+            assert isinstance(out, Abort) and out.reason == (
+                "secagg: 100 clients' words of 32 bits at scale 4.1943e+06 hold 5.12 a coordinate, an update "
+                "clipped to 10 with its noise share up to 10 std needs 30; use secagg.bits 64 or a smaller "
+                "secagg.scale"), out
+        else:  # 2^16: 327.7 a coordinate
+            assert out is None

@@ -25,6 +25,9 @@ def test_quickstart_matches_the_issue():
     ({"privacy": {"enabled": True}}, "privacy.enabled"),
     ({"privacy": {"noise_multiplier": 1.0}}, "training.algorithm: dp_fedavg"),
     ({"data": {"path": "/data/fmnist"}}, "data.source 'mnist5k' is embedded and reads no folder given in data.path"),
+    ({"training": {"algorithm": "dp_fedavg"}, "sampling": {"mode": "poisson", "rate": 0.1},
+      "privacy": {"noise_multiplier": 1.0, "clipping": {"norm": 1.0}}, "faults": {"max_update_norm": 0.5}},
+     "faults.max_update_norm=0.5 is below privacy.clipping.norm=1"),
 ])
 def test_errors_name_the_field(raw, field):
     with pytest.raises(DPFLError) as err:
