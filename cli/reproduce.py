@@ -46,21 +46,31 @@ def _list_papers() -> None:
 
 
 def _dry_run(folder: Path, spec, sets: list[str], data: Optional[Path], only: list[str], quick_only: bool,
-             out: Optional[Path]) -> None:
+             out: Optional[Path], adopt: bool = False) -> None:
     """Every run's scenario checked, full and quick (``--quick``: the quick ones alone, each --only
-    among them, as the run itself would ask), and an --out that exists a folder."""
+    among them, as the run itself would ask), --data a folder, and what the real command would refuse
+    in an --out that exists: a live reproduction there, files that are not one, another paper or mode,
+    a finished run of other overrides."""
     from dpfl_ray.errors import DPFLError
     from dpfl_ray.runs import reproduce as rp
     from dpfl_ray.runs import sweep as sw
 
     if out is not None and out.exists() and not out.is_dir():
         raise DPFLError(f"{out} is not a folder", field="--out")
+    if data is not None and not data.is_dir():
+        raise DPFLError(f"{data} is not a folder", field="--data")
+    if out is not None and out.is_dir():
+        lock = sw.SweepLock(out, manifest=rp.MANIFEST, command="reproduce", what="reproduction",
+                            foreign="" if adopt else ", or add --adopt if it holds this paper's run directories")
+        lock.check_free()
     for quick in (True,) if quick_only else (False, True):  # the full runs first: a name of no run is one line there
         chosen = [n for n in only if n in rp.plan_names(spec, quick)] if quick and not quick_only else only
         if only and not chosen:  # none of them is a quick run
             continue
         runs = rp.plan(folder, spec, quick, sets, str(data) if data else None, chosen)
         sw.validate(None, runs, build_data=False)  # the data may live elsewhere: its files are not read here
+        if out is not None and out.is_dir() and quick == quick_only:  # the mode the real command would run
+            rp.prepare(out, spec, quick, runs, write=False)
         for run in runs:
             _say(f"{'quick' if quick else 'full '} {run.name}: {run.scenario.name} {' '.join(run.overrides)}".rstrip())
     _say(f"ok: {spec.paper}: every {'quick ' if quick_only else ''}run's scenario is valid"
@@ -108,7 +118,7 @@ def reproduce(
     folder = rp.find_paper(paper)
     spec = pp.load_paper(folder)
     if dry_run:
-        return _dry_run(folder, spec, set_, data, only, quick, out)
+        return _dry_run(folder, spec, set_, data, only, quick, out, adopt)
     t0 = time.monotonic()
     runs = rp.plan(folder, spec, quick, set_, str(data) if data else None, only)
     sw.validate(None, runs)  # every run's scenario and partition, before anything runs

@@ -94,10 +94,11 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def prepare(out: Path, spec: PaperSpec, quick: bool, runs: Sequence[SweepRun]) -> None:
+def prepare(out: Path, spec: PaperSpec, quick: bool, runs: Sequence[SweepRun], write: bool = True) -> None:
     """Create or reopen a reproduction directory; ``reproduction.json`` records each run's scenario
     (file and hash) and overrides. Reopening needs the same paper and mode; a finished run made from
-    another scenario or other overrides is refused by name (it would never be run again)."""
+    another scenario or other overrides is refused by name (it would never be run again).
+    ``write=False``: only what reopening would refuse (a dry run)."""
     path = Path(out) / MANIFEST
     manifest = {"paper": spec.paper, "quick": quick, "runs": {}}
     if path.is_file():
@@ -119,6 +120,8 @@ def prepare(out: Path, spec: PaperSpec, quick: bool, runs: Sequence[SweepRun]) -
                             f"({' '.join(before.get('overrides', [])) or 'none'}); choose another --out, or delete "
                             f"{Path(out) / run.name} to run it again", field="--out")
         manifest["runs"][run.name] = entry
+    if not write:
+        return
     Path(out).mkdir(parents=True, exist_ok=True)
     tmp = Path(out) / f"{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")

@@ -414,6 +414,10 @@ def test_minor_findings_are_one_line(tiny, tmp_path, args, needle):
     (("sweep", "{tiny}", "--grid", "training.lr=0.1", "--out", "{tmp}", "--dry-run"),
      "already holds files that are not a sweep"),
     (("sweep", "{tiny}", "--grid", "training.lr=normal(0,1)", "--dry-run"), "normal is not a distribution"),
+    # reproduce's dry run refuses what the reproduction would: a folder of other files, data not a folder
+    (("reproduce", "wei2020", "--quick", "--dry-run", "--out", "{tmp}"),
+     "already holds files that are not a reproduction"),
+    (("reproduce", "wei2020", "--quick", "--dry-run", "--data", "{tmp}/nowhere"), "/nowhere is not a folder"),
     # an option the command would leave unused, and a table of a thousand compositions
     (("privacy", "epsilon", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--rounds", "10", "--delta",
       "1e-5", "--nbafl-epsilon", "3"), "nbafl_epsilon: is for --mechanism nbafl"),

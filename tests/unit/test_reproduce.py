@@ -447,3 +447,21 @@ def test_a_metric_names_a_key_that_is_not_a_plain_name_in_brackets():
     for bad in ("client_accuracy.by_group[", "a..b", "[eps_k=1]", "a[x]y"):
         with pytest.raises(ValueError):
             check(kind="at_least", run="a", metric=bad, value=1)
+
+
+def test_a_dry_run_refuses_the_directory_the_reproduction_would_refuse(tmp_path):
+    """`--dry-run --out DIR` said ok where the reproduction refuses DIR: another paper's or mode's
+    directory, a finished run there of other overrides."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = tmp_path / "wq"
+    folder = rp.find_paper("wei2020")
+    spec = pp.load_paper(folder)
+    rp.prepare(out, spec, True, rp.plan(folder, spec, True, [], None))  # a quick reproduction's directory
+    runner = CliRunner()
+    ok = runner.invoke(app, ["reproduce", "wei2020", "--quick", "--dry-run", "--out", str(out)])
+    assert ok.exit_code == 0, ok.output
+    full = runner.invoke(app, ["reproduce", "wei2020", "--dry-run", "--out", str(out)])
+    assert full.exit_code == 2 and f"{out} holds the quick reproduction of wei2020" in full.stderr, full.output
