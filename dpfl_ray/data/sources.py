@@ -333,6 +333,12 @@ def _read_idx_folder(folder: Path, name: str, num_classes: int | None = None, fi
     xtr, ytr, xte, yte = (read_idx_cached(f) for f in files)
     _check_idx_arrays(files, xtr, ytr, xte, yte, field)
     classes = int(max(ytr.max(), yte.max())) + 1
+    absent = np.setdiff1d(np.arange(classes), ytr)
+    if len(absent):  # a stray label (255 among 0-9) would give the model 256 outputs, silently
+        shown = ", ".join(map(str, absent[:5])) + (", ..." if len(absent) > 5 else "")
+        raise DPFLError(f"{files[1]}: the labels run to {classes - 1}, but {len(absent)} of the classes below never "
+                        f"label a training image ({shown}): the classes of an IDX folder are 0 to K-1, each "
+                        "with training images", field=field)
     if num_classes is not None and (xtr.shape[1:] != (28, 28) or xte.shape[1:] != (28, 28) or classes > num_classes):
         raise DPFLError(f"{folder} does not hold {name}: {xtr.shape[1]}x{xtr.shape[2]} images in {classes} classes "
                         f"(28x28 in {num_classes} expected)", field=field)
@@ -378,8 +384,11 @@ def _named_idx(source: str, path: str | None) -> Dataset:
     base = Path(env).expanduser() if env else None
     candidates = ([base / s for s in subdirs] if base else []) + [system]
     for folder in candidates:
-        if not _missing_idx(folder):
+        missing = _missing_idx(folder)
+        if not missing:
             return _read_idx_folder(folder, source, num_classes=10, field="data.source")
+        if folder != system and len(missing) < len(_IDX_STEMS):  # a folder of the set, part of it: not another one
+            raise DPFLError(f"{folder} lacks {_file_names(missing)} of {label}'s four IDX files", field="data.source")
     looked = ", ".join(map(str, candidates)) + ("" if env else "; DPFL_DATA is not set")
     put = f"put {', '.join(_IDX_STEMS)} (.gz or not) in $DPFL_DATA/{subdirs[0]} or in a folder named by data.path"
     raise DPFLError(f"{label} not found (looked in {looked}): " + (f"{install}, or {put}" if install else put),

@@ -93,6 +93,18 @@ def test_mnist_found_through_dpfl_data_and_system_folder(tmp_path, monkeypatch):
     assert load_source(DataConfig(source="mnist"), 0).y_train[0] == 5  # $DPFL_DATA/mnist before the system's
 
 
+def test_a_dpfl_data_folder_of_the_set_missing_a_file_is_not_passed_over(tmp_path, monkeypatch):
+    """$DPFL_DATA/fashion-mnist without one of its files fell back to the system's copy in silence:
+    the user's folder is named after the set, so what it lacks is said."""
+    idx_folder(tmp_path / "system" / "fashion-mnist", seed=2)
+    folder = idx_folder(tmp_path / "data" / "fashion-mnist", seed=1)
+    (folder / STEMS[3]).unlink()
+    monkeypatch.setenv("DPFL_DATA", str(tmp_path / "data"))
+    with pytest.raises(DPFLError) as err:
+        load_source(DataConfig(source="fashion_mnist"), 0)
+    assert err.value.field == "data.source" and str(err.value).startswith(f"data.source: {folder} lacks {STEMS[3]}[.gz]")
+
+
 def test_data_path_comes_first_and_is_never_replaced(tmp_path, monkeypatch):
     idx_folder(tmp_path / "data" / "fashion-mnist", seed=1)
     idx_folder(tmp_path / "system" / "fashion-mnist", seed=2)
@@ -304,6 +316,9 @@ def _damage(folder: Path, kind: str) -> str:
     if kind == "float_images_with_nan":
         write_raw_idx(images, np.full((20, 28, 28), np.nan, np.float32), 0x0D)
         return STEMS[0]
+    if kind == "a_stray_label":  # 255 among 0-9: a 256-class model
+        write_idx(labels, np.array([255] + [i % 10 for i in range(19)], np.uint8))
+        return STEMS[1]
     if kind == "a_header_cut_short":  # the header stops after the first of three dimensions
         images.write_bytes(images.read_bytes()[:8])
         return STEMS[0]
@@ -326,6 +341,7 @@ def _damage(folder: Path, kind: str) -> str:
     ("float_images_with_nan", "images must be unsigned bytes"),
     ("other_test_image_size", "27x27 images, but the training images"),
     ("a_header_cut_short", "its header is cut short (8 bytes; 3 dimensions need 16)"),
+    ("a_stray_label", "the labels run to 255, but 245 of the classes below never label a training image (10, 11,"),
     ("zero_pixel_images", "its header declares an empty dimension [20, 0, 0]"),
 ])
 def test_idx_files_the_loader_cannot_take_are_one_line_naming_the_file(tmp_path, kind, needle):
