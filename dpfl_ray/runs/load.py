@@ -218,7 +218,8 @@ def sweep_members(path: str | Path) -> tuple[list[Path], list[str]] | None:
             if names is None:
                 raise
             planned = []  # the csv lists the runs
-        names = (names or []) + [n for n in planned if n not in set(names or [])]
+        listed = set(names or [])
+        names = (names or []) + [n for n in planned if n not in listed]
     if names is None:
         return None
     # a name is a directory inside the sweep, never a path out of it
