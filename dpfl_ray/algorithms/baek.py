@@ -140,9 +140,14 @@ class BaekNoise(ClientNoise):
             for k in range(1, len(stds)):
                 out += self.layer_vector(self.layer_seed(client_id, k), k, dim)
             return out
-        first = self.n0 if self.mode == "baek-extended" else self.n
-        # N(0, n w_i sigma^2) with sigma = 2Cz/n, i.e. std T sqrt(w_i / n)
-        return _normal(self.randomness.generator("noise", self.round, client_id), self.T * np.sqrt(weight / first), dim)
+        return _normal(self.randomness.generator("noise", self.round, client_id), self.share_std(weight), dim)
+
+    def share_std(self, weight: float) -> float:
+        """The std of one coordinate of e_i for a client of ``weight``: N(0, n w_i sigma^2) with
+        sigma = 2Cz/n, i.e. T sqrt(w_i / n) (n_0 for baek-extended); the layered sum's, every layer's."""
+        if self.mode == "layered":
+            return self.T * math.sqrt(sum(self.variances))
+        return self.T * math.sqrt(weight / (self.n0 if self.mode == "baek-extended" else self.n))
 
     def calibration_term(self, client_id: int, weight: float, dim: int, n_prime: float) -> np.ndarray:
         """-e_i + N(0, n' w_i sigma'^2 I), sigma' = 2Cz/n' (Alg. 2 line 22). The client redraws e_i
@@ -427,11 +432,7 @@ class Baek(Algorithm):
         from ..secagg.encoding import max_abs_value
 
         w_max = float(self.weights[sampled].max())
-        if self.mode == "layered":
-            std = noise.T * math.sqrt(sum(noise.variances))
-        else:
-            std = noise.T * math.sqrt(w_max / (noise.n0 if self.mode == "baek-extended" else noise.n))
-        need = self.clip_norm * w_max + ENCODING_TAIL * std
+        need = self.clip_norm * w_max + ENCODING_TAIL * noise.share_std(w_max)
         limit = max_abs_value(self.bits, self.fixed_point_scale, len(sampled))
         if need <= limit:
             return None

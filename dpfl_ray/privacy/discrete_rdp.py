@@ -305,7 +305,7 @@ def plan_ring(mechanism: str, bits: int, shares: int, dim: int, clip_norm: float
     bound, 2 B(clip_norm), more than B(2 clip_norm) by the rounding's sqrt(dim) term; the larger of
     that and B(sensitivity) is booked. The discrete Gaussian's share variance is rounded up to an
     integer, so its sum carries at least the asked noise. Either share's variance stays within
-    MAX_SHARE_VARIANCE, where its sampler is exact: a ring wider than that needs keeps the coarser
+    MAX_SHARE_VARIANCE, where its sampler keeps its law: a ring wider than that needs keeps the coarser
     scale. A ring too small for any scale is a one-line error naming bits."""
     from ..secagg.ring import padded_dim, wrap_probability
 
