@@ -7,6 +7,7 @@ number; a key given twice, an empty file and an empty ``--set`` path segment are
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 import reprlib
@@ -69,8 +70,13 @@ class DataConfig(_Section):
     repeat: bool = Field(False, description="allow reusing examples to reach examples_per_client")
     n_max: float | None = Field(None, gt=0, description="weight cap: w_i = min(n_i / n_max, 1)")
     partition: PartitionConfig = PartitionConfig()
-    validation_fraction: float = Field(0.0, ge=0, lt=0.5, description="hold this fraction of the training "
-                                       "examples out of every client as the server's validation split")
+    validation_fraction: float = Field(0.0, ge=0, lt=0.5, description="hold this fraction of validation_from's "
+                                       "split out as the server's validation split")
+    validation_from: Literal["train", "test"] = Field(
+        "train", description="train: the validation split is held out of the training examples before they are "
+                             "dealt to the clients; test: out of the test split, so every training example stays "
+                             "with a client (a paper that deals the whole training set) and test accuracy is "
+                             "measured on the rest of the test split")
     normalize: list[float] | None = Field(
         None, min_length=2, max_length=2,
         description="[mean, std]: every input value becomes (x - mean) / std, training and test alike; "
@@ -714,7 +720,9 @@ def _parse_value(text: str) -> Any:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides to a raw scenario mapping (types are checked afterwards)."""
+    """A copy of a raw scenario mapping with ``a.b.c=value`` overrides applied (types are checked
+    afterwards); the caller's mapping is left as it was."""
+    raw = copy.deepcopy(raw) if overrides else raw
     for item in overrides:
         if "=" not in item:
             raise DPFLError(f"override {item!r} must look like key.path=value", field="--set")

@@ -83,10 +83,11 @@ def put_federation(fed: Federation, canaries: int = 0) -> dict:
     """The federation in the object store; ``canaries`` audit clients join it with weight 1."""
     ds = fed.dataset
     weights = np.concatenate([fed.weights, np.ones(canaries)]) if canaries else fed.weights
+    x_val, y_val = fed.validation_split()
     return {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train), "x_test": ray.put(ds.x_test),
             "y_test": ray.put(ds.y_test), "indices": ray.put(fed.indices), "offsets": ray.put(fed.offsets),
-            "weights": ray.put(weights), "x_val": ray.put(ds.x_train[fed.validation]),
-            "y_val": ray.put(ds.y_train[fed.validation]), "num_validation": int(len(fed.validation)),
+            "weights": ray.put(weights), "x_val": ray.put(x_val), "y_val": ray.put(y_val),
+            "num_validation": int(len(y_val)),
             "input_shape": list(ds.input_shape), "num_classes": ds.num_classes}
 
 

@@ -119,6 +119,28 @@ def test_the_validation_split_is_evaluated_every_round_only_for_an_algorithm_tha
         assert all(r["validation_loss"] > 0 for r in rows if "validation_loss" in r)
 
 
+def test_a_validation_split_from_the_test_split_is_what_eq9_reads(ray_session, tmp_path):
+    """data.validation_from: test: every training example is a client's, eq. 9 reads the loss on the
+    held-out part of the test split, and test accuracy is the final model's on the rest."""
+    from dpfl_ray.training.models import build_model, evaluate
+
+    sc = _fu(budget=50.0, beta=0.9, partition={"kind": "iid"})
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"rounds": 2}),
+                               "data": sc.data.model_copy(update={"validation_from": "test",
+                                                                  "validation_fraction": 0.3}),
+                               "output": sc.output.model_copy(update={"eval_every": 1})})
+    fed, summary, rows, _ = _run(sc, tmp_path / "valtest")
+    assert int(fed.sizes.sum()) == len(fed.dataset.y_train) and len(fed.validation) == 0
+    x_val, y_val = fed.validation_split()
+    assert len(y_val) and len(fed.dataset.y_test)
+    model = build_model(sc.model, fed.dataset.input_shape, fed.dataset.num_classes, sc.seed)
+    model.load_state_dict(torch.load(tmp_path / "valtest" / "model.pt"))
+    assert rows[-1]["validation_loss"] == pytest.approx(evaluate(model, x_val, y_val)[1], rel=1e-5)
+    acc, loss = evaluate(model, fed.dataset.x_test, fed.dataset.y_test)
+    assert (rows[-1]["test_accuracy"], rows[-1]["test_loss"]) == pytest.approx((acc, loss), rel=1e-5)
+    assert summary["final_accuracy"] == pytest.approx(acc)
+
+
 def test_a_checkpoint_read_while_rounds_run_is_the_state_of_one_committed_round(ray_session):
     """The driver reads checkpoints while the coordinator's next round runs. Fu's noise decay makes
     every round's event new, so a ledger copied from the live algorithm mid-round would hold the next

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dpfl_ray.errors import DPFLError
@@ -248,3 +249,41 @@ def test_data_that_would_leave_a_split_empty_is_one_line(data, needle):
     with pytest.raises(DPFLError) as err:
         build_federation(sc)
     assert str(err.value).startswith(needle), str(err.value)
+
+
+def test_a_validation_split_from_the_test_split_leaves_every_training_example_dealt():
+    """``validation_from: test`` (a paper that deals the whole training set, Fu et al.'s 400 fragments):
+    the clients hold every training example, the validation split is a stratified part of the test
+    split, and test accuracy is measured on the disjoint rest; ``train`` holds it out of the clients."""
+    from dpfl_ray.data import build_federation
+    from dpfl_ray.data.sources import load_source
+
+    raw = {"seed": 5, "data": {"source": "digits", "num_clients": 10, "validation_fraction": 0.3,
+                               "partition": {"kind": "shards", "shards_per_client": 4}},
+           "sampling": {"mode": "fixed", "clients_per_round": 10}}
+    full = load_source(scenario_from_dict(raw).data, 5)
+    fed = build_federation(scenario_from_dict(raw, ["data.validation_from=test"]))
+    dealt = build_federation(scenario_from_dict(raw, ["data.validation_fraction=0"]))  # no split held out
+    assert np.array_equal(fed.indices, dealt.indices) and np.array_equal(fed.offsets, dealt.offsets)
+    x_val, y_val = fed.validation_split()
+    rows = {r.tobytes(): i for i, r in enumerate(full.x_test)}  # digits' test images are distinct
+    assert len(rows) == len(full.x_test)
+    held = sorted(rows[r.tobytes()] for r in x_val)
+    kept = sorted(rows[r.tobytes()] for r in fed.dataset.x_test)
+    assert not set(held) & set(kept) and len(held) + len(kept) == len(full.y_test)
+    assert np.array_equal(y_val, full.y_test[held]) and np.array_equal(fed.dataset.y_test, full.y_test[kept])
+    for label in np.unique(full.y_test):  # 30% of each class, rounded
+        assert (y_val == label).sum() == round(0.3 * (full.y_test == label).sum())
+    assert np.array_equal(fed.dataset.x_train, full.x_train)
+
+    train = build_federation(scenario_from_dict(raw))  # the default: out of the training examples
+    assert len(train.validation) and int(train.sizes.sum()) < int(dealt.sizes.sum())
+    assert not set(train.validation) & set(train.indices) and len(train.dataset.y_test) == len(full.y_test)
+    x_tv, y_tv = train.validation_split()
+    assert np.array_equal(x_tv, full.x_train[train.validation]) and np.array_equal(y_tv, full.y_train[train.validation])
+
+    with pytest.raises(DPFLError, match=r"^data\.validation_fraction: 0\.001 of \d+ test examples in 10 classes "
+                                        "holds none out"):
+        build_federation(scenario_from_dict(raw, ["data.validation_from=test", "data.validation_fraction=0.001"]))
+    with pytest.raises(DPFLError, match=r"data\.validation_from"):
+        scenario_from_dict(raw, ["data.validation_from=val"])
