@@ -545,7 +545,7 @@ class Coordinator:
         return plan
 
     def _before_calibration(self, senders: list[int]) -> str | None:
-        """Why the calibration terms of ``senders`` must not be summed (a rerun round whose
+        """Why the calibration terms of ``senders`` must not be asked for (a rerun round whose
         calibrating clients differ from its release before), else None; listed before they are. A
         stop asked for by now does not end the round: its uncalibrated sum is unmasked already."""
         if not self.privacy:

@@ -66,9 +66,11 @@ class SecAggRound:
     rejected: dict[int, str] = field(default_factory=dict)
 
 
-# the fault plan's name of each call's phase; a calibration term travels with the unmask reply
+# the fault plan's name of each call's phase: a calibration sender is lost when the server asks who calibrates
 _FAULT_PHASES = {"advertise": ("training", "advertise"), "share": ("share",), "masked_input": ("upload",),
-                 "unmask": ("unmask", "calibration")}
+                 "unmask": ("unmask",), "calibrating": ("calibration",), "calibration": ()}
+# the phase a client lost in each call is recorded under (dpfl_ray.faults.plan's vocabulary)
+_LOST_IN = {"masked_input": "upload", "calibrating": "calibration"}
 
 
 class _Phases:
@@ -91,7 +93,7 @@ class _Phases:
         struck = {}  # worker -> 'cause@phase': a planned strike is recorded in the phase it was planned for
         for fault_phase in _FAULT_PHASES[phase]:
             struck.update({w: f"{cause}@{fault_phase}" for w, cause in self.strike(fault_phase).items()})
-        where = "upload" if phase == "masked_input" else phase
+        where = _LOST_IN.get(phase, phase)
         refs = {make_call(w, ids): w for w, ids in self.live.items()}
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout) if refs else ([], [])
         if self.unplanned is not None:
@@ -156,7 +158,8 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     that trained; ``absent`` more were sampled). ``after_upload(survivors)`` sees who uploaded
     before unmasking and returns what the unmask request carries, or an Abort. ``chaos``: each
     worker's WorkerChaos; ``strike(phase)``: carries out the planned crashes and node losses.
-    ``before_calibration(senders)``: why the calibration terms that came must not be summed, or None."""
+    ``before_calibration(senders)``: why the calibration terms of these senders must not be asked
+    for, or None; asked before any term leaves a client."""
     sc, sa = coord.sc, coord.sc.secagg
     index = {cid: i for i, cid in enumerate(active)}
     n = len(active)
@@ -214,8 +217,7 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
             return stopped("round_aborted", reason)
         if plan.layers_from is not None:
             request = server.request_layers(request, plan.layers_from)
-        replies = timed("unmask", lambda: phases.call("unmask", lambda w, ids: w.secagg_unmask.remote(
-            request, plan.calibration_n_prime)))
+        replies = timed("unmask", lambda: phases.call("unmask", lambda w, ids: w.secagg_unmask.remote(request)))
         total = timed("reconstruct", lambda: server.receive_unmask(_messages(replies),
                                                                    pool_expander(list(phases.live), phases.timeout)))
     except SecAggAbort as err:
@@ -227,10 +229,23 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
     dim = int(coord.theta.size)
     calibration, first = None, _decoded(total, sa, ring, dim)
     if plan.calibration_n_prime is not None:
-        terms = {c: v for r in replies for c, v in r.calibration.items()}
-        refused = before_calibration(sorted(terms)) if before_calibration else None
-        if refused is not None:  # A is unmasked, as in the release before; the terms are not summed
+        # who calibrates, then the check and listing of exactly them, then their terms: a term the
+        # server must not sum never reaches it (a rerun round with other senders than its release before)
+        ready = timed("calibrating", lambda: phases.call("calibrating", lambda w, ids: w.secagg_calibrating.remote(
+            request["survivors"])))
+        senders = sorted(c for r in ready for c in r.calibration)
+        refused = before_calibration(senders) if before_calibration else None
+        if refused is not None:  # A is unmasked, as in the release before; no term was asked for
             return stopped("round_aborted", refused)
+        n_prime = plan.calibration_n_prime
+        sent_terms = timed("calibration", lambda: phases.call("calibration", lambda w, ids: w.secagg_calibration.remote(
+            [index[c] for c in senders if c in ids], n_prime))) if senders else []
+        terms = {c: v for r in sent_terms for c, v in r.calibration.items()}
+        for r in sent_terms:
+            for u, b in r.bytes_sent.items():
+                client_bytes[u] = client_bytes.get(u, 0) + b
+        if len(terms) < len(senders):  # a worker lost after the listing: the server holds the others' terms
+            record["secagg_calibration_terms_lost"] = len(senders) - len(terms)
         if ring is None:  # client-id order: the same float sum for any pool
             calibration = CalibrationSum(sum(terms[c] for c in sorted(terms)) if terms else None, tuple(sorted(terms)))
         else:

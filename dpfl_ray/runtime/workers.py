@@ -350,20 +350,28 @@ class ClientWorker:
             return PhaseReply([])
         return PhaseReply([presum_masked(msgs, next(iter(self._sa["clients"].values())).config.bits)])
 
-    def secagg_unmask(self, request: dict, calibration_n_prime: float | None = None) -> PhaseReply:
-        """Unmask shares; with ``calibration_n_prime`` also each survivor's calibration term
-        (Baek et al. Alg. 2 line 22 / Alg. 3 line 34), per client so the server sums in id order."""
-        survivors = set(request["survivors"])
-        msgs = self._phase("unmask", lambda c: c.unmask(request), only=survivors)
-        terms, sent = {}, {c.id: c.bytes_sent for c in self._sa["clients"].values()}
-        if calibration_n_prime is not None:
-            noise = self._sa["spec"].noise
-            for idx in self._phase("calibration", lambda c: c.id, only=survivors):
-                cid, dim = self._sa["cids"][idx], int(self._sa["inputs"][idx].size)
-                terms[cid] = noise.calibration_term(cid, self._sa["weights"][idx], dim, calibration_n_prime)
-                if self._sa["spec"].ring is None:  # ring words go through their own secure sum, counted there
-                    sent[idx] += terms[cid].nbytes
-        return PhaseReply(msgs, calibration=terms, bytes_sent=sent)
+    def secagg_unmask(self, request: dict) -> PhaseReply:
+        """Unmask shares of this worker's clients among ``request["survivors"]``."""
+        msgs = self._phase("unmask", lambda c: c.unmask(request), only=set(request["survivors"]))
+        return PhaseReply(msgs, bytes_sent={c.id: c.bytes_sent for c in self._sa["clients"].values()})
+
+    def secagg_calibrating(self, survivors: list[int]) -> PhaseReply:
+        """Which of this worker's ``survivors`` (protocol indices) take part in the calibration (Baek
+        et al. Alg. 2 line 22 / Alg. 3 line 34): their client ids, each with no term yet, so that the
+        server checks and lists the senders before any term reaches it (``secagg_calibration``)."""
+        ready = self._phase("calibration", lambda c: c.id, only=set(survivors))
+        return PhaseReply(calibration={self._sa["cids"][idx]: None for idx in ready})
+
+    def secagg_calibration(self, senders: list[int], calibration_n_prime: float) -> PhaseReply:
+        """The calibration terms of ``senders`` (protocol indices the server listed), per client id so
+        the server sums in id order."""
+        noise, terms, sent = self._sa["spec"].noise, {}, {}
+        for idx in senders:
+            cid, dim = self._sa["cids"][idx], int(self._sa["inputs"][idx].size)
+            terms[cid] = noise.calibration_term(cid, self._sa["weights"][idx], dim, calibration_n_prime)
+            if self._sa["spec"].ring is None:  # ring words go through their own secure sum, counted there
+                sent[idx] = terms[cid].nbytes
+        return PhaseReply(calibration=terms, bytes_sent=sent)
 
     def expand_masks(self, masks: list[tuple[bytes, int]], dim: int, dtype: str) -> np.ndarray:
         """The server's work, lent to this idle worker after the unmask phase: sum of

@@ -254,6 +254,54 @@ def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session
     assert _figures(_rows(tmp_path / "calibration")) == _figures(rows[:1])
 
 
+def _spy_on_phases(self):
+    """Run in a Coordinator (``__ray_call__``): the name of each SecAgg phase it calls, in ``phases_called``."""
+    from dpfl_ray.runtime import secagg_round
+
+    calls, call = [], secagg_round._Phases.call
+    self.phases_called = calls
+    secagg_round._Phases.call = lambda phases, phase, make_call: calls.append(phase) or call(phases, phase, make_call)
+
+
+def test_baek_calibration_terms_are_asked_for_only_once_their_senders_are_listed(ray_session):
+    """The server learns who calibrates (ids only), checks them against an earlier release of the
+    round and lists them; only once the driver has written that listing does it ask for the terms.
+    (A term that came first would be in the server's hands even where the check then refuses to sum
+    it: a rerun round with other senders.) Here the test is the driver and holds the listing back."""
+    sc = tiny_scenario(data={"num_clients": 40}, training={"algorithm": "baek", "rounds": 1},
+                       sampling={"mode": "fixed", "clients_per_round": 10},
+                       privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp",
+                                "calibration": "baek"},
+                       secagg={"enabled": True, "threshold": "majority"},
+                       faults={"dropout": [{"model": "tail", "rate": 0.3, "phase": "upload"},
+                                           {"model": "tail", "rate": 0.3, "phase": "calibration"}]})
+    coord = make_coordinator(sc, put_federation(build_federation(sc)))
+    try:
+        ray_session.get(coord.__ray_call__.remote(_spy_on_phases), timeout=60)
+        run = coord.run.remote()
+        end, written = time.monotonic() + 120, 0
+        while True:  # every listing acknowledged until the calibration senders' appears
+            events = ray_session.get(coord.events.remote(0, 0.2), timeout=60)
+            if [e for e in events if e["event"] == "release" and "calibration" in e]:
+                break
+            if len(events) > written:
+                written = len(events)
+                coord.written.remote(written)
+            assert time.monotonic() < end, "round 1 listed no calibration senders"
+        time.sleep(2.0)  # far longer than a phase takes here
+        called = ray_session.get(coord.__ray_call__.remote(lambda self: list(self.phases_called)), timeout=60)
+        assert called == ["advertise", "share", "masked_input", "unmask", "calibrating"], called
+        coord.written.remote(len(events))
+        assert ray_session.get(run, timeout=120)["stop_reason"] == "completed"
+        called = ray_session.get(coord.__ray_call__.remote(lambda self: list(self.phases_called)), timeout=60)
+        assert called[-2:] == ["calibrating", "calibration"]
+        (row,) = [e for e in ray_session.get(coord.events.remote(0), timeout=60) if e["event"] == "round"]
+        assert row["dropped_by_phase"].get("calibration") and row["epsilon"] > 0
+        assert {"calibrating", "calibration"} <= set(row["secagg_seconds"])
+    finally:
+        ray_session.kill(coord)
+
+
 def test_a_release_waits_until_the_driver_has_written_its_listing(ray_session, tmp_path):
     """A coordinator makes a release only once the driver has written what it lists of it (the
     driver says so by asking for the events after it, or by ``written``). Here the test is the
