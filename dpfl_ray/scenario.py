@@ -103,6 +103,13 @@ class DataConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _holds_out_something(self):
+        if self.validation_from == "test" and self.validation_fraction == 0:
+            raise ValueError("data.validation_from: test holds nothing out while data.validation_fraction is 0; set "
+                             "the fraction of the test split to hold out (e.g. 0.3) or remove validation_from")
+        return self
+
+    @model_validator(mode="after")
     def _bounded(self):
         values = self.synthetic_examples * self.synthetic_features
         if self.source == "synthetic" and values > MAX_SYNTHETIC_VALUES:

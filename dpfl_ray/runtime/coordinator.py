@@ -427,7 +427,8 @@ class Coordinator:
             res = secagg_round(self, t, theta_ref, active, len(sampled) - len(active), faults, spec,
                                lambda survivors: self._after_upload(survivors, secagg=True),
                                self._chaos(faults, assignment),
-                               lambda phase: self._strike(faults, phase), canaries, self._before_calibration)
+                               lambda phase: self._strike(faults, phase), canaries, self._before_calibration,
+                               self._calibration_lost)
             dropped.update(res.lost)
             rejected = res.rejected
             self._replace(res.dead)
@@ -560,6 +561,22 @@ class Coordinator:
                               "the ledger (the summary's released_before_resume)")
             return self._diverged
         return None
+
+    def _calibration_lost(self, missing: int) -> str | None:
+        """Why the calibration terms that came must not be summed when ``missing`` of the listed
+        senders' did not (their worker was lost after the listing), else None. The listing names
+        the senders a rerun is checked against: a sum over fewer would let a rerun with all of them
+        pass the check and hand the server the missing terms beside this release. So the round
+        stops the run as a rerun that differs does: its uncalibrated sum A and the others' terms
+        were seen, it is listed as possibly released (the summary's released_before_resume), and a
+        resume releases it again once from the listed senders."""
+        if not self.privacy:
+            return None
+        self._diverged = (f"round {self.reruns.round}: the worker of {missing} listed calibration sender(s) was lost "
+                          "before their terms came; the others' terms were not summed and the round is not in the "
+                          "ledger (the summary's released_before_resume); a resume releases it from the listed "
+                          "senders")
+        return self._diverged
 
     def _announce(self, *parts: str, may_halt: bool = True) -> bool:
         """List ``parts`` (``_list``) and wait until the driver has written them (``_await_listings``)."""

@@ -153,13 +153,15 @@ def _messages(replies: list[PhaseReply]):
 def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, faults, spec: ClientSpec,
                  after_upload: Callable[[list[int]], UnmaskPlan | Abort], chaos: dict | None = None,
                  strike=None, canaries=None,
-                 before_calibration: Callable[[list[int]], str | None] | None = None) -> SecAggRound:
+                 before_calibration: Callable[[list[int]], str | None] | None = None,
+                 calibration_lost: Callable[[int], str | None] | None = None) -> SecAggRound:
     """Securely sum w_i * spec.vector(Delta_i) (+ the client's noise) over ``active`` clients (those
     that trained; ``absent`` more were sampled). ``after_upload(survivors)`` sees who uploaded
     before unmasking and returns what the unmask request carries, or an Abort. ``chaos``: each
     worker's WorkerChaos; ``strike(phase)``: carries out the planned crashes and node losses.
     ``before_calibration(senders)``: why the calibration terms of these senders must not be asked
-    for, or None; asked before any term leaves a client."""
+    for, or None; asked before any term leaves a client. ``calibration_lost(k)``: why the terms
+    that came must not be summed when k listed senders' terms did not (a worker lost in between)."""
     sc, sa = coord.sc, coord.sc.secagg
     index = {cid: i for i, cid in enumerate(active)}
     n = len(active)
@@ -246,12 +248,20 @@ def secagg_round(coord, t: int, theta_ref, active: list[int], absent: int, fault
                 client_bytes[u] = client_bytes.get(u, 0) + b
         if len(terms) < len(senders):  # a worker lost after the listing: the server holds the others' terms
             record["secagg_calibration_terms_lost"] = len(senders) - len(terms)
+            refused = calibration_lost(len(senders) - len(terms)) if calibration_lost else None
+            if refused is not None:  # a sum over other senders than listed: a rerun could not be checked
+                return stopped("round_aborted", refused)
         if ring is None:  # client-id order: the same float sum for any pool
             calibration = CalibrationSum(sum(terms[c] for c in sorted(terms)) if terms else None, tuple(sorted(terms)))
         else:
             calibration, sent = _secure_calibration(terms, total, first, sa, ring, t, sc.seed, dim, record)
             for c, b in sent.items():
                 client_bytes[index[c]] = client_bytes.get(index[c], 0) + b
+    else:  # no calibration phase this round: a crash or node loss planned for it comes now, after the unmask
+        for w in phases.strike("calibration"):
+            if w in phases.live:
+                phases.live.pop(w)
+                phases.dead.append(w)
     record.update(
         secagg_seconds=seconds,
         secagg_bytes_per_client=round(float(np.mean(list(client_bytes.values()))), 1) if client_bytes else 0.0,

@@ -74,6 +74,24 @@ def test_planned_crashes_under_secagg_are_recorded_in_their_planned_phase(ray_se
     assert rows[1]["dropped"] == {"crash": {"unmask": len(after)}} and rows[1]["survived"] == 10
 
 
+def test_a_crash_planned_at_calibration_comes_after_the_unmask(ray_session, tmp_path):
+    """Baek et al.: a worker crashed in the calibration phase has unmasked (its clients' updates
+    count) and sends no calibration term; the server sums the others'. With no calibration phase in
+    the round (calibration: none) the crash still comes after the unmask, and the round releases."""
+    base = {"training": {"algorithm": "baek", "rounds": 1}, "secagg": {"enabled": True},
+            "resources": {"workers": 2, "num_cpus_per_worker": 0.5},
+            "faults": {"dropout": [{"model": "tail", "rate": 0.3, "phase": "upload"}],
+                       "crash": {"at": [[1, "calibration", 1]]}}}
+    summary, (row,), _ = _run(tiny_scenario(**base, privacy={**PRIVACY, "calibration": "baek"}), tmp_path / "baek")
+    crashed = row["dropped_clients"]["crash"]
+    assert summary["stop_reason"] == "completed" and crashed and "secagg_aborted" not in row
+    assert row["dropped"]["crash"] == {"calibration": len(crashed)} and row["survived"] == 7
+    assert row["epsilon"] > 0
+    summary, (row,), _ = _run(tiny_scenario(**base, privacy={**PRIVACY, "calibration": "none"}), tmp_path / "none")
+    assert summary["stop_reason"] == "completed" and "crash" not in row["dropped"] and row["survived"] == 7
+    assert "secagg_aborted" not in row and row["epsilon"] > 0
+
+
 def test_a_node_loss_planned_on_one_node_is_reported_as_not_carried_out(ray_session, tmp_path, capsys):
     """The session Ray has one node, the coordinator's: a planned node loss has nothing to remove.
     The run goes on losing no client, and says so in the rows, the summary and its last lines."""

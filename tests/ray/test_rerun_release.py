@@ -233,16 +233,52 @@ def test_the_actors_of_a_run_its_coordinator_stopped_with_an_error_serve_the_nex
     assert (tmp_path / "after" / "ledger.json").read_bytes() == (tmp_path / "first" / "ledger.json").read_bytes()
 
 
+def _spy_on_phases(self):
+    """Run in a Coordinator (``__ray_call__``): the name of each SecAgg phase it calls, in ``phases_called``."""
+    from dpfl_ray.runtime import secagg_round
+
+    calls, call = [], secagg_round._Phases.call
+    self.phases_called = calls
+    secagg_round._Phases.call = lambda phases, phase, make_call: calls.append(phase) or call(phases, phase, make_call)
+
+
+def _kill_the_worker_before_the_terms(self):
+    """Run in a Coordinator (``__ray_call__``): its worker is killed (for real) just before the
+    calibration terms are asked for, after their senders were listed."""
+    import ray
+
+    from dpfl_ray.runtime import secagg_round
+
+    call = secagg_round._Phases.call
+
+    def killing(phases, phase, make_call):
+        if phase == "calibration":
+            for w in phases.live:
+                ray.kill(w, no_restart=True)
+                for _ in range(60):  # ray.kill returns before the actor is gone
+                    try:
+                        ray.get(w.__ray_ready__.remote(), timeout=1)
+                    except ray.exceptions.RayActorError:
+                        break
+                    time.sleep(0.5)
+        return call(phases, phase, make_call)
+    secagg_round._Phases.call = killing
+
+
+def _baek_with_calibration_dropouts(rounds: int):
+    # 40 clients, 10 sampled, 3 drop before uploading, 2 of the 7 survivors before calibrating
+    return tiny_scenario(data={"num_clients": 40}, training={"algorithm": "baek", "rounds": rounds},
+                         sampling={"mode": "fixed", "clients_per_round": 10},
+                         privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp",
+                                  "calibration": "baek"},
+                         secagg={"enabled": True, "threshold": "majority"},
+                         faults={"dropout": [{"model": "tail", "rate": 0.3, "phase": "upload"},
+                                             {"model": "tail", "rate": 0.3, "phase": "calibration"}]})
+
+
 def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session, tmp_path):
     def scenario():
-        # 40 clients, 10 sampled, 3 drop before uploading, 2 of the 7 survivors before calibrating
-        return tiny_scenario(data={"num_clients": 40}, training={"algorithm": "baek", "rounds": 2},
-                             sampling={"mode": "fixed", "clients_per_round": 10},
-                             privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp",
-                                      "calibration": "baek"},
-                             secagg={"enabled": True, "threshold": "majority"},
-                             faults={"dropout": [{"model": "tail", "rate": 0.3, "phase": "upload"},
-                                                 {"model": "tail", "rate": 0.3, "phase": "calibration"}]})
+        return _baek_with_calibration_dropouts(rounds=2)
 
     run_scenario(scenario(), build_federation(scenario()), RunRecord(tmp_path / "first"))
     rows, releases = _rows(tmp_path / "first"), read_releases(tmp_path / "first")
@@ -254,13 +290,30 @@ def test_baek_calibration_is_summed_again_only_from_the_same_clients(ray_session
     assert _figures(_rows(tmp_path / "calibration")) == _figures(rows[:1])
 
 
-def _spy_on_phases(self):
-    """Run in a Coordinator (``__ray_call__``): the name of each SecAgg phase it calls, in ``phases_called``."""
-    from dpfl_ray.runtime import secagg_round
-
-    calls, call = [], secagg_round._Phases.call
-    self.phases_called = calls
-    secagg_round._Phases.call = lambda phases, phase, make_call: calls.append(phase) or call(phases, phase, make_call)
+def test_baek_calibration_terms_lost_after_their_listing_are_not_summed(ray_session, tmp_path):
+    """A worker lost between the listing of the calibration senders and their terms: a sum over the
+    others would be a release of other senders than listed, which a rerun with all of them would
+    pass the check against. The round is not summed or booked, the run stops, and the round is
+    listed as possibly released: a resume releases it from the listed senders."""
+    sc = _baek_with_calibration_dropouts(rounds=1)
+    coord = make_coordinator(sc, put_federation(build_federation(sc)))
+    try:
+        ray_session.get(coord.__ray_call__.remote(_kill_the_worker_before_the_terms), timeout=60)
+        run, read, end = coord.run.remote(), 0, time.monotonic() + 120
+        events = []
+        while not ray_session.wait([run], timeout=0)[0]:  # the driver: every listing acknowledged as read
+            events += ray_session.get(coord.events.remote(read, 0.2), timeout=60)
+            read = len(events)
+            assert time.monotonic() < end, "the round did not end"
+        result = ray_session.get(run, timeout=60)
+        assert result["stop_reason"] == "error" and result["error"].startswith(
+            "round 1: the worker of 5 listed calibration sender(s) was lost before their terms came"), result
+        events += ray_session.get(coord.events.remote(read), timeout=60)
+        assert not [e for e in events if e["event"] == "round"]
+        (listing,) = [e for e in events if e["event"] == "release" and "calibration" in e]
+        assert listing["round"] == 1 and not [e for e in events if e["event"] == "release" and "released" in e]
+    finally:
+        ray_session.kill(coord)
 
 
 def test_baek_calibration_terms_are_asked_for_only_once_their_senders_are_listed(ray_session):
@@ -268,13 +321,7 @@ def test_baek_calibration_terms_are_asked_for_only_once_their_senders_are_listed
     round and lists them; only once the driver has written that listing does it ask for the terms.
     (A term that came first would be in the server's hands even where the check then refuses to sum
     it: a rerun round with other senders.) Here the test is the driver and holds the listing back."""
-    sc = tiny_scenario(data={"num_clients": 40}, training={"algorithm": "baek", "rounds": 1},
-                       sampling={"mode": "fixed", "clients_per_round": 10},
-                       privacy={"noise_multiplier": 1.0, "clipping": {"norm": 0.5}, "accountant": "rdp",
-                                "calibration": "baek"},
-                       secagg={"enabled": True, "threshold": "majority"},
-                       faults={"dropout": [{"model": "tail", "rate": 0.3, "phase": "upload"},
-                                           {"model": "tail", "rate": 0.3, "phase": "calibration"}]})
+    sc = _baek_with_calibration_dropouts(rounds=1)
     coord = make_coordinator(sc, put_federation(build_federation(sc)))
     try:
         ray_session.get(coord.__ray_call__.remote(_spy_on_phases), timeout=60)

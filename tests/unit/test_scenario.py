@@ -287,3 +287,6 @@ def test_a_validation_split_from_the_test_split_leaves_every_training_example_de
         build_federation(scenario_from_dict(raw, ["data.validation_from=test", "data.validation_fraction=0.001"]))
     with pytest.raises(DPFLError, match=r"data\.validation_from"):
         scenario_from_dict(raw, ["data.validation_from=val"])
+    with pytest.raises(DPFLError, match=r"data\.validation_from: test holds nothing out while "
+                                        r"data\.validation_fraction is 0"):
+        scenario_from_dict(raw, ["data.validation_from=test", "data.validation_fraction=0"])
