@@ -333,7 +333,29 @@ def run_metrics(summary: dict, rounds: list[dict]) -> dict:
     if isinstance(audit, dict):
         values["epsilon_empirical"] = audit.get("epsilon")
         values["epsilon_empirical_low"], values["epsilon_empirical_high"] = audit.get("low"), audit.get("high")
+    within = within_budget(values, rounds)
+    if within is not None:
+        values["accuracy_within_budget"], values["round_within_budget"] = within
     return values
+
+
+def within_budget(summary: dict, rounds: list[dict]) -> tuple[float, int] | None:
+    """For a run with a per-client budget (``epsilon_budget``: Fu et al.): the test accuracy of its
+    last evaluation whose accounted epsilon is within the budget, and that round. A run stopped on
+    the paper's claim (``stop_on: claimed``) goes on past the budget by its ledger; the same run
+    stopped on the accounted epsilon has the same rows up to its stop, so this is what it reaches
+    (to the evaluation before its last round). None for a run without a budget or an evaluation."""
+    budget = summary.get("epsilon_budget")
+    if not isinstance(budget, (int, float)):
+        return None
+    last = None
+    for r in rounds:
+        eps = r.get("epsilon")
+        if isinstance(eps, (int, float)) and eps > budget:
+            break
+        if isinstance(r.get("test_accuracy"), (int, float)):
+            last = r
+    return None if last is None else (float(last["test_accuracy"]), int(last["round"]))
 
 
 class MetricMissing(Exception):

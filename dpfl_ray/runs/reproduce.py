@@ -29,6 +29,8 @@ MANIFEST = "reproduction.json"
 EPSILONS = (("epsilon_accounted", "epsilon"), ("epsilon_claimed", "epsilon_claimed"),
             ("epsilon_empirical", "epsilon_empirical"))
 """(column, metric): the privacy every row shows, beside the paper's metrics."""
+WITHIN_BUDGET = ("accuracy_within_budget", "accuracy_within_budget")
+"""(column, metric): shown where a run has a per-client budget (papers.within_budget)."""
 OWN_FILES = ("reproduction.csv", "reproduction.md", "reproduction.png", "tune", ".running", ".incomplete",
              ".incoming", ".stop")
 """What a reproduction writes in its directory beside the manifest and the run directories."""
@@ -211,11 +213,13 @@ def collect(out: Path, spec: PaperSpec, quick: bool, statuses: dict[str, str] | 
             here, paper = _number(values, m), r.paper.get(m)
             row.update({m: here, f"paper_{m}": paper,
                         f"diff_{m}": None if here is None or paper is None else round(here - paper, 12)})
-        for column, m in epsilons:
+        for column, m in epsilons + [WITHIN_BUDGET]:
             row[column] = _number(values, m)
         row["status"] = status or "not run"
         rows.append(row)
         results[name] = values
+    if WITHIN_BUDGET[1] not in metrics and any(row[WITHIN_BUDGET[0]] is not None for row in rows):
+        epsilons = epsilons + [WITHIN_BUDGET]
     return Reproduction(rows, evaluate_claims(spec, results), metrics, epsilons, quick)
 
 
@@ -263,7 +267,7 @@ def fmt(value, column: str = "") -> str:
 def headers(rep: Reproduction) -> list[str]:
     """Readable column titles, in :meth:`Reproduction.columns` order."""
     names = {"run": "run", "scenario": "scenario", "epsilon_accounted": "ε accounted", "epsilon_claimed": "ε claimed",
-             "epsilon_empirical": "ε empirical", "rounds": "rounds", "stop_reason": "stop", "wall_seconds": "wall s",
+             "epsilon_empirical": "ε empirical", WITHIN_BUDGET[0]: "accuracy within ε budget", "rounds": "rounds", "stop_reason": "stop", "wall_seconds": "wall s",
              "status": "status"}
     out = []
     for c in rep.columns():
@@ -304,7 +308,10 @@ def render_markdown(spec: PaperSpec, rep: Reproduction, *, quick: bool, command:
     metrics = ", ".join(f"`{m}`" for m in rep.metrics)
     lines += ["", f"`paper`: the value the paper reports for {metrics}; `diff`: here minus paper. ε accounted: the "
               "run's ledger (`epsilon`); ε claimed: the paper's own accounting (`epsilon_claimed`); ε empirical: "
-              "a canary audit's lower estimate, where the run had one.", ""]
+              "a canary audit's lower estimate, where the run had one."
+              + (" Accuracy within ε budget: the test accuracy at the run's last evaluation whose accounted ε is "
+                 "within its per-client budget, what the same run stopped on the accounted ε reaches (its rows "
+                 "are the same up to there)." if WITHIN_BUDGET[0] in rep.columns() else ""), ""]
     sources = [(r.name, r.source) for r in spec.runs if r.source and any(row["run"] == r.name for row in rep.rows)]
     if sources:
         lines += ["Where the paper states its values:", ""]

@@ -216,6 +216,20 @@ def test_run_metrics_fill_in_from_the_rounds_and_the_audit():
         (1.2, 0.9, 1.5)
 
 
+def test_the_accuracy_within_the_budget_is_the_last_evaluation_the_ledger_allows():
+    """Fu et al. stopped on the paper's claim: the run goes on past its accounted budget, and the same
+    run stopped on the accounted epsilon would have ended at its last evaluation within it."""
+    rounds = [{"round": 1, "epsilon": 1.0, "test_accuracy": 0.5}, {"round": 2, "epsilon": 1.5},
+              {"round": 3, "epsilon": 1.99, "test_accuracy": 0.6}, {"round": 4, "epsilon": 2.01, "test_accuracy": 0.7},
+              {"round": 5, "epsilon": 2.3, "test_accuracy": 0.8}]
+    values = pp.run_metrics({"final_accuracy": 0.8, "epsilon_budget": 2.0, "stop_on": "claimed"}, rounds)
+    assert (values["accuracy_within_budget"], values["round_within_budget"]) == (0.6, 3)
+    honest = pp.run_metrics({"final_accuracy": 0.6, "epsilon_budget": 2.0}, rounds[:3])  # stopped on its ledger
+    assert (honest["accuracy_within_budget"], honest["round_within_budget"]) == (0.6, 3)
+    assert "accuracy_within_budget" not in pp.run_metrics({"final_accuracy": 0.8}, rounds)  # no budget
+    assert "accuracy_within_budget" not in pp.run_metrics({"epsilon_budget": 2.0}, [{"round": 1, "epsilon": 2.5}])
+
+
 # --- plan, manifest, rows, rendering ------------------------------------------------------------------
 
 def test_the_plan_orders_the_overrides_and_checks_only(folder):
@@ -279,6 +293,20 @@ def test_rows_markdown_and_csv_from_run_directories(folder, tmp_path):
                              "epsilon_accounted", "epsilon_claimed", "epsilon_empirical", "rounds", "stop_reason",
                              "wall_seconds", "status"]
     assert rows[0]["paper_final_accuracy"] == "0.8" and rows[1]["final_accuracy"] == ""
+
+
+def test_a_run_with_a_budget_shows_its_accuracy_within_it(folder, tmp_path):
+    spec = pp.load_paper(folder)
+    write_run(tmp_path / "a", {"final_accuracy": 0.8, "epsilon": 2.3, "epsilon_claimed": 2.0, "epsilon_budget": 2.0,
+                               "stop_on": "claimed", "rounds_completed": 5, "stop_reason": "privacy_budget_exhausted"},
+              [{"round": 3, "epsilon": 1.9, "test_accuracy": 0.7}, {"round": 5, "epsilon": 2.3, "test_accuracy": 0.8}])
+    write_run(tmp_path / "b", {"final_accuracy": 0.5, "epsilon": 1.0, "stop_reason": "completed"}, [])
+    rep = rp.collect(tmp_path, spec, quick=False)
+    assert rep.columns()[-5:] == ["accuracy_within_budget", "rounds", "stop_reason", "wall_seconds", "status"]
+    assert [r["accuracy_within_budget"] for r in rep.rows] == [0.7, None]
+    md = rp.render_markdown(spec, rep, quick=False, command="dpfl reproduce toy", elapsed_s=1.0)
+    assert "| ε empirical | accuracy within ε budget | rounds |" in md and "| 2.000 | - | 0.7000 | 5 |" in md
+    assert "Accuracy within ε budget: the test accuracy at the run's last evaluation whose accounted ε" in md
 
 
 def test_a_damaged_run_directory_is_a_row_that_says_so(folder, tmp_path):
